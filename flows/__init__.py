@@ -1,0 +1,1 @@
+"""rollflow flows and the command line."""

@@ -1,0 +1,1 @@
+"""The model: loading, chat codec, generation backends, GRPO loss."""

@@ -1,0 +1,1 @@
+"""The run folder: Parquet records, atomic writes, DuckDB views, MLflow."""

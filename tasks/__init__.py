@@ -1,0 +1,1 @@
+"""rollflow stages: rollout, scoring, flatten, train, metrics (one module each)."""
