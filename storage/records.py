@@ -1,0 +1,98 @@
+"""The records stages hand each other, one Parquet table each.
+
+Columns are the contract between stages: bump ``SCHEMA_VERSION`` whenever a column
+changes meaning or type, and readers refuse files of another version with a clear error.
+The Arrow schemas that match these dataclasses live in ``storage/schemas.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from envs.episode import EpisodeRollout
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class EpisodeRecord:
+    """One played episode and where it sits in the run (``episodes.parquet``)."""
+
+    run_id: str
+    step: int
+    split: str  # "train" | "validation"
+    task_id: str
+    group_id: str  # f"{split}/{step}/{task_index}": episodes of one task in one step
+    episode_id: str  # deterministic: f"{group_id}/{index_in_group}"
+    index_in_group: int
+    rollout: EpisodeRollout
+
+
+@dataclass(frozen=True)
+class ScoreRecord:
+    """The reward of one episode and its group-relative advantage (``scores.parquet``)."""
+
+    run_id: str
+    step: int
+    split: str
+    task_id: str
+    group_id: str
+    episode_id: str
+    reward: float  # what the environment's scorer (or terminal step) gave
+    threshold: float | None
+    components: Mapping[str, float]
+    overlong_penalty: float  # <= 0; only context_overflow and max_turns truncations
+    final_reward: float  # reward + overlong_penalty, or failed_parse_reward on parse failure
+    passed: bool  # final_reward >= threshold (threshold None: final_reward > 0)
+    group_mean: float
+    group_std: float
+    group_size: int  # episodes that counted towards the baseline
+    zero_variance: bool  # every counted episode of the group has the same final_reward
+    advantage: float
+    trained: bool  # False: errored, overlong-masked, or a skipped zero-variance group
+    scoring_error: str | None = None
+
+
+@dataclass(frozen=True)
+class SampleRecord:
+    """One training sequence cut from an episode (``samples.parquet``)."""
+
+    run_id: str
+    step: int
+    sample_id: str  # f"{episode_id}#{index}"
+    episode_id: str
+    group_id: str
+    input_ids: tuple[int, ...]  # (T,)
+    loss_mask: tuple[int, ...]  # (T,) 0 = context, never trained; 1 = sampled action token
+    advantages: tuple[float, ...]  # (T,) the episode's advantage on action tokens, 0 elsewhere
+    sampler_logprobs: tuple[float, ...]  # (T,) logprob at sampling time on action tokens, 0 elsewhere
+
+    def __post_init__(self) -> None:
+        n = len(self.input_ids)
+        assert len(self.loss_mask) == n and len(self.advantages) == n, (
+            f"sample {self.sample_id}: input_ids, loss_mask and advantages must align "
+            f"({n}, {len(self.loss_mask)}, {len(self.advantages)})"
+        )
+        assert len(self.sampler_logprobs) == n, (
+            f"sample {self.sample_id}: {n} tokens but {len(self.sampler_logprobs)} logprobs"
+        )
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What one GRPO update did (``train.json``)."""
+
+    run_id: str
+    step: int
+    policy_version: int  # the version this update produced
+    loss: float
+    kl: float | None
+    clip_fraction: float
+    grad_norm: float
+    num_samples: int
+    num_tokens: int
+    num_action_tokens: int
+    learning_rate: float
+    tokens_per_s: float
+    timings: Mapping[str, float] = field(default_factory=dict)  # seconds, by phase
