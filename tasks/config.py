@@ -1,0 +1,403 @@
+"""One TOML file -> typed, frozen, validated config objects (one per section).
+
+A run is configured by one TOML file with the sections ``[model]``, ``[env]``,
+``[rollout]``, ``[train]``, ``[validation]``, ``[storage]`` and ``[tracking]``; each
+becomes a frozen dataclass and ``RunConfig`` holds them all. Every section validates itself
+in ``__post_init__``, so an object built from Python is checked exactly like one parsed
+from TOML. Bad input raises ``ConfigError`` naming ``[section].key``, the allowed values or
+type, and the nearest known key when the name looks like a typo.
+
+The reference docs' field names keep their meaning (``batch_size``, ``episodes_per_task``
+alias ``group_size``, ``max_model_length`` alias ``max_context_tokens``, ...). The flat
+``GRPOConfig`` of the reference API lives in ``tasks/grpo_config.py``.
+
+Simplified on purpose: no environment-variable interpolation, no config inheritance or
+includes, and relative paths are taken relative to the working directory (as a shell
+user expects), not to the config file, so the frozen copy in the run folder means the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from tasks.config_toml import toml_document
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+Backend = Literal["transformers", "openai"]
+LossName = Literal["grpo", "dr_grpo", "dapo"]
+Compression = Literal["zstd", "snappy", "gzip", "lz4", "brotli", "none"]
+
+
+class ConfigError(ValueError):
+    """A config value or key is wrong; the message names ``[section].key``."""
+
+
+# ---------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None = None  # an HF folder or a .gguf file; None = the bundled SmolLM2
+    gguf_file: str | None = None  # the GGUF file name inside ``path`` (bundled: its Q4_1 file)
+    adapter: str | None = None  # a peft adapter folder to start from
+    dtype: Dtype = "float32"  # CPU training: half precision is slow and unstable there
+
+    def __post_init__(self) -> None:
+        _check_types(self, "model")
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    name: str = "envs.tool_use_game:load_environment"  # the bundled game
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_types(self, "env")
+        module, sep, function = self.name.partition(":")
+        if not (sep and module and function.isidentifier()):
+            raise ConfigError(
+                f"[env].name must be 'module:function' "
+                f"(e.g. 'envs.tool_use_game:load_environment'), got {self.name!r}"
+            )
+        object.__setattr__(self, "kwargs", dict(self.kwargs))
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    batch_size: int = 4  # tasks per step
+    # 1 never trains (no group to compare against): 4 gives a usable baseline on CPU.
+    episodes_per_task: int = 4
+    max_turns: int = 6  # assistant actions per episode (the reference example's value)
+    max_model_length: int = 2048  # context budget of a whole episode, in tokens
+    max_completion_tokens: int = 256  # per assistant action, not per episode
+    temperature: float = 1.0  # GRPO samples the policy as it is: the ratio assumes it
+    top_p: float = 1.0
+    max_sampling_attempts: int = 2  # a timed-out generation is retried once
+    generation_timeout_s: float = 600.0
+    concurrency: int = 8  # episodes played at once
+    backend: Backend = "transformers"
+    base_url: str | None = None  # the OpenAI-compatible server (backend "openai")
+    api_model: str | None = None  # the model name that server expects
+    groups_in_flight: int | None = None  # None resolves to batch_size (reference)
+    max_steps_off_policy: int | None = None  # None = lockstep (reference)
+
+    def __post_init__(self) -> None:
+        _check_types(self, "rollout")
+        for key in ("batch_size", "episodes_per_task", "max_turns", "max_model_length",
+                    "max_completion_tokens", "max_sampling_attempts", "concurrency"):
+            _at_least(self, "rollout", key, 1)
+        _at_least(self, "rollout", "groups_in_flight", 1)
+        _at_least(self, "rollout", "max_steps_off_policy", 0)
+        _in_range(self, "rollout", "temperature", 0.0, None, low_open=True)
+        _in_range(self, "rollout", "top_p", 0.0, 1.0, low_open=True)
+        _in_range(self, "rollout", "generation_timeout_s", 0.0, None, low_open=True)
+        if self.max_completion_tokens >= self.max_model_length:
+            raise ConfigError(
+                f"[rollout].max_completion_tokens ({self.max_completion_tokens}) must be "
+                f"below [rollout].max_model_length ({self.max_model_length}): the context "
+                "must also hold the prompt"
+            )
+        if self.backend == "openai" and not (self.base_url and self.api_model):
+            raise ConfigError(
+                "[rollout].backend = 'openai' needs [rollout].base_url and [rollout].api_model"
+            )
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    num_steps: int = 10  # a CPU run that finishes in minutes
+    learning_rate: float = 2e-5  # the reference example's value; constant, no schedule
+    use_lora: bool = True  # reference default; full weights double the CPU memory
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0  # dropout would make the importance ratio noisy at 1.0
+    lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    loss: LossName = "grpo"  # the paper's sequence-mean; "dapo" / "dr_grpo" reduce length bias
+    clip_eps_low: float = 0.2  # PPO's value
+    clip_eps_high: float = 0.28  # DAPO's clip-higher: keeps exploration alive
+    kl_coef: float = 0.0  # DAPO and Dr. GRPO drop the KL term; > 0 costs a reference pass
+    max_tokens_per_microbatch: int = 4096  # padded tokens per forward pass (memory bound)
+    max_grad_norm: float = 1.0
+    scale_advantages_by_std: bool = True  # GRPO as published; Dr. GRPO sets False
+    dynamic_sampling: bool = False  # True: zero-variance groups are not trained
+    failed_parse_reward: float = -0.1  # reference default
+    overlong_masking: bool = False  # reference default: truncated episodes still train
+    # The soft overlong penalty (tasks/scoring.py has the formula): DAPO's factor of 1.0;
+    # None = a ramp over the whole context budget (every budget truncation pays).
+    overlong_penalty_factor: float = 1.0
+    overlong_buffer_tokens: int | None = None
+    seed: int = 0
+    gradient_checkpointing: bool = False
+    keep_checkpoints: int = 2  # the newest N policy versions stay on disk (resume needs 1)
+
+    def __post_init__(self) -> None:
+        _check_types(self, "train")
+        for key in ("num_steps", "lora_rank", "max_tokens_per_microbatch",
+                    "keep_checkpoints", "overlong_buffer_tokens"):
+            _at_least(self, "train", key, 1)
+        _at_least(self, "train", "seed", 0)
+        _in_range(self, "train", "learning_rate", 0.0, None, low_open=True)
+        _in_range(self, "train", "lora_alpha", 0.0, None, low_open=True)
+        _in_range(self, "train", "lora_dropout", 0.0, 1.0)
+        _in_range(self, "train", "clip_eps_low", 0.0, 1.0)
+        _in_range(self, "train", "clip_eps_high", 0.0, None)
+        _in_range(self, "train", "kl_coef", 0.0, None)
+        _in_range(self, "train", "max_grad_norm", 0.0, None, low_open=True)
+        _in_range(self, "train", "overlong_penalty_factor", 0.0, None)
+        if not self.lora_target_modules:
+            raise ConfigError("[train].lora_target_modules must name at least one module")
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    validation_interval: int = 5  # steps between validations; 0 = never
+    val_max_turns: int | None = None  # None reuses [rollout].max_turns (reference)
+    sequential_validation: bool = False  # reference default
+    num_tasks: int | None = None  # None = every validation task
+
+    def __post_init__(self) -> None:
+        _check_types(self, "validation")
+        _at_least(self, "validation", "validation_interval", 0)
+        _at_least(self, "validation", "val_max_turns", 1)
+        _at_least(self, "validation", "num_tasks", 1)
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    runs_dir: str = "runs"
+    compression: Compression = "zstd"  # smaller than snappy for little time (MACHINE_NOTES)
+
+    def __post_init__(self) -> None:
+        _check_types(self, "storage")
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    enabled: bool = True
+    tracking_uri: str | None = None  # None = the project-local store; or a server URL
+    experiment: str = "rollflow"
+
+    def __post_init__(self) -> None:
+        _check_types(self, "tracking")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    @property
+    def groups_in_flight(self) -> int:
+        return self.rollout.groups_in_flight or self.rollout.batch_size
+
+    @property
+    def val_max_turns(self) -> int:
+        return self.validation.val_max_turns or self.rollout.max_turns
+
+
+SECTIONS: dict[str, type] = dict(typing.get_type_hints(RunConfig))  # "train" -> TrainConfig
+
+# Reference names that mean the same field: alias -> (section, canonical key).
+ALIASES: dict[str, tuple[str, str]] = {
+    "group_size": ("rollout", "episodes_per_task"),
+    "max_context_tokens": ("rollout", "max_model_length"),
+}
+
+
+# ---------------------------------------------------------------- public API
+
+
+def load_config(path: str | Path) -> RunConfig:
+    """Read and validate a TOML config file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path} is not valid TOML: {error}") from None
+    return parse_config(document)
+
+
+def parse_config(document: Mapping[str, Any]) -> RunConfig:
+    """Validate a mapping shaped like the TOML file (``{"train": {...}, ...}``)."""
+    for section, table in document.items():
+        if section not in SECTIONS:
+            hint = _suggest(section, list(SECTIONS))
+            raise ConfigError(f"unknown section [{section}]{hint}; sections: {', '.join(SECTIONS)}")
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"[{section}] must be a table, got {type(table).__name__}")
+    built = {name: _parse_section(name, document.get(name, {})) for name in SECTIONS}
+    return RunConfig(**built)
+
+
+def config_to_toml(config: RunConfig) -> str:
+    """The config as TOML that ``parse_config`` reads back to an equal object."""
+    return toml_document({name: _section_dict(getattr(config, name)) for name in SECTIONS})
+
+
+def flatten_config(config: RunConfig) -> dict[str, str]:
+    """``{"train.learning_rate": "2e-05", ...}``: every value as text, for MLflow params."""
+    flat: dict[str, str] = {}
+    for name in SECTIONS:
+        for key, value in _section_dict(getattr(config, name)).items():
+            _flatten_into(flat, f"{name}.{key}", value)
+    return flat
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def _parse_section(section: str, table: Mapping[str, Any]) -> Any:
+    cls = SECTIONS[section]
+    known = [f.name for f in dataclasses.fields(cls)]
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        canonical = _canonical_key(section, key, known)
+        if canonical in values and values[canonical] != value:
+            raise ConfigError(
+                f"[{section}].{key} = {value!r} contradicts [{section}].{canonical} = "
+                f"{values[canonical]!r}: they are the same setting; keep one"
+            )
+        values[canonical] = value
+    return cls(**values)
+
+
+def _canonical_key(section: str, key: str, known: list[str]) -> str:
+    if key in known:
+        return key
+    alias = ALIASES.get(key)
+    if alias is not None and alias[0] == section:
+        return alias[1]
+    home = _home_section(key)
+    if home is not None:
+        raise ConfigError(f"[{section}].{key} belongs in [{home}], not [{section}]")
+    section_aliases = [a for a, (s, _) in ALIASES.items() if s == section]
+    hint = _suggest(key, known + section_aliases)
+    raise ConfigError(f"unknown key [{section}].{key}{hint}; known keys: {', '.join(known)}")
+
+
+def _home_section(key: str) -> str | None:
+    if key in ALIASES:
+        return ALIASES[key][0]
+    for name, cls in SECTIONS.items():
+        if key in {f.name for f in dataclasses.fields(cls)}:
+            return name
+    return None
+
+
+def _suggest(word: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _check_types(section_object: Any, section: str) -> None:
+    """Check (and normalise: int -> float, list -> tuple) every field of a section."""
+    hints = typing.get_type_hints(type(section_object))
+    for f in dataclasses.fields(section_object):
+        value = getattr(section_object, f.name)
+        normalised = _coerce(value, hints[f.name], f"[{section}].{f.name}")
+        if normalised is not value:
+            object.__setattr__(section_object, f.name, normalised)
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], where)
+    if origin is Literal:
+        if value not in args:
+            allowed = ", ".join(repr(a) for a in args)
+            raise ConfigError(f"{where} must be one of {allowed}; got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where} must be a list of strings; got {value!r}")
+        return tuple(value)
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where} must be a table; got {type(value).__name__}")
+        return value
+    return _coerce_scalar(value, hint, where)
+
+
+def _coerce_scalar(value: Any, hint: Any, where: str) -> Any:
+    if hint is bool:
+        ok = isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif hint is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        value = float(value) if ok and not isinstance(value, float) else value
+    elif hint is str:
+        ok = isinstance(value, str)
+    else:  # pragma: no cover - a field type this module does not know
+        raise TypeError(f"{where}: unsupported field type {hint!r}")
+    if not ok:
+        expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+        raise ConfigError(
+            f"{where} must be {expected[hint]}; got {type(value).__name__} {value!r}"
+        )
+    return value
+
+
+def _at_least(section_object: Any, section: str, key: str, minimum: int) -> None:
+    value = getattr(section_object, key)
+    if value is not None and value < minimum:
+        raise ConfigError(f"[{section}].{key} must be at least {minimum}; got {value!r}")
+
+
+def _in_range(
+    section_object: Any, section: str, key: str, low: float, high: float | None,
+    *, low_open: bool = False,
+) -> None:
+    value = getattr(section_object, key)
+    too_low = value <= low if low_open else value < low
+    if too_low or (high is not None and value > high):
+        bracket = "(" if low_open else "["
+        upper = f"{high}]" if high is not None else "inf)"
+        raise ConfigError(f"[{section}].{key} must be in {bracket}{low}, {upper}; got {value!r}")
+
+
+# ---------------------------------------------------------------- output
+
+
+def _section_dict(section_object: Any) -> dict[str, Any]:
+    """Field values in declaration order, None omitted (TOML has no null; None = default)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(section_object):
+        value = getattr(section_object, f.name)
+        if value is not None:
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def _flatten_into(flat: dict[str, str], prefix: str, value: Any) -> None:
+    if isinstance(value, Mapping):
+        for key, inner in value.items():
+            _flatten_into(flat, f"{prefix}.{key}", inner)
+    elif isinstance(value, list):
+        flat[prefix] = ",".join(str(v) for v in value)
+    else:
+        flat[prefix] = str(value).lower() if isinstance(value, bool) else str(value)
