@@ -1,0 +1,320 @@
+"""One run's folder: where each stage's output lives, what is finished, where to resume.
+
+```
+runs/<run_id>/config.toml                          frozen: written once
+runs/<run_id>/steps/step=000003/episodes.parquet   or episodes/part-00000.parquet ...
+runs/<run_id>/steps/step=000003/scores.parquet
+runs/<run_id>/steps/step=000003/samples.parquet
+runs/<run_id>/steps/step=000003/train.json         the step's TrainResult
+runs/<run_id>/checkpoints/step=000003/             renamed into place when complete
+runs/<run_id>/validation/step=000010/episodes.parquet, scores.parquet
+```
+
+The folder's name is the run id. A stage output that exists is complete: every file is
+written under a hidden temporary name and renamed (``storage/parquet.py``); a sharded
+output is complete once sealed with ``_complete.json``; a checkpoint folder is written
+under a temporary name and renamed whole by ``commit_checkpoint``. So resuming needs no
+journal: ``discard_temporaries`` removes what a crash left half-written, and
+``next_step`` / ``first_incomplete_stage`` say where to start again.
+
+Simplified: steps count from 0 and a training step is finished when its ``train.json``
+exists (the train stage commits its checkpoint first, then writes ``train.json``). One
+process writes a run at a time; nothing here locks the folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from storage.errors import (
+    ConfigMismatchError,
+    CorruptFileError,
+    SchemaMismatchError,
+    StageExistsError,
+    StorageError,
+)
+from storage.parquet import (
+    COMPLETE_MARKER,
+    fsync_dir,
+    is_temporary,
+    list_parts,
+    read_table,
+    seal_parts,
+    temporary_path,
+    write_bytes_atomic,
+    write_part,
+    write_table_atomic,
+)
+from storage.records import TrainResult
+from storage.schemas import KIND_KEY, RecordKind, train_result_from_json, train_result_to_json
+
+SPLIT_DIRS = {"train": "steps", "validation": "validation"}
+STAGES = {"train": ("episodes", "scores", "samples", "train"), "validation": ("episodes", "scores")}
+TRAIN_JSON = "train.json"
+_STEP_RE = re.compile(r"^step=(\d+)$")
+
+
+def step_dirname(step: int) -> str:
+    if step < 0:
+        raise ValueError(f"steps count from 0, got {step}")
+    return f"step={step:06d}"
+
+
+def parse_step_dirname(name: str) -> int | None:
+    match = _STEP_RE.match(name)
+    return None if match is None else int(match.group(1))
+
+
+def _fsync_tree(folder: Path) -> None:
+    for dirpath, _, filenames in os.walk(folder):
+        for name in filenames:
+            fd = os.open(Path(dirpath) / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+class RunFolder:
+    """The files of one run under ``root`` (``runs/<run_id>``)."""
+
+    def __init__(self, root: Path | str) -> None:
+        self.root = Path(root)
+
+    def __repr__(self) -> str:
+        return f"RunFolder({str(self.root)!r})"
+
+    @property
+    def run_id(self) -> str:
+        return self.root.resolve().name
+
+    @property
+    def config_path(self) -> Path:
+        return self.root / "config.toml"
+
+    def exists(self) -> bool:
+        return self.root.is_dir()
+
+    # ------------------------------------------------------------ config and JSON
+
+    def write_config(self, text: str) -> Path:
+        """Freeze the run's config: a second write must be byte-identical."""
+        if self.config_path.exists():
+            if self.config_path.read_text() != text:
+                raise ConfigMismatchError(
+                    f"{self.config_path}: the run's config is frozen and differs from the "
+                    "one given; start a new run folder to change it"
+                )
+            return self.config_path
+        return write_bytes_atomic(text.encode(), self.config_path)
+
+    def read_config(self) -> str:
+        if not self.config_path.exists():
+            raise StorageError(f"{self.config_path}: no config; is {self.root} a run folder?")
+        return self.config_path.read_text()
+
+    def write_json_atomic(self, path: Path | str, data: Any) -> Path:
+        """Write JSON atomically; a relative ``path`` is inside the run folder.
+
+        NaN and infinities are written as JSON's common extension (``NaN``), which Python
+        and DuckDB both read back: a diverged loss is data, not a crash.
+        """
+        target = self.root / path
+        return write_bytes_atomic(json.dumps(data, indent=2).encode(), target)
+
+    def read_json(self, path: Path | str) -> Any:
+        target = self.root / path
+        try:
+            return json.loads(target.read_text())
+        except FileNotFoundError:
+            raise StorageError(f"{target}: no such file") from None
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CorruptFileError(target, f"not JSON: {exc}") from exc
+
+    # ------------------------------------------------------------ stage paths
+
+    def split_dir(self, split: str) -> Path:
+        if split not in SPLIT_DIRS:
+            raise ValueError(f"split must be one of {sorted(SPLIT_DIRS)}, got {split!r}")
+        return self.root / SPLIT_DIRS[split]
+
+    def step_dir(self, step: int, split: str = "train") -> Path:
+        return self.split_dir(split) / step_dirname(step)
+
+    def _check_stage(self, stage: str, split: str) -> None:
+        allowed = STAGES[split] if split in STAGES else ()
+        if stage not in allowed:
+            self.split_dir(split)  # names a bad split first
+            raise ValueError(f"{split} stages are {list(allowed)}, got {stage!r}")
+
+    def stage_path(self, step: int, stage: str, split: str = "train") -> Path:
+        """The single-file output of a stage: ``episodes.parquet`` ... ``train.json``."""
+        self._check_stage(stage, split)
+        name = TRAIN_JSON if stage == "train" else f"{stage}.parquet"
+        return self.step_dir(step, split) / name
+
+    def parts_dir(self, step: int, stage: str, split: str = "train") -> Path:
+        """The folder of a sharded output (``episodes/part-00000.parquet`` ...)."""
+        self._check_stage(stage, split)
+        if stage == "train":
+            raise ValueError("the train stage writes train.json, never part files")
+        return self.step_dir(step, split) / stage
+
+    def stage_output(self, step: int, stage: str, split: str = "train") -> Path | None:
+        """The complete output of a stage (file or sealed parts folder), or None."""
+        single = self.stage_path(step, stage, split)
+        sealed = stage != "train" and (self.parts_dir(step, stage, split) / COMPLETE_MARKER).exists()
+        if single.exists() and sealed:
+            raise StorageError(f"{single.parent}: {stage} is both one file and sealed parts")
+        if single.exists():
+            return single
+        return self.parts_dir(step, stage, split) if sealed else None
+
+    def is_complete(self, step: int, stage: str, split: str = "train") -> bool:
+        return self.stage_output(step, stage, split) is not None
+
+    def part_paths(self, step: int, stage: str, split: str = "train") -> list[Path]:
+        """The complete parts written so far (a resumed rollout keeps them)."""
+        return list_parts(self.parts_dir(step, stage, split))
+
+    # ------------------------------------------------------------ stage writes and reads
+
+    def _refuse_if_complete(self, step: int, stage: str, split: str) -> None:
+        if self.is_complete(step, stage, split):
+            raise StageExistsError(
+                f"{self.step_dir(step, split)}: {stage} is already complete and is never rewritten"
+            )
+
+    def write_stage(self, table: pa.Table, step: int, stage: str, split: str = "train") -> Path:
+        self._refuse_if_complete(step, stage, split)
+        if stage == "train":
+            raise ValueError("write the train stage with write_train_result")
+        _check_kind(table, stage)
+        return write_table_atomic(table, self.stage_path(step, stage, split))
+
+    def write_stage_part(
+        self, table: pa.Table, step: int, stage: str, index: int, split: str = "train"
+    ) -> Path:
+        if self.stage_path(step, stage, split).exists():
+            raise StageExistsError(f"{self.stage_path(step, stage, split)} exists: no parts")
+        _check_kind(table, stage)
+        return write_part(table, self.parts_dir(step, stage, split), index)
+
+    def seal_stage(self, step: int, stage: str, split: str = "train") -> Path:
+        """Declare a sharded output complete; parts must be 0..n-1 with none missing."""
+        self._refuse_if_complete(step, stage, split)
+        folder = self.parts_dir(step, stage, split)
+        seal_parts(folder)
+        return folder
+
+    def read_stage(self, step: int, stage: str, split: str = "train") -> pa.Table:
+        output = self.stage_output(step, stage, split)
+        if output is None:
+            raise StorageError(f"{self.step_dir(step, split)}: {stage} is not complete")
+        return read_table(output, RecordKind(stage))
+
+    def write_train_result(self, result: TrainResult) -> Path:
+        self._refuse_if_complete(result.step, "train", "train")
+        return self.write_json_atomic(
+            self.stage_path(result.step, "train"), train_result_to_json(result)
+        )
+
+    def read_train_result(self, step: int) -> TrainResult:
+        path = self.stage_path(step, "train")
+        data = self.read_json(path)
+        try:
+            return train_result_from_json(data)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise SchemaMismatchError(path, str(exc)) from exc
+
+    # ------------------------------------------------------------ progress
+
+    def steps(self, split: str = "train") -> list[int]:
+        """Every step with a folder (any stage started), ascending."""
+        folder = self.split_dir(split)
+        if not folder.is_dir():
+            return []
+        found = (parse_step_dirname(p.name) for p in folder.iterdir() if p.is_dir())
+        return sorted(s for s in found if s is not None)
+
+    def completed_steps(self) -> list[int]:
+        """Training steps whose last stage (``train.json``) is written."""
+        return [s for s in self.steps("train") if self.is_complete(s, "train")]
+
+    def next_step(self) -> int:
+        done = self.completed_steps()
+        return done[-1] + 1 if done else 0
+
+    def first_incomplete_stage(self, step: int, split: str = "train") -> str | None:
+        return next((s for s in STAGES[split] if not self.is_complete(step, s, split)), None)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.root / "checkpoints" / step_dirname(step)
+
+    def new_checkpoint_tmp(self, step: int) -> Path:
+        """An empty hidden folder to save checkpoint ``step`` into before committing it."""
+        tmp = temporary_path(self.checkpoint_dir(step))
+        tmp.mkdir(parents=True)
+        return tmp
+
+    def commit_checkpoint(self, tmp_dir: Path, step: int) -> Path:
+        """fsync every file of ``tmp_dir`` and rename it to ``checkpoint_dir(step)``."""
+        final = self.checkpoint_dir(step)
+        if final.exists():
+            raise StageExistsError(f"{final}: checkpoint {step} is already committed")
+        if not Path(tmp_dir).is_dir():
+            raise StorageError(f"{tmp_dir}: not a folder; nothing to commit")
+        final.parent.mkdir(parents=True, exist_ok=True)
+        _fsync_tree(Path(tmp_dir))
+        os.rename(tmp_dir, final)
+        fsync_dir(final.parent)
+        return final
+
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        folder = self.root / "checkpoints"
+        if not folder.is_dir():
+            return []
+        found = ((parse_step_dirname(p.name), p) for p in folder.iterdir() if p.is_dir())
+        return sorted((s, p) for s, p in found if s is not None)
+
+    def latest_checkpoint(self) -> tuple[int, Path] | None:
+        found = self.checkpoints()
+        return found[-1] if found else None
+
+    # ------------------------------------------------------------ crash leftovers
+
+    def temporaries(self) -> list[Path]:
+        """What a crash left half-written: hidden ``.NAME.tmp-*`` files and folders."""
+        found: list[Path] = []
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            for name in [*dirnames, *filenames]:
+                if is_temporary(Path(name)):
+                    found.append(Path(dirpath) / name)
+            dirnames[:] = [d for d in dirnames if not is_temporary(Path(d))]
+        return sorted(found)
+
+    def discard_temporaries(self) -> list[Path]:
+        """Remove every half-written temporary (call on resume, never while writing)."""
+        found = self.temporaries()
+        for path in found:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+        return found
+
+
+def _check_kind(table: pa.Table, stage: str) -> None:
+    raw = (table.schema.metadata or {}).get(KIND_KEY, b"").decode()
+    if raw != stage:
+        raise ValueError(f"a {stage} stage output must be a {stage} table, got {raw or 'no'} records")

@@ -1,0 +1,111 @@
+"""Where each run under a ``runs/`` folder stands: finished, or stopped at which stage.
+
+Read from the files alone (the run folder is the only state), so a run that is still
+going and one that crashed look the same; the status says "in progress or failed" and
+when the run last wrote something. The planned step count is ``[train] num_steps`` of the
+run's frozen ``config.toml`` when it has one.
+
+Simplified: a run is complete when it has that many finished training steps; a
+validation pass that was still pending does not count against it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from storage.runfolder import SPLIT_DIRS, RunFolder
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    run_id: str
+    path: Path
+    num_steps: int | None  # planned, from config.toml; None when it does not say
+    finished_steps: int
+    last_finished_step: int | None
+    next_step: int
+    stopped_stage: str | None  # the first stage of next_step that is not complete
+    latest_checkpoint: int | None
+    temporaries: int  # half-written leftovers a resume would discard
+    updated: float  # newest modification time in the folder, seconds since the epoch
+    config_problem: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.num_steps is not None and self.finished_steps >= self.num_steps
+
+    def describe(self) -> str:
+        if self.complete:
+            return f"complete ({self.finished_steps} steps)"
+        planned = f" of {self.num_steps}" if self.num_steps is not None else ""
+        where = f"step {self.next_step}{planned}, stage {self.stopped_stage or 'episodes'}"
+        return f"in progress or failed at {where}"
+
+
+def _planned_steps(folder: RunFolder) -> tuple[int | None, str | None]:
+    if not folder.config_path.exists():
+        return None, "no config.toml"
+    try:
+        train = tomllib.loads(folder.config_path.read_text()).get("train", {})
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        return None, f"config.toml unreadable: {exc}"
+    value = train.get("num_steps") if isinstance(train, dict) else None
+    return (value, None) if isinstance(value, int) else (None, None)
+
+
+def _newest_mtime(root: Path) -> float:
+    newest = root.stat().st_mtime
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            try:
+                newest = max(newest, (Path(dirpath) / name).stat().st_mtime)
+            except FileNotFoundError:  # removed while we looked
+                continue
+    return newest
+
+
+def run_status(root: Path | str) -> RunStatus:
+    folder = RunFolder(root)
+    done = folder.completed_steps()
+    next_step = folder.next_step()
+    num_steps, problem = _planned_steps(folder)
+    checkpoint = folder.latest_checkpoint()
+    return RunStatus(
+        run_id=folder.run_id,
+        path=folder.root,
+        num_steps=num_steps,
+        finished_steps=len(done),
+        last_finished_step=done[-1] if done else None,
+        next_step=next_step,
+        stopped_stage=folder.first_incomplete_stage(next_step),
+        latest_checkpoint=checkpoint[0] if checkpoint else None,
+        temporaries=len(folder.temporaries()),
+        updated=_newest_mtime(folder.root),
+        config_problem=problem,
+    )
+
+
+def looks_like_run(path: Path) -> bool:
+    markers = ["config.toml", *SPLIT_DIRS.values(), "checkpoints"]
+    return path.is_dir() and any((path / m).exists() for m in markers)
+
+
+def list_runs(runs_dir: Path | str) -> list[RunStatus]:
+    """The status of every run folder directly under ``runs_dir``, by run id."""
+    runs_dir = Path(runs_dir)
+    if not runs_dir.is_dir():
+        return []
+    return [run_status(p) for p in sorted(runs_dir.iterdir()) if looks_like_run(p)]
+
+
+def age_text(updated: float, now: float | None = None) -> str:
+    """``updated`` as a short age: ``42s ago``, ``5m ago``, ``3h ago``, ``2d ago``."""
+    seconds = max(0.0, (time.time() if now is None else now) - updated)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit} ago"
+    return f"{int(seconds)}s ago"
