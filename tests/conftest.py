@@ -8,6 +8,13 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _SESSION_HOME = tempfile.mkdtemp(prefix="rollflow-tests-")
 os.environ.setdefault("PREFECT_HOME", os.path.join(_SESSION_HOME, "prefect"))
@@ -15,3 +22,24 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{_SESSION_HOME}/mlflow.db")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# ---------------------------------------------------------------- model fixtures
+# Imports are deferred so that test files which never touch a model do not pay for
+# importing transformers.
+
+
+@pytest.fixture(scope="session")
+def bundled_tokenizer() -> PreTrainedTokenizerBase:
+    """The real SmolLM2 tokenizer and chat template (converted from the GGUF once, cached)."""
+    from policy.models import ModelRef, load_tokenizer
+
+    return load_tokenizer(ModelRef())
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer, 64-wide random Llama with the real SmolLM2 tokenizer: an HF folder."""
+    from policy.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
