@@ -1,0 +1,65 @@
+"""Async-style environments (``Env``): the environment owns the transcript and the tools.
+
+``reset(task)`` returns the opening messages; each ``step(message)`` takes the parsed
+assistant message (``content`` plus any structured ``tool_calls``), runs what it asks and
+returns a ``StepResult`` holding the whole history so far. ``terminated`` means the task
+logic ended the episode; ``truncated`` means the environment cut it short (the runner
+records cause ``env``). The runner reads ``reward`` and ``metrics`` only from the step that
+ends the episode, and always calls ``close()`` when an episode ends, however it ends.
+
+One ``Env`` object plays one episode: the runner asks ``AsyncEnvSuite.env_factory`` for a
+fresh one per episode, so instance state is safe here (unlike the hook style).
+
+``AsyncEnvSuite`` is what an async-style ``load_environment(**kwargs)`` returns: the
+train and validation tasks and the factory, the same three things the reference's
+``train_multi_turn(config, tasks, env_factory, val_tasks)`` takes.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from envs.types import Message, StepResult, Task, ToolSpec
+
+
+class Env(abc.ABC):
+    @abc.abstractmethod
+    async def reset(self, task: Task) -> list[Message]:
+        """Start an episode of ``task``; return the opening messages."""
+
+    @abc.abstractmethod
+    async def step(self, message: Message) -> StepResult:
+        """Consume one assistant message; return the history and whether it ended."""
+
+    @property
+    @abc.abstractmethod
+    def tool_specs(self) -> list[ToolSpec]:
+        """The tools the policy may call, rendered into its prompt."""
+
+    @property
+    @abc.abstractmethod
+    def messages(self) -> list[Message]:
+        """The transcript so far."""
+
+    async def close(self) -> None:
+        """Release what ``reset`` started (a subprocess, a connection). Default: nothing."""
+        return None
+
+
+@dataclass(frozen=True)
+class AsyncEnvSuite:
+    tasks: Sequence[Task]
+    val_tasks: Sequence[Task]
+    env_factory: Callable[[Task], Env]
+
+    def __post_init__(self) -> None:
+        for name, tasks in (("tasks", self.tasks), ("val_tasks", self.val_tasks)):
+            for index, task in enumerate(tasks):
+                if not isinstance(task, Task):
+                    raise TypeError(f"{name}[{index}] is a {type(task).__name__}, not an envs.types.Task")
+        if not self.tasks:
+            raise ValueError("an AsyncEnvSuite needs at least one training task")
+        if not callable(self.env_factory):
+            raise TypeError(f"env_factory must be callable (task -> Env), got {self.env_factory!r:.100}")

@@ -1,0 +1,195 @@
+"""The episode loop and scoring for hook-style environments (``EnvironmentMultiTurn``).
+
+The loop is the reference's, turn for turn: the action is appended to the transcript (as
+``parse_action(text).to_message(text)``) before ``step_episode`` sees it;
+``final_response_text`` overrides the action as the scored text; each step's metadata is
+collected; the episode ends at ``done`` (terminated) or after the turn limit (truncated,
+``max_turns``). Two endings come before the environment is stepped: a malformed tool call
+(``parse_failure``, unless the environment sets ``checks_tool_protocol = False``) and a
+spent context budget (``context_overflow``).
+
+Scoring rebuilds each rollout as an ``EnvironmentEpisode`` (``metadata["steps"]`` holds the
+step metadata; one ``EnvironmentTurn`` per message) and makes one ``score_episodes`` call
+per group. When the environment keeps the default ``score_episodes``, each episode is
+scored on its own so one raising ``score_episode`` errors only its episode; an overridden
+``score_episodes`` that raises errors the whole group, since it answers for all of them.
+Errored episodes are not shown to the scorer at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from envs.agent import Policy
+from envs.episode import EpisodeRollout
+from envs.handle import (
+    UNSCORED_EPISODE,
+    Cleanup,
+    EpisodeLimits,
+    EpisodeScore,
+    EpisodeTrace,
+    Style,
+    TaskItem,
+    checked_score,
+    describe_error,
+    error_score,
+    next_action,
+    play_safely,
+    task_id_for,
+)
+from envs.hooks import (
+    EnvironmentMultiTurn,
+    call_hook,
+    check_split,
+    checked_messages,
+    example_prompt_text,
+    overrides,
+    score_each,
+)
+from envs.protocol import parse_action
+from envs.types import (
+    EnvironmentEpisode,
+    EnvironmentStepResult,
+    EnvironmentTurn,
+    RewardResult,
+    Split,
+    TaskExample,
+    TruncationCause,
+)
+
+
+class HookEnvironmentHandle:
+    style: Style = "hook"
+
+    def __init__(self, env: EnvironmentMultiTurn) -> None:
+        if not isinstance(env, EnvironmentMultiTurn):
+            raise TypeError(f"expected an EnvironmentMultiTurn, got {type(env).__name__}")
+        self.env = env
+
+    def tasks(self, split: Split) -> list[TaskItem]:
+        check_split(split)
+        return [TaskItem(task_id=task_id_for(example), payload=example) for example in self.env.examples(split)]
+
+    async def play(self, item: TaskItem, policy: Policy, limits: EpisodeLimits) -> EpisodeRollout:
+        trace = EpisodeTrace(policy)
+        return await play_safely(trace, lambda cleanup: self._run(item, policy, limits, trace, cleanup))
+
+    async def score(self, item: TaskItem, rollouts: Sequence[EpisodeRollout]) -> list[EpisodeScore]:
+        try:
+            return await self._score(_example(item), rollouts)
+        except Exception as exc:  # never raises: the whole group carries the error
+            return [error_score(describe_error(exc, "scoring")) for _ in rollouts]
+
+    async def _run(
+        self, item: TaskItem, policy: Policy, limits: EpisodeLimits, trace: EpisodeTrace, cleanup: Cleanup
+    ) -> EpisodeRollout:
+        example = _example(item)
+        trace.stage = "start_episode"
+        opening = await call_hook(self.env.start_episode, example, example_prompt_text(example))
+        trace.messages = checked_messages(opening, "start_episode")
+        trace.stage = "max_episode_turns"
+        max_turns = _turn_limit(await call_hook(self.env.max_episode_turns, example), limits)
+        trace.stage = "tool_specs"
+        tool_specs = list(self.env.tool_specs(example))
+        trace.stage = "Policy.open_session"
+        session = policy.open_session(tool_specs)
+        cleanup.add("PolicySession.close", session.close)
+        for _ in range(max_turns):
+            action = await next_action(session, trace)
+            if action is None:
+                return trace.finish(cause=TruncationCause.CONTEXT_OVERFLOW)
+            if not self.env.checks_tool_protocol:
+                trace.messages.append({"role": "assistant", "content": action.text})
+            else:
+                parsed = parse_action(action.text)
+                trace.messages.append(parsed.to_message(action.text))
+                if parsed.kind == "parse_failure":
+                    return trace.finish(cause=TruncationCause.PARSE_FAILURE)
+            trace.stage = "step_episode"
+            result = await call_hook(self.env.step_episode, example, list(trace.messages), action.text)
+            if not isinstance(result, EnvironmentStepResult):
+                raise TypeError(f"step_episode returned {type(result).__name__}, not an EnvironmentStepResult")
+            trace.step_metadata.append(dict(result.metadata))
+            if result.final_response_text is not None:
+                trace.response_text = result.final_response_text
+            trace.messages.extend(checked_messages(result.messages, "step_episode"))
+            if result.done:
+                return trace.finish(terminated=True)
+        return trace.finish(cause=TruncationCause.MAX_TURNS)
+
+    async def _score(self, example: TaskExample, rollouts: Sequence[EpisodeRollout]) -> list[EpisodeScore]:
+        scored_indices = [index for index, rollout in enumerate(rollouts) if rollout.error is None]
+        episodes = [to_environment_episode(rollouts[index]) for index in scored_indices]
+        outcomes: list[RewardResult | Exception]
+        scorer = "score_episodes" if overrides(self.env, "score_episodes") else "score_episode"
+        if not episodes:
+            outcomes = []
+        elif scorer == "score_episodes":
+            try:
+                results = await call_hook(self.env.score_episodes, example, episodes)
+                outcomes = _checked_group(results, len(episodes))
+            except Exception as exc:  # the group's scorer failed: every episode carries it
+                outcomes = [exc] * len(episodes)
+        else:
+            outcomes = await asyncio.to_thread(score_each, self.env, example, episodes)
+        scores = [error_score(UNSCORED_EPISODE) for _ in rollouts]
+        for index, outcome in zip(scored_indices, outcomes, strict=True):
+            scores[index] = _to_episode_score(outcome, scorer)
+        return scores
+
+
+def to_environment_episode(rollout: EpisodeRollout) -> EnvironmentEpisode:
+    """The reference's episode record, rebuilt from a played rollout for scoring."""
+    return EnvironmentEpisode(
+        messages=rollout.messages,
+        response_text=rollout.response_text,
+        turns=tuple(
+            EnvironmentTurn(role=m["role"], content=m["content"], name=m.get("name")) for m in rollout.messages
+        ),
+        metadata={
+            "steps": [dict(step) for step in rollout.step_metadata],
+            "terminated": rollout.terminated,
+            "truncation_cause": None if rollout.truncation_cause is None else str(rollout.truncation_cause),
+            "turns": rollout.turns,
+        },
+        latency_ms=round(rollout.latency_s * 1000),
+        total_tokens=rollout.total_tokens or None,
+    )
+
+
+def _example(item: TaskItem) -> TaskExample:
+    if not isinstance(item.payload, TaskExample):
+        raise TypeError(f"task {item.task_id} holds a {type(item.payload).__name__}; hook style plays TaskExamples")
+    return item.payload
+
+
+def _turn_limit(env_turns: object, limits: EpisodeLimits) -> int:
+    if isinstance(env_turns, bool) or not isinstance(env_turns, int) or env_turns < 1:
+        raise ValueError(f"max_episode_turns returned {env_turns!r}; it must be a positive integer")
+    return env_turns if limits.max_turns is None else min(env_turns, limits.max_turns)
+
+
+def _checked_group(results: object, expected: int) -> list[RewardResult | Exception]:
+    if not isinstance(results, list | tuple) or len(results) != expected:
+        size = len(results) if isinstance(results, list | tuple) else type(results).__name__
+        raise ValueError(f"score_episodes returned {size} results for {expected} episodes")
+    return list(results)
+
+
+def _to_episode_score(outcome: object, scorer: str) -> EpisodeScore:
+    if isinstance(outcome, Exception):
+        return error_score(describe_error(outcome, scorer))
+    if not isinstance(outcome, RewardResult):
+        return error_score(f"TypeError: scorer gave {type(outcome).__name__}, not a RewardResult")
+    try:
+        threshold = outcome.threshold
+        return EpisodeScore(
+            reward=checked_score(outcome.score, "RewardResult.score"),
+            threshold=None if threshold is None else checked_score(threshold, "RewardResult.threshold"),
+            components={
+                str(name): checked_score(value, f"component {name!r}") for name, value in outcome.components.items()
+            },
+        )
+    except (ValueError, TypeError, AttributeError) as exc:
+        return error_score(describe_error(exc, scorer))

@@ -1,0 +1,171 @@
+"""The one episode runner: load an environment of either style, play groups, score them.
+
+Everything a stage needs to drive an environment comes from here:
+
+- ``load_environment_handle("module:function", kwargs)`` calls the environment's
+  ``load_environment(**kwargs)``; an ``EnvironmentMultiTurn`` gives a hook-style handle, an
+  ``AsyncEnvSuite`` an async one. ``handle_from_async`` / ``handle_from_hook`` wrap objects
+  built in Python (the reference's ``train_multi_turn(config, tasks, env_factory,
+  val_tasks)``).
+- ``handle.tasks(split)`` lists ``TaskItem`` s; ``play_groups`` plays ``group_size``
+  episodes of each, all concurrently under one bound; ``handle.score`` scores a group.
+
+Failures are data: ``play`` and ``score`` never raise. An environment or policy exception
+is recorded on its own episode (``EpisodeRollout.error``, ``EpisodeScore.error``) and the
+other episodes go on. Exceptions are kept for what is wrong before anything runs: a bad
+spec, bad arguments, an invalid limit (``EnvironmentLoadError``, ``ValueError``).
+
+The loops themselves live in ``envs.hook_handle`` and ``envs.async_handle``; what they
+share (records, the trace of one episode, the ending rules) in ``envs.handle``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+
+from envs.agent import Policy
+from envs.async_handle import AsyncEnvironmentHandle
+from envs.env import AsyncEnvSuite, Env
+from envs.episode import EpisodeRollout
+from envs.handle import EnvironmentHandle, EpisodeLimits, EpisodeScore, TaskItem, task_id_for
+from envs.hook_handle import HookEnvironmentHandle, to_environment_episode
+from envs.hooks import EnvironmentMultiTurn
+from envs.types import Task
+
+__all__ = [
+    "AsyncEnvironmentHandle",
+    "EnvironmentHandle",
+    "EnvironmentLoadError",
+    "EpisodeLimits",
+    "EpisodeScore",
+    "HookEnvironmentHandle",
+    "TaskItem",
+    "handle_for",
+    "handle_from_async",
+    "handle_from_hook",
+    "load_environment_handle",
+    "play_groups",
+    "task_id_for",
+    "to_environment_episode",
+]
+
+
+class EnvironmentLoadError(ValueError):
+    """The environment spec or its arguments are wrong; the message names the culprit."""
+
+
+def load_environment_handle(spec: str, kwargs: Mapping[str, object] | None = None) -> EnvironmentHandle:
+    """Import ``module:function``, call it with ``kwargs`` and wrap what it returns."""
+    module_name, function_name = _split_spec(spec)
+    module = _import(module_name, spec)
+    function = getattr(module, function_name, None)
+    if function is None:
+        loaders = sorted(name for name in vars(module) if name.startswith("load"))
+        hint = f"; it has {', '.join(loaders)}" if loaders else ""
+        raise EnvironmentLoadError(f"module {module_name!r} has no {function_name!r}{hint}")
+    if not callable(function):
+        raise EnvironmentLoadError(f"{spec} is a {type(function).__name__}, not a function")
+    arguments = _checked_kwargs(function, kwargs, spec)
+    try:
+        loaded = function(**arguments)
+    except Exception as exc:
+        raise EnvironmentLoadError(f"{spec}(**{arguments!r:.200}) raised {type(exc).__name__}: {exc}") from exc
+    return handle_for(loaded, where=spec)
+
+
+def handle_for(loaded: object, where: str = "the environment") -> EnvironmentHandle:
+    """The handle for what a ``load_environment`` returned, or an error naming its type."""
+    if isinstance(loaded, EnvironmentMultiTurn):
+        return HookEnvironmentHandle(loaded)
+    if isinstance(loaded, AsyncEnvSuite):
+        return AsyncEnvironmentHandle(loaded)
+    raise EnvironmentLoadError(
+        f"{where} returned a {type(loaded).__name__}; expected an EnvironmentMultiTurn (hook style) "
+        "or an AsyncEnvSuite (async style)"
+    )
+
+
+def handle_from_async(
+    tasks: Sequence[Task], env_factory: Callable[[Task], Env], val_tasks: Sequence[Task] | None = None
+) -> EnvironmentHandle:
+    """An async-style handle from the reference's ``train_multi_turn`` arguments.
+
+    Without ``val_tasks`` the training tasks are validated on, as in the reference recipe.
+    """
+    suite = AsyncEnvSuite(tasks=tuple(tasks), val_tasks=tuple(tasks if val_tasks is None else val_tasks), env_factory=env_factory)
+    return AsyncEnvironmentHandle(suite)
+
+
+def handle_from_hook(env: EnvironmentMultiTurn) -> EnvironmentHandle:
+    return HookEnvironmentHandle(env)
+
+
+async def play_groups(
+    handle: EnvironmentHandle,
+    items: Sequence[TaskItem],
+    group_size: int,
+    policy: Policy,
+    limits: EpisodeLimits,
+    concurrency: int,
+) -> list[list[EpisodeRollout]]:
+    """``group_size`` episodes of each item, at most ``concurrency`` in flight at once.
+
+    Result order: items in the order given, then index in the group.
+    """
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+        raise ValueError(f"concurrency must be a positive integer, got {concurrency!r}")
+    if handle.style == "async" and limits.max_turns is None:
+        raise ValueError("async-style environments need a turn limit: EpisodeLimits(max_turns=...)")
+    bound = asyncio.Semaphore(concurrency)
+
+    async def play_one(item: TaskItem) -> EpisodeRollout:
+        async with bound:
+            return await handle.play(item, policy, limits)
+
+    rollouts = await asyncio.gather(*(play_one(item) for item in items for _ in range(group_size)))
+    return [list(rollouts[start : start + group_size]) for start in range(0, len(rollouts), group_size)]
+
+
+def _split_spec(spec: str) -> tuple[str, str]:
+    parts = spec.split(":") if isinstance(spec, str) else []
+    if len(parts) != 2 or not all(part.strip() for part in parts):
+        raise EnvironmentLoadError(
+            f"environment spec {spec!r} must be 'module:function', e.g. 'envs.tool_use_game:load_environment'"
+        )
+    module_name, function_name = (part.strip() for part in parts)
+    if not function_name.isidentifier():
+        raise EnvironmentLoadError(f"{function_name!r} in environment spec {spec!r} is not a Python name")
+    return module_name, function_name
+
+
+def _import(module_name: str, spec: str) -> object:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if missing and (module_name == missing or module_name.startswith(missing + ".")):
+            raise EnvironmentLoadError(f"no module named {missing!r} (environment spec {spec!r})") from exc
+        raise EnvironmentLoadError(f"importing {module_name!r} failed: {exc}") from exc
+    except Exception as exc:
+        raise EnvironmentLoadError(f"importing {module_name!r} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _checked_kwargs(function: Callable[..., object], kwargs: Mapping[str, object] | None, spec: str) -> dict[str, object]:
+    arguments = dict(kwargs or {})
+    bad_keys = [key for key in arguments if not isinstance(key, str)]
+    if bad_keys:
+        raise EnvironmentLoadError(f"argument names for {spec} must be strings, got {bad_keys!r}")
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return arguments  # a builtin or C function: let the call itself complain
+    try:
+        signature.bind(**arguments)
+    except TypeError as exc:
+        raise EnvironmentLoadError(f"bad arguments for {spec}: {exc}; it takes {signature}") from exc
+    return arguments
