@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from storage.errors import (
     ConfigMismatchError,
@@ -197,7 +198,7 @@ class RunFolder:
         self._refuse_if_complete(step, stage, split)
         if stage == "train":
             raise ValueError("write the train stage with write_train_result")
-        _check_kind(table, stage)
+        _check_table(table, stage, step, split)
         return write_table_atomic(table, self.stage_path(step, stage, split))
 
     def write_stage_part(
@@ -205,7 +206,7 @@ class RunFolder:
     ) -> Path:
         if self.stage_path(step, stage, split).exists():
             raise StageExistsError(f"{self.stage_path(step, stage, split)} exists: no parts")
-        _check_kind(table, stage)
+        _check_table(table, stage, step, split)
         return write_part(table, self.parts_dir(step, stage, split), index)
 
     def seal_stage(self, step: int, stage: str, split: str = "train") -> Path:
@@ -314,7 +315,17 @@ class RunFolder:
         return found
 
 
-def _check_kind(table: pa.Table, stage: str) -> None:
+def _check_table(table: pa.Table, stage: str, step: int, split: str) -> None:
+    """A stage table holds ``stage`` records of exactly this step and split (SQL trusts it)."""
     raw = (table.schema.metadata or {}).get(KIND_KEY, b"").decode()
     if raw != stage:
         raise ValueError(f"a {stage} stage output must be a {stage} table, got {raw or 'no'} records")
+    for column, expected in (("step", step), ("split", split)):
+        if column not in table.schema.names:
+            continue
+        found = set(pc.unique(table[column]).to_pylist())
+        if found - {expected}:
+            raise ValueError(
+                f"{stage} rows for {column} {sorted(found, key=str)} cannot go in the "
+                f"{split} step={step} folder"
+            )

@@ -1,0 +1,255 @@
+"""Read-only SQL over run folders, and the per-step metrics the pipeline logs.
+
+``open_run_sql`` returns an in-memory DuckDB connection with the views of
+``storage/views.py``. It is then locked: external access is off except for exactly the
+files behind the views (so a query can neither read other files nor write any), and the
+configuration is frozen so no ``SET`` can undo that. ``run_query`` also refuses, by
+parsed statement type, anything but one SELECT-like statement (``SELECT``, ``WITH``,
+``FROM``, ``VALUES``, ``DESCRIBE``, ``SHOW``, ``SUMMARIZE``, ``EXPLAIN``): views live in
+memory and the files are opened read-only, so no query changes a run.
+
+The metrics are two SQL texts kept here as constants, one per family, so the pipeline,
+``rollflow sql`` users and the tests share one definition of each:
+
+- ``EPISODE_METRICS_SQL``: how episodes ended (ratios over every episode of the step,
+  errored ones included, so terminated + truncated + error ratios sum to 1), turns and
+  tokens per episode, episode and group counts.
+- ``REWARD_METRICS_SQL``: statistics of ``final_reward`` (the reward with the overlong
+  penalty or failed-parse reward applied: what GRPO optimises) over the *counted*
+  episodes, those whose episode did not error and whose scoring did not fail. A counted
+  episode passes when ``final_reward >= threshold`` (no threshold: ``> 0``), the rule
+  ``ScoreRecord.passed`` documents. ``zero_variance_skip_ratio`` is the share of groups
+  whose counted final rewards are all equal (GRPO learns nothing from them).
+  ``reward_std`` is the population standard deviation.
+
+A step with episodes but no scores yet gets NaN for the reward family.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from storage.errors import NoDataError, StorageError
+from storage.views import VIEW_KINDS, collect_files, create_view, resolve_run_folders
+
+METRIC_NAMES = (
+    "terminated_ratio",
+    "truncated_ratio",
+    "context_overflow_ratio",
+    "max_turns_ratio",
+    "env_truncated_ratio",
+    "parse_failure_ratio",
+    "error_ratio",
+    "reward_mean",
+    "reward_std",
+    "reward_min",
+    "reward_max",
+    "pass_rate",
+    "zero_variance_skip_ratio",
+    "turns_mean",
+    "tokens_mean",
+    "num_episodes",
+    "num_groups",
+)
+
+_FILTER = """split = $split
+  AND ($step IS NULL OR step = $step)
+  AND ($run_id IS NULL OR run_id = $run_id)"""
+
+EPISODE_METRICS_SQL = f"""
+SELECT
+    run_id,
+    step,
+    count(*)                                                AS num_episodes,
+    count(DISTINCT group_id)                                AS num_groups,
+    count_if(terminated) / count(*)                         AS terminated_ratio,
+    count_if(truncated) / count(*)                          AS truncated_ratio,
+    count_if(truncation_cause = 'context_overflow') / count(*) AS context_overflow_ratio,
+    count_if(truncation_cause = 'max_turns') / count(*)     AS max_turns_ratio,
+    count_if(truncation_cause = 'env') / count(*)           AS env_truncated_ratio,
+    count_if(truncation_cause = 'parse_failure') / count(*) AS parse_failure_ratio,
+    count_if(error IS NOT NULL) / count(*)                  AS error_ratio,
+    avg(turns)                                              AS turns_mean,
+    avg(total_tokens)                                       AS tokens_mean
+FROM episodes
+WHERE {_FILTER}
+GROUP BY run_id, step
+ORDER BY run_id, step
+"""
+
+REWARD_METRICS_SQL = f"""
+WITH counted AS (
+    SELECT
+        run_id, step, group_id, final_reward,
+        CASE WHEN threshold IS NULL THEN final_reward > 0
+             ELSE final_reward >= threshold END AS passed
+    FROM scores
+    JOIN (SELECT run_id, split, step, episode_id, error FROM episodes) USING (run_id, split, step, episode_id)
+    WHERE {_FILTER}
+      AND scoring_error IS NULL
+      AND error IS NULL
+),
+per_group AS (
+    SELECT run_id, step, min(final_reward) = max(final_reward) AS all_equal
+    FROM counted
+    GROUP BY run_id, step, group_id
+)
+SELECT
+    run_id,
+    step,
+    avg(final_reward)                  AS reward_mean,
+    stddev_pop(final_reward)           AS reward_std,
+    min(final_reward)                  AS reward_min,
+    max(final_reward)                  AS reward_max,
+    count_if(passed) / count(*)        AS pass_rate,
+    any_value(zero_variance_skip_ratio) AS zero_variance_skip_ratio
+FROM counted
+JOIN (
+    SELECT run_id, step, count_if(all_equal) / count(*) AS zero_variance_skip_ratio
+    FROM per_group
+    GROUP BY run_id, step
+) USING (run_id, step)
+GROUP BY run_id, step
+ORDER BY run_id, step
+"""
+
+_READ_ONLY_HINT = "only SELECT, WITH, FROM, VALUES, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN"
+# EXPLAIN [ANALYZE] [(options)]: ANALYZE runs the statement it explains, so that is checked too
+_EXPLAIN_PREFIX = re.compile(r"^\s*explain\b(\s+analy[sz]e\b)?(\s*\([^)]*\))?", re.IGNORECASE)
+
+
+class ReadOnlyQueryError(StorageError):
+    """A statement that would write, or change the session, refused before it ran."""
+
+
+class QueryError(StorageError):
+    """DuckDB could not parse or run a query (bad SQL, unknown column...)."""
+
+
+def open_run_sql(run_dirs: Sequence[Path | str] | Path | str) -> duckdb.DuckDBPyConnection:
+    """A locked, read-only DuckDB connection with views over ``run_dirs`` (paths or a glob)."""
+    folders = resolve_run_folders(run_dirs)
+    con = duckdb.connect(":memory:")
+    allowed: list[str] = []
+    for view in VIEW_KINDS:
+        groups = collect_files(folders, view)
+        create_view(con, view, groups)
+        allowed.extend(str(p) for g in groups for p in g.paths)
+    con.execute("SET allowed_paths = $paths", {"paths": allowed})
+    con.execute("SET autoinstall_known_extensions = false")
+    con.execute("SET autoload_known_extensions = false")
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
+    return con
+
+
+def run_query(con: duckdb.DuckDBPyConnection, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
+    """Run one read-only statement; returns the column names and the rows."""
+    try:
+        statements = duckdb.extract_statements(sql)
+    except duckdb.Error as exc:
+        raise QueryError(str(exc)) from exc
+    if not statements:
+        raise QueryError("no SQL statement given")
+    if len(statements) > 1:
+        raise QueryError(f"one statement at a time; got {len(statements)}")
+    _refuse_writes(statements[0])
+    try:
+        result = con.execute(sql)
+        columns = [d[0] for d in result.description or []]
+        return columns, result.fetchall()
+    except duckdb.Error as exc:
+        raise QueryError(str(exc)) from exc
+
+
+def _refuse_writes(statement: duckdb.Statement) -> None:
+    kind = statement.type
+    if kind == duckdb.StatementType.EXPLAIN:
+        inner = _EXPLAIN_PREFIX.sub("", statement.query, count=1)
+        try:
+            explained = duckdb.extract_statements(inner)
+        except duckdb.Error:
+            explained = []
+        if len(explained) == 1 and explained[0].type == duckdb.StatementType.SELECT:
+            return
+        raise ReadOnlyQueryError(f"refused: EXPLAIN of anything but a query ({_READ_ONLY_HINT})")
+    if kind != duckdb.StatementType.SELECT:
+        raise ReadOnlyQueryError(
+            f"refused: {kind.name} statements change data or the session, and run SQL is "
+            f"read-only ({_READ_ONLY_HINT})"
+        )
+
+
+def describe_views(con: duckdb.DuckDBPyConnection) -> dict[str, list[tuple[str, str]]]:
+    """Each view's columns as (name, DuckDB type)."""
+    return {
+        view: [(row[0], row[1]) for row in con.execute(f"DESCRIBE {view}").fetchall()]
+        for view in VIEW_KINDS
+    }
+
+
+def _family(
+    con: duckdb.DuckDBPyConnection, sql: str, params: dict[str, Any]
+) -> dict[tuple[str, int], dict[str, float]]:
+    result = con.execute(sql, params)
+    names = [d[0] for d in result.description or []]
+    rows: dict[tuple[str, int], dict[str, float]] = {}
+    for row in result.fetchall():
+        values = dict(zip(names, row, strict=True))
+        key = (values.pop("run_id"), values.pop("step"))
+        rows[key] = {k: math.nan if v is None else float(v) for k, v in values.items()}
+    return rows
+
+
+def _metrics(
+    con: duckdb.DuckDBPyConnection, step: int | None, split: str, run_id: str | None
+) -> dict[tuple[str, int], dict[str, float]]:
+    params = {"split": split, "step": step, "run_id": run_id}
+    episodes = _family(con, EPISODE_METRICS_SQL, params)
+    rewards = _family(con, REWARD_METRICS_SQL, params)
+    missing = dict.fromkeys(METRIC_NAMES, math.nan)
+    return {
+        key: {name: {**missing, **values, **rewards.get(key, {})}[name] for name in METRIC_NAMES}
+        for key, values in episodes.items()
+    }
+
+
+def _one_run(rows: dict[tuple[str, int], dict[str, float]], what: str) -> str:
+    runs = sorted({run for run, _ in rows})
+    if not runs:
+        raise NoDataError(f"no episodes for {what}")
+    if len(runs) > 1:
+        raise StorageError(f"{what} matches several runs {runs}; pass run_id")
+    return runs[0]
+
+
+def metrics_by_step(
+    con: duckdb.DuckDBPyConnection, split: str = "train", run_id: str | None = None
+) -> dict[int, dict[str, float]]:
+    """Every step's metrics of one run, in one pass of each family's SQL."""
+    rows = _metrics(con, None, split, run_id)
+    run = _one_run(rows, f"split {split!r}" + (f" of run {run_id!r}" if run_id else ""))
+    return {step: values for (r, step), values in rows.items() if r == run}
+
+
+def step_metrics(
+    con: duckdb.DuckDBPyConnection,
+    step: int | None = None,
+    split: str = "train",
+    run_id: str | None = None,
+) -> dict[str, float]:
+    """The metrics of one step (None: the latest step with episodes) of one run's ``split``.
+
+    Keys are exactly ``METRIC_NAMES``; counts are floats like the rest.
+    """
+    what = f"{split} step {step if step is not None else '(latest)'}"
+    rows = _metrics(con, step, split, run_id)
+    run = _one_run(rows, what + (f" of run {run_id!r}" if run_id else ""))
+    latest = max(s for r, s in rows if r == run)
+    return rows[(run, latest)]

@@ -1,0 +1,168 @@
+"""The DuckDB views over one or more run folders: ``episodes``, ``scores``, ``samples``, ``steps``.
+
+Each view is a ``UNION ALL`` over (run, split) of one ``read_parquet`` (or ``read_json``
+for ``train.json``) of the files listed here, so a half-written temporary is never read
+and a stage that is missing simply contributes no rows: an empty run gives empty views
+with the right columns. Part files are listed as soon as each is complete, so a rollout
+still in progress is already visible.
+
+Identity columns come from where a file sits: ``run_id`` is the run folder's name (the
+path is the run's identity, so a renamed copy is its own run) and ``split`` is ``train``
+under ``steps/`` and ``validation`` under ``validation/``. ``step`` is the data's own
+column, which ``RunFolder`` checks against the ``step=`` folder on every write. The
+views do not use DuckDB's hive-partition parsing: it would turn any ``key=value`` folder
+above the run (a user's own path) into extra columns.
+
+Every file's footer is checked before a view is built, so a corrupt or foreign file
+fails here with its path, not later in the middle of a query.
+"""
+
+from __future__ import annotations
+
+import glob
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+from storage.errors import SchemaMismatchError, StorageError
+from storage.parquet import check_file
+from storage.runfolder import SPLIT_DIRS, STAGES, RunFolder, parse_step_dirname
+from storage.runs import looks_like_run
+from storage.schemas import SCHEMAS, TRAIN_RESULT_SCHEMA, RecordKind
+
+VIEW_KINDS = {
+    "episodes": RecordKind.EPISODES,
+    "scores": RecordKind.SCORES,
+    "samples": RecordKind.SAMPLES,
+    "steps": RecordKind.TRAIN,
+}
+_JSON_TYPES = {
+    pa.int32(): "INTEGER",
+    pa.int64(): "BIGINT",
+    pa.float64(): "DOUBLE",
+    pa.string(): "VARCHAR",
+    pa.map_(pa.string(), pa.float64()): "MAP(VARCHAR, DOUBLE)",
+}
+
+
+@dataclass(frozen=True)
+class ViewFiles:
+    """The complete files of one view from one run and split."""
+
+    run_id: str
+    split: str
+    paths: tuple[Path, ...]
+
+
+def view_schema(view: str) -> pa.Schema:
+    """The columns a view shows: the record's, plus ``split`` where the record lacks it."""
+    schema = SCHEMAS[VIEW_KINDS[view]].remove_metadata()
+    if "split" not in schema.names:
+        schema = schema.insert(schema.get_field_index("step") + 1, pa.field("split", pa.string()))
+    return schema
+
+
+def _stage_files(folder: RunFolder, split: str, stage: str) -> list[Path]:
+    files: list[Path] = []
+    for step in folder.steps(split):
+        single = folder.stage_path(step, stage, split)
+        if single.exists():
+            files.append(single)
+        elif stage != "train":
+            files.extend(folder.part_paths(step, stage, split))
+    return files
+
+
+def collect_files(folders: Sequence[RunFolder], view: str) -> list[ViewFiles]:
+    """Every complete file of ``view`` in ``folders``, checked; grouped by run and split."""
+    stage = "train" if view == "steps" else view
+    groups = []
+    for folder in folders:
+        for split in SPLIT_DIRS:
+            if stage not in STAGES[split]:
+                continue
+            paths = _stage_files(folder, split, stage)
+            for path in paths:
+                _check(folder, path, view)
+            if paths:
+                groups.append(ViewFiles(folder.run_id, split, tuple(p.resolve() for p in paths)))
+    return groups
+
+
+def _check(folder: RunFolder, path: Path, view: str) -> None:
+    if view != "steps":
+        check_file(path, VIEW_KINDS[view])
+        return
+    step = parse_step_dirname(path.parent.name)
+    assert step is not None, f"{path} is not under a step= folder"
+    folder.read_train_result(step)  # raises naming the file when it is not a train result
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _paths_literal(paths: Iterable[Path]) -> str:
+    return "[" + ", ".join(_literal(str(p)) for p in paths) + "]"
+
+
+def _json_columns() -> str:
+    pairs = [f"{_literal(f.name)}: {_literal(_JSON_TYPES[f.type])}" for f in TRAIN_RESULT_SCHEMA]
+    return "{" + ", ".join(pairs) + "}"
+
+
+def _select_one(view: str, files: ViewFiles) -> str:
+    columns = []
+    for name in view_schema(view).names:
+        if name == "run_id":
+            columns.append(f"{_literal(files.run_id)} AS run_id")
+        elif name == "split":
+            columns.append(f"{_literal(files.split)} AS split")
+        else:
+            columns.append(f'"{name}"')
+    if view == "steps":
+        source = f"read_json({_paths_literal(files.paths)}, columns = {_json_columns()}, hive_partitioning = false)"
+    else:
+        source = f"read_parquet({_paths_literal(files.paths)}, hive_partitioning = false)"
+    return f"SELECT {', '.join(columns)} FROM {source}"
+
+
+def create_view(con: duckdb.DuckDBPyConnection, view: str, groups: Sequence[ViewFiles]) -> None:
+    if groups:
+        body = "\nUNION ALL\n".join(_select_one(view, g) for g in groups)
+        con.execute(f"CREATE VIEW {view} AS\n{body}")
+        return
+    empty = view_schema(view).empty_table()
+    con.register(f"_empty_{view}", empty)
+    con.execute(f"CREATE VIEW {view} AS SELECT * FROM _empty_{view}")
+
+
+def resolve_run_folders(run_dirs: Sequence[Path | str] | Path | str) -> list[RunFolder]:
+    """Run folders from paths or one glob string (``runs/*``); each must look like a run."""
+    if isinstance(run_dirs, str | Path):
+        text = str(run_dirs)
+        matched = sorted(glob.glob(text)) if glob.has_magic(text) else [text]
+        if not matched:
+            raise StorageError(f"{text}: no run folder matches")
+        run_dirs = matched
+    folders = []
+    for raw in run_dirs:
+        path = Path(raw)
+        if not path.exists():
+            raise StorageError(f"{path}: no such run folder")
+        if not looks_like_run(path):
+            raise SchemaMismatchError(
+                path, "not a run folder (no config.toml, steps/, validation/ or checkpoints/)"
+            )
+        folders.append(RunFolder(path))
+    unique: dict[str, RunFolder] = {}
+    for folder in folders:
+        known = unique.setdefault(folder.run_id, folder)
+        if known.root.resolve() != folder.root.resolve():
+            raise StorageError(
+                f"two runs share the id {folder.run_id!r}: {known.root} and {folder.root}"
+            )
+    return list(unique.values())
