@@ -1,0 +1,210 @@
+"""Policy checkpoints: what a policy version is on disk, and how to load one.
+
+Shared by the stages (not a stage itself): the train stage writes a checkpoint after each
+update; the rollout stage loads the newest one to act with (``policy_model_ref``). The
+train stage that finishes step ``s`` commits ``checkpoints/step=s/`` holding policy
+version ``v + 1`` (version 0 is the base model)::
+
+    adapter_model.safetensors, adapter_config.json   with LoRA (peft's save_pretrained)
+    model.safetensors, config.json, tokenizer files  with full weights (a loadable HF folder)
+    optimizer.pt       the optimizer's state_dict (torch.save; loaded with weights_only=True)
+    rng.json           torch, Python ``random`` and numpy generator states
+    version.json       {"policy_version", "step", "use_lora", "format"}
+    train_result.json  the step's TrainResult, so train.json can be rewritten after a crash
+
+A checkpoint is saved into a hidden temporary folder and renamed into place whole
+(``RunFolder.commit_checkpoint``), so a checkpoint folder that exists is complete.
+
+Simplified: RNG state is stored as JSON lists (no pickle); the optimizer state uses
+``torch.save`` since its nested dict has no safetensors layout, and is read back with
+``weights_only=True`` so loading it runs no code.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from policy.models import ModelRef, load_causal_lm
+from storage.parquet import temporary_path
+from storage.records import TrainResult
+from storage.runfolder import RunFolder
+from storage.schemas import train_result_from_json, train_result_to_json
+from tasks.config import RunConfig
+
+VERSION_FILE = "version.json"
+RNG_FILE = "rng.json"
+OPTIMIZER_FILE = "optimizer.pt"
+RESULT_FILE = "train_result.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint folder is missing a file or does not match the config."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int  # the training step that wrote it
+    policy_version: int
+    path: Path
+    use_lora: bool
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    try:
+        info = json.loads((path / VERSION_FILE).read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path}: unreadable {VERSION_FILE}: {error}") from error
+    return Checkpoint(int(info["step"]), int(info["policy_version"]), path, bool(info["use_lora"]))
+
+
+def latest_checkpoint(folder: RunFolder, before_step: int | None = None) -> Checkpoint | None:
+    """The newest committed checkpoint (written by a step < ``before_step`` when given)."""
+    found = [(s, p) for s, p in folder.checkpoints() if before_step is None or s < before_step]
+    return read_checkpoint(found[-1][1]) if found else None
+
+
+def base_model_ref(config: RunConfig) -> ModelRef:
+    model = config.model
+    return ModelRef(path=model.path, gguf_file=model.gguf_file, adapter=model.adapter)
+
+
+def policy_model_ref(config: RunConfig, checkpoint: Checkpoint | None) -> ModelRef:
+    """What to load to act as ``checkpoint``'s policy version (the base model for None)."""
+    if checkpoint is None:
+        return base_model_ref(config)
+    if checkpoint.use_lora:
+        base = base_model_ref(config)
+        return ModelRef(path=base.path, gguf_file=base.gguf_file, adapter=str(checkpoint.path))
+    return ModelRef(path=str(checkpoint.path))
+
+
+def torch_dtype(config: RunConfig) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        config.model.dtype
+    ]
+
+
+def load_policy_for_training(
+    config: RunConfig, checkpoint: Checkpoint | None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The policy to update: the checkpoint's weights, trainable; a fresh LoRA at version 0."""
+    if checkpoint is not None and checkpoint.use_lora != config.train.use_lora:
+        raise CheckpointError(
+            f"{checkpoint.path} was saved with use_lora={checkpoint.use_lora} but the config "
+            f"says [train].use_lora = {config.train.use_lora}"
+        )
+    ref = policy_model_ref(config, checkpoint)
+    model, tokenizer = load_causal_lm(ref, torch_dtype(config), adapter_trainable=True)
+    if config.train.use_lora and checkpoint is None and ref.adapter is None:
+        model = _fresh_lora(model, config)
+    if not config.train.use_lora:
+        if hasattr(model, "merge_and_unload"):  # a starting adapter, folded into the weights
+            model = model.merge_and_unload()
+        model.requires_grad_(True)
+    if config.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        if config.train.use_lora:
+            model.enable_input_require_grads()
+    return model, tokenizer
+
+
+def _fresh_lora(model: PreTrainedModel, config: RunConfig) -> PreTrainedModel:
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=config.train.lora_rank,
+        lora_alpha=config.train.lora_alpha,
+        lora_dropout=config.train.lora_dropout,
+        target_modules=list(config.train.lora_target_modules),
+        task_type="CAUSAL_LM",
+    )
+    torch.manual_seed(config.train.seed)  # LoRA's A matrices are random: fix them
+    return get_peft_model(model, lora)
+
+
+def save_checkpoint(
+    folder: RunFolder,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    optimizer: torch.optim.Optimizer,
+    result: TrainResult,
+    use_lora: bool,
+) -> Checkpoint:
+    """Write and commit ``checkpoints/step=<result.step>/`` (all or nothing)."""
+    tmp = folder.new_checkpoint_tmp(result.step)
+    try:
+        model.save_pretrained(str(tmp))  # peft: the adapter only; else the whole model
+        if not use_lora:
+            tokenizer.save_pretrained(str(tmp))  # a full-weight checkpoint is a whole HF folder
+        torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        (tmp / RNG_FILE).write_text(json.dumps(capture_rng_state()))
+        (tmp / RESULT_FILE).write_text(json.dumps(train_result_to_json(result)))
+        version = {"policy_version": result.policy_version, "step": result.step,
+                   "use_lora": use_lora, "format": "adapter" if use_lora else "weights"}
+        (tmp / VERSION_FILE).write_text(json.dumps(version))
+        final = folder.commit_checkpoint(tmp, result.step)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Checkpoint(result.step, result.policy_version, final, use_lora)
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, checkpoint: Checkpoint) -> None:
+    state = torch.load(checkpoint.path / OPTIMIZER_FILE, weights_only=True)
+    optimizer.load_state_dict(state)
+
+
+def checkpoint_train_result(checkpoint: Checkpoint) -> TrainResult:
+    return train_result_from_json(json.loads((checkpoint.path / RESULT_FILE).read_text()))
+
+
+def prune_checkpoints(folder: RunFolder, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints; renamed away first, then removed,
+    so a crash mid-delete leaves a temporary (discarded on resume), never a torn checkpoint."""
+    removed: list[Path] = []
+    for _, path in folder.checkpoints()[:-keep]:
+        doomed = temporary_path(path)
+        path.rename(doomed)
+        shutil.rmtree(doomed)
+        removed.append(path)
+    return removed
+
+
+# ---------------------------------------------------------------- RNG state
+
+
+def capture_rng_state() -> dict[str, Any]:
+    py_version, py_state, py_gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
+    return {
+        "torch": torch.get_rng_state().tolist(),
+        "python": [py_version, list(py_state), py_gauss],
+        "numpy": [np_name, np.asarray(np_keys).tolist(), int(np_pos), int(np_has_gauss), float(np_gauss)],
+    }
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    py_version, py_state, py_gauss = state["python"]
+    random.setstate((py_version, tuple(py_state), py_gauss))
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+
+
+def load_rng_state(checkpoint: Checkpoint) -> None:
+    restore_rng_state(json.loads((checkpoint.path / RNG_FILE).read_text()))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

@@ -1,0 +1,301 @@
+"""Training stage: one GRPO update on the step's samples, then a new policy version on disk.
+
+``grpo_update`` is the algorithm: it packs samples into micro-batches by a padded-token
+budget (right padding), computes each taken token's log-probability, hands them to
+``policy.loss.grpo_loss`` with whole-batch totals (so the summed micro-batch gradients do
+not depend on the split), clips the gradient norm and takes one optimizer step.
+
+Log-probabilities are computed exactly as the sampler computed its own:
+``log_softmax(logits / temperature)`` at the rollout's sampling temperature, so the
+importance ratio is 1 wherever trainer and sampler agree. (``top_p`` < 1 samples from a
+truncated distribution the trainer does not rebuild: keep it at 1.0 when training.)
+
+``train_stage`` wraps it for the flow: load the newest checkpoint (LoRA adapter or full
+weights) with its optimizer and RNG state, or start version 0 from the base model with a
+fresh LoRA seeded by ``[train].seed``; read ``samples.parquet``; update; commit
+``checkpoints/step=NNNNNN/`` and then ``train.json``. With LoRA the KL reference is the same
+model with the adapter switched off; with full weights it is a second, frozen copy of the
+base model (loaded only when ``kl_coef > 0``).
+
+Simplified on purpose: one optimizer step per batch (no PPO epochs over the same data),
+AdamW with a constant learning rate and no weight decay, no sequence packing inside a row.
+On CPU with a fixed seed the same inputs give bit-identical weights.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from policy.loss import BatchTotals, LossSettings, LossStats, grpo_loss
+from storage.records import SampleRecord, TrainResult
+from storage.runfolder import RunFolder
+from storage.schemas import table_to_sample_records
+from tasks.checkpoints import (
+    Checkpoint,
+    base_model_ref,
+    checkpoint_train_result,
+    latest_checkpoint,
+    load_optimizer_state,
+    load_policy_for_training,
+    load_rng_state,
+    prune_checkpoints,
+    save_checkpoint,
+    seed_everything,
+    torch_dtype,
+)
+from tasks.config import RunConfig
+
+# (input_ids_BT, attention_mask_BT) -> reference logprobs of tokens 1..T-1, (B, T-1)
+RefLogprobsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    loss: LossSettings = field(default_factory=LossSettings)
+    max_tokens_per_microbatch: int = 4096  # padded tokens (rows x longest row) per forward
+    max_grad_norm: float = 1.0
+    temperature: float = 1.0  # the rollout's sampling temperature
+    normaliser: float = 2048.0  # dr_grpo's constant: max_model_length
+    pad_token_id: int = 0
+
+    @classmethod
+    def from_config(cls, config: RunConfig, pad_token_id: int) -> UpdateSettings:
+        train = config.train
+        return cls(
+            loss=LossSettings(train.loss, train.clip_eps_low, train.clip_eps_high, train.kl_coef),
+            max_tokens_per_microbatch=train.max_tokens_per_microbatch,
+            max_grad_norm=train.max_grad_norm,
+            temperature=config.rollout.temperature,
+            normaliser=float(config.rollout.max_model_length),
+            pad_token_id=pad_token_id,
+        )
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    loss: float
+    kl: float | None  # mean k3 KL per action token; None without a reference
+    clip_fraction: float
+    ratio_mean: float
+    grad_norm: float  # before clipping
+    num_samples: int
+    num_tokens: int
+    num_action_tokens: int
+    num_microbatches: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def pack_microbatches(samples: Sequence[SampleRecord], max_tokens: int) -> list[list[SampleRecord]]:
+    """Longest first, greedily, while rows x longest row stays within ``max_tokens``.
+
+    A sample longer than the budget gets a micro-batch of its own. Sorting by length keeps
+    padding small; the order does not change the result (the loss is a sum).
+    """
+    ordered = sorted(samples, key=lambda s: len(s.input_ids), reverse=True)
+    batches: list[list[SampleRecord]] = []
+    for sample in ordered:
+        if batches:
+            current = batches[-1]
+            longest = len(current[0].input_ids)  # sorted: the first is the longest
+            if (len(current) + 1) * longest <= max_tokens:
+                current.append(sample)
+                continue
+        batches.append([sample])
+    return batches
+
+
+def token_logprobs(
+    model: PreTrainedModel, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    """log p(token t | tokens < t) for t = 1..T-1 under ``log_softmax(logits / temperature)``."""
+    logits_BTV = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT).logits
+    logits_BTV = logits_BTV[:, :-1].float() / temperature  # position t-1 predicts token t
+    targets_BT = input_ids_BT[:, 1:]
+    picked_BT = logits_BTV.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)
+    return picked_BT - torch.logsumexp(logits_BTV, dim=-1)  # (B, T-1)
+
+
+def adapter_off_reference(model: PreTrainedModel, temperature: float) -> RefLogprobsFn:
+    """The KL reference with LoRA: the same model, adapter disabled (no second copy)."""
+
+    def reference(input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad(), model.disable_adapter():
+            return token_logprobs(model, input_ids_BT, attention_mask_BT, temperature)
+
+    return reference
+
+
+def frozen_model_reference(reference_model: PreTrainedModel, temperature: float) -> RefLogprobsFn:
+    """The KL reference with full weights: a separate copy of the base model, frozen."""
+    reference_model.requires_grad_(False)
+    reference_model.eval()
+
+    def reference(input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return token_logprobs(reference_model, input_ids_BT, attention_mask_BT, temperature)
+
+    return reference
+
+
+def _pad(rows: Sequence[Sequence[float]], width: int, value: float, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows], dtype=dtype)
+
+
+def _microbatch_tensors(batch: Sequence[SampleRecord], pad_token_id: int) -> dict[str, torch.Tensor]:
+    width = max(len(s.input_ids) for s in batch)
+    return {
+        "input_ids": _pad([s.input_ids for s in batch], width, pad_token_id, torch.long),
+        "attention_mask": _pad([[1] * len(s.input_ids) for s in batch], width, 0, torch.long),
+        "loss_mask": _pad([s.loss_mask for s in batch], width, 0, torch.float32),
+        "advantages": _pad([s.advantages for s in batch], width, 0.0, torch.float32),
+        "sampler_logprobs": _pad([s.sampler_logprobs for s in batch], width, 0.0, torch.float32),
+    }
+
+
+def batch_totals(samples: Sequence[SampleRecord], normaliser: float) -> BatchTotals | None:
+    """Whole-batch counts over trainable positions (token 0 has nothing to predict it)."""
+    action_counts = [sum(s.loss_mask[1:]) for s in samples]
+    if sum(action_counts) == 0:
+        return None
+    return BatchTotals(
+        num_sequences=sum(1 for n in action_counts if n > 0),
+        num_action_tokens=sum(action_counts),
+        normaliser=normaliser,
+    )
+
+
+def grpo_update(
+    model: PreTrainedModel,
+    ref_logprobs_fn: RefLogprobsFn | None,
+    optimizer: torch.optim.Optimizer,
+    samples: Sequence[SampleRecord],
+    settings: UpdateSettings,
+) -> UpdateStats:
+    """One optimizer step on ``samples``; with no action token at all, no step is taken."""
+    start = time.perf_counter()
+    totals = batch_totals(samples, settings.normaliser)
+    num_tokens = sum(len(s.input_ids) for s in samples)
+    if totals is None:
+        return UpdateStats(0.0, None, 0.0, 0.0, 0.0, len(samples), num_tokens, 0, 0,
+                           time.perf_counter() - start)
+    use_reference = ref_logprobs_fn is not None and settings.loss.kl_coef > 0
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    loss_total, stats = 0.0, LossStats()
+    batches = pack_microbatches(samples, settings.max_tokens_per_microbatch)
+    for batch in batches:
+        t = _microbatch_tensors(batch, settings.pad_token_id)
+        logprobs_BT = token_logprobs(model, t["input_ids"], t["attention_mask"], settings.temperature)
+        ref_BT = ref_logprobs_fn(t["input_ids"], t["attention_mask"]) if use_reference else None
+        loss, batch_stats = grpo_loss(
+            logprobs_BT, t["sampler_logprobs"][:, 1:], t["advantages"][:, 1:],
+            t["loss_mask"][:, 1:], totals, settings.loss, ref_BT,
+        )
+        loss.backward()  # accumulates: each micro-batch loss is already its share of the total
+        loss_total += loss.item()
+        stats = stats + batch_stats
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    return UpdateStats(
+        loss=loss_total, kl=stats.kl_mean if use_reference else None,
+        clip_fraction=stats.clip_fraction, ratio_mean=stats.ratio_mean,
+        grad_norm=float(grad_norm), num_samples=len(samples), num_tokens=num_tokens,
+        num_action_tokens=totals.num_action_tokens, num_microbatches=len(batches),
+        seconds=time.perf_counter() - start,
+    )
+
+
+def make_optimizer(model: PreTrainedModel, learning_rate: float) -> torch.optim.Optimizer:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError("the model has no trainable parameters")
+    return torch.optim.AdamW(trainable, lr=learning_rate, weight_decay=0.0)
+
+
+# ---------------------------------------------------------------- the stage
+
+
+def train_stage(config: RunConfig, run_dir: Path, step: int) -> Path:
+    """Train on step ``step``'s samples; returns the path of its ``train.json``.
+
+    Idempotent: a finished step is returned as is; a step whose checkpoint was committed
+    before a crash kept ``train.json`` from being written gets it from the checkpoint.
+    """
+    folder = RunFolder(run_dir)
+    if folder.is_complete(step, "train"):
+        return folder.stage_path(step, "train")
+    committed = latest_checkpoint(folder, before_step=step + 1)
+    if committed is not None and committed.step == step:
+        return folder.write_train_result(checkpoint_train_result(committed))
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
+    previous = latest_checkpoint(folder, before_step=step)
+    model, tokenizer = load_policy_for_training(config, previous)
+    optimizer = make_optimizer(model, config.train.learning_rate)
+    _restore_or_seed(config, previous, optimizer)
+    reference = _reference(config, model)
+    timings["load_s"] = _lap(clock)
+    clock = time.perf_counter()
+    samples = table_to_sample_records(folder.read_stage(step, "samples"))
+    timings["read_s"] = _lap(clock)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    stats = grpo_update(model, reference, optimizer, samples, UpdateSettings.from_config(config, pad_id))
+    timings["update_s"] = stats.seconds
+    version = (previous.policy_version if previous else 0) + 1
+    result = _train_result(folder.run_id, step, version, config, stats, timings)
+    save_checkpoint(folder, model, tokenizer, optimizer, result, config.train.use_lora)
+    path = folder.write_train_result(result)
+    prune_checkpoints(folder, config.train.keep_checkpoints)
+    return path
+
+
+def _restore_or_seed(
+    config: RunConfig, previous: Checkpoint | None, optimizer: torch.optim.Optimizer
+) -> None:
+    if previous is None:
+        seed_everything(config.train.seed)
+        return
+    load_optimizer_state(optimizer, previous)
+    load_rng_state(previous)
+
+
+def _reference(config: RunConfig, model: PreTrainedModel) -> RefLogprobsFn | None:
+    if config.train.kl_coef == 0:
+        return None
+    if config.train.use_lora:
+        return adapter_off_reference(model, config.rollout.temperature)
+    from policy.models import load_causal_lm
+
+    reference_model, _ = load_causal_lm(base_model_ref(config), torch_dtype(config))
+    return frozen_model_reference(reference_model, config.rollout.temperature)
+
+
+def _lap(since: float) -> float:
+    return time.perf_counter() - since
+
+
+def _train_result(
+    run_id: str, step: int, version: int, config: RunConfig, stats: UpdateStats,
+    timings: dict[str, float],
+) -> TrainResult:
+    return TrainResult(
+        run_id=run_id, step=step, policy_version=version, loss=stats.loss, kl=stats.kl,
+        clip_fraction=stats.clip_fraction, grad_norm=stats.grad_norm,
+        num_samples=stats.num_samples, num_tokens=stats.num_tokens,
+        num_action_tokens=stats.num_action_tokens, learning_rate=config.train.learning_rate,
+        tokens_per_s=stats.tokens_per_s, timings=dict(timings),
+    )

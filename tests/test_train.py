@@ -1,0 +1,274 @@
+"""The GRPO update on tiny real models, and the train stage with checkpoints and resume."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from policy.loss import LossSettings
+from storage.records import SampleRecord
+from storage.runfolder import RunFolder
+from storage.schemas import sample_records_to_table
+from tasks.checkpoints import (
+    latest_checkpoint,
+    load_policy_for_training,
+    policy_model_ref,
+    seed_everything,
+)
+from tasks.config import RunConfig, parse_config
+from tasks.train import (
+    UpdateSettings,
+    adapter_off_reference,
+    grpo_update,
+    make_optimizer,
+    pack_microbatches,
+    token_logprobs,
+    train_stage,
+)
+
+VOCAB = 40
+
+
+def micro_model(seed: int = 0) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+def sample(sample_id: str, ids: list[int], mask: list[int], advantage: float,
+           logprobs: list[float] | None = None) -> SampleRecord:
+    return SampleRecord(
+        run_id="run", step=0, sample_id=sample_id, episode_id=sample_id.split("#")[0],
+        group_id="train/0/0", input_ids=tuple(ids), loss_mask=tuple(mask),
+        advantages=tuple(advantage * m for m in mask),
+        sampler_logprobs=tuple(logprobs or [0.0] * len(ids)),
+    )
+
+
+def on_policy(model: LlamaForCausalLM, s: SampleRecord, temperature: float = 1.0) -> SampleRecord:
+    """The sample with the sampler logprobs the current model gives its action tokens."""
+    ids = torch.tensor([s.input_ids])
+    with torch.no_grad():
+        lp = token_logprobs(model, ids, torch.ones_like(ids), temperature)[0].tolist()
+    aligned = [0.0] + [v if m else 0.0 for v, m in zip(lp, s.loss_mask[1:], strict=True)]
+    return dataclasses.replace(s, sampler_logprobs=tuple(aligned))
+
+
+def action_logprob(model: LlamaForCausalLM, s: SampleRecord) -> float:
+    ids = torch.tensor([s.input_ids])
+    with torch.no_grad():
+        lp = token_logprobs(model, ids, torch.ones_like(ids), 1.0)[0]
+    return float((lp * torch.tensor(s.loss_mask[1:], dtype=torch.float32)).sum())
+
+
+def batch(model: LlamaForCausalLM) -> list[SampleRecord]:
+    raw = [
+        sample("e0#0", [1, 5, 6, 7, 8, 9], [0, 0, 1, 1, 0, 1], +1.0),
+        sample("e1#0", [1, 5, 10, 11, 12], [0, 0, 1, 1, 1], -1.0),
+        sample("e2#0", [1, 3, 4, 20, 21, 22, 23, 24, 25], [0, 0, 0, 1, 1, 1, 0, 1, 1], +0.5),
+        sample("e3#0", [1, 30, 31], [0, 1, 1], -0.5),
+    ]
+    return [on_policy(model, s) for s in raw]
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo"])
+def test_update_raises_positive_and_lowers_negative_actions(loss: str) -> None:
+    model = micro_model()
+    samples = batch(model)
+    before = [action_logprob(model, s) for s in samples]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    settings = UpdateSettings(loss=LossSettings(name=loss), normaliser=16.0)
+    stats = grpo_update(model, None, optimizer, samples, settings)
+    after = [action_logprob(model, s) for s in samples]
+    assert after[0] > before[0] and after[2] > before[2]  # positive advantage
+    assert after[1] < before[1] and after[3] < before[3]  # negative advantage
+    assert stats.ratio_mean == pytest.approx(1.0, abs=1e-5)  # on-policy: ratio 1
+    assert stats.num_action_tokens == 13 and stats.num_samples == 4 and stats.grad_norm > 0
+
+
+def test_micro_batch_split_does_not_change_the_update() -> None:
+    base = micro_model()
+    samples = batch(base)
+    weights = []
+    for budget in (10_000, 9):  # everything at once, then one sample per micro-batch
+        model = copy.deepcopy(base)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        settings = UpdateSettings(max_tokens_per_microbatch=budget, max_grad_norm=1e9)
+        stats = grpo_update(model, None, optimizer, samples, settings)
+        weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+        assert stats.num_microbatches == (1 if budget > 100 else 4)
+    assert torch.allclose(weights[0], weights[1], atol=1e-6)
+    assert not torch.equal(weights[0], torch.cat([p.flatten() for p in base.parameters()]))
+
+
+def test_values_at_masked_positions_do_not_matter() -> None:
+    base = micro_model()
+    samples = batch(base)
+    noisy = [dataclasses.replace(
+        s,
+        advantages=tuple(a if m else 99.0 for a, m in zip(s.advantages, s.loss_mask, strict=True)),
+        sampler_logprobs=tuple(v if m else -500.0 for v, m in zip(s.sampler_logprobs, s.loss_mask, strict=True)),
+    ) for s in samples]
+    results = []
+    for data in (samples, noisy):
+        model = copy.deepcopy(base)
+        grpo_update(model, None, torch.optim.SGD(model.parameters(), lr=0.1), data, UpdateSettings())
+        results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert torch.equal(results[0], results[1])
+
+
+def test_sampling_temperature_is_used_for_the_ratio() -> None:
+    model = micro_model()
+    samples = [on_policy(model, s, temperature=0.7) for s in batch(model)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    at_sampling_t = grpo_update(model, None, optimizer, samples, UpdateSettings(temperature=0.7))
+    at_other_t = grpo_update(model, None, optimizer, samples, UpdateSettings(temperature=1.0))
+    assert at_sampling_t.ratio_mean == pytest.approx(1.0, abs=1e-5)
+    assert at_other_t.ratio_mean != pytest.approx(1.0, abs=1e-3)
+
+
+def test_no_action_tokens_means_no_step() -> None:
+    model = micro_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = grpo_update(model, None, torch.optim.SGD(model.parameters(), lr=1.0),
+                        [sample("e#0", [1, 2, 3], [0, 0, 0], 1.0)], UpdateSettings())
+    assert stats.num_action_tokens == 0 and stats.num_microbatches == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_pack_microbatches_respects_the_padded_budget() -> None:
+    samples = [sample(f"e{i}#0", [1] * n, [0] * n, 0.0) for i, n in enumerate([3, 9, 4, 5, 2, 12])]
+    batches = pack_microbatches(samples, max_tokens=10)
+    assert sorted(s.sample_id for b in batches for s in b) == sorted(s.sample_id for s in samples)
+    for b in batches:
+        longest = max(len(s.input_ids) for s in b)
+        assert len(b) * longest <= 10 or len(b) == 1
+    assert [len(b) for b in batches] == [1, 1, 2, 2]  # 12 | 9 | 5,4 | 3,2
+
+
+# ---------------------------------------------------------------- the stage (tiny HF model)
+
+
+def tiny_config(model_dir: Path, **train: object) -> RunConfig:
+    return parse_config({
+        "model": {"path": str(model_dir)},
+        "rollout": {"max_model_length": 256, "max_completion_tokens": 16},
+        "train": {"learning_rate": 1e-2, "lora_rank": 4, "lora_alpha": 8.0, "seed": 3, **train},
+    })
+
+
+def stage_samples(step: int) -> list[SampleRecord]:
+    rows = [
+        ([1, 17, 300, 301, 302, 2, 40, 41, 42], [0, 0, 1, 1, 1, 0, 0, 1, 1], 1.0),
+        ([1, 17, 500, 501, 2, 43, 44], [0, 0, 1, 1, 0, 1, 1], -1.0),
+        ([1, 18, 600, 601, 602, 603], [0, 0, 1, 1, 1, 1], 0.5),
+    ]
+    return [
+        dataclasses.replace(
+            sample(f"train/{step}/0/{i}#0", [t + step for t in ids], mask, adv,
+                   [-3.0 - 0.1 * k if m else 0.0 for k, m in enumerate(mask)]),
+            step=step,
+        )
+        for i, (ids, mask, adv) in enumerate(rows)
+    ]
+
+
+def write_samples(run_dir: Path, step: int) -> None:
+    RunFolder(run_dir).write_stage(sample_records_to_table(stage_samples(step)), step, "samples")
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_resume_from_checkpoint_equals_uninterrupted(tiny_model_dir: Path, tmp_path: Path) -> None:
+    config = tiny_config(tiny_model_dir)
+    run_dir = tmp_path / "run"
+    for step in (0, 1):  # each call loads the previous checkpoint from disk, as a resume does
+        write_samples(run_dir, step)
+        train_stage(config, run_dir, step)
+    folder = RunFolder(run_dir)
+    latest = latest_checkpoint(folder)
+    assert latest is not None and (latest.step, latest.policy_version) == (1, 2)
+    resumed, _ = load_policy_for_training(config, latest)
+
+    model, tokenizer = load_policy_for_training(config, None)  # one process, no disk between
+    optimizer = make_optimizer(model, config.train.learning_rate)
+    seed_everything(config.train.seed)
+    settings = UpdateSettings.from_config(config, tokenizer.pad_token_id)
+    for step in (0, 1):
+        grpo_update(model, None, optimizer, stage_samples(step), settings)
+    expected = trainable_state(model)
+    got = trainable_state(resumed)
+    assert set(got) == set(expected) and len(got) > 0
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+    result = folder.read_train_result(1)
+    assert result.policy_version == 2 and result.num_action_tokens > 0 and result.loss != 0.0
+
+
+def test_train_stage_is_deterministic_idempotent_and_recovers_train_json(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    config = tiny_config(tiny_model_dir, kl_coef=0.05)
+    states = []
+    for name in ("a", "b"):
+        write_samples(tmp_path / name, 0)
+        train_stage(config, tmp_path / name, 0)
+        checkpoint = latest_checkpoint(RunFolder(tmp_path / name))
+        states.append(trainable_state(load_policy_for_training(config, checkpoint)[0]))
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    folder = RunFolder(tmp_path / "a")
+    first = folder.read_train_result(0)
+    assert first.kl == pytest.approx(0.0, abs=1e-6)  # LoRA starts at B = 0: policy == reference
+    # killed after the checkpoint was committed, before train.json: rewritten from it
+    folder.stage_path(0, "train").unlink()
+    checkpoint_files = sorted(p.stat().st_mtime_ns for p in folder.checkpoint_dir(0).iterdir())
+    train_stage(config, tmp_path / "a", 0)
+    assert folder.read_train_result(0) == first
+    assert sorted(p.stat().st_mtime_ns for p in folder.checkpoint_dir(0).iterdir()) == checkpoint_files
+
+
+def test_full_weight_training_and_checkpoint_pruning(tiny_model_dir: Path, tmp_path: Path) -> None:
+    config = tiny_config(tiny_model_dir, use_lora=False, learning_rate=1e-3, keep_checkpoints=1)
+    run_dir = tmp_path / "run"
+    for step in (0, 1):
+        write_samples(run_dir, step)
+        train_stage(config, run_dir, step)
+    folder = RunFolder(run_dir)
+    assert [s for s, _ in folder.checkpoints()] == [1]  # step 0 pruned
+    latest = latest_checkpoint(folder)
+    assert latest is not None and not latest.use_lora
+    ref = policy_model_ref(config, latest)
+    assert ref.path == str(latest.path) and ref.adapter is None
+    trained, _ = load_policy_for_training(config, latest)
+    base, _ = load_policy_for_training(config, None)
+    changed = [n for n, p in trained.named_parameters()
+               if not torch.equal(p, dict(base.named_parameters())[n])]
+    assert changed, "full-weight training changed no weight"
+
+
+def test_lora_reference_is_the_adapter_switched_off(tiny_model_dir: Path) -> None:
+    config = tiny_config(tiny_model_dir)
+    model, _ = load_policy_for_training(config, None)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.5)  # make the adapter matter
+    ids = torch.tensor([[1, 17, 300, 301, 302]])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        policy = token_logprobs(model, ids, mask, 1.0)
+    reference = adapter_off_reference(model, 1.0)(ids, mask)
+    with model.disable_adapter(), torch.no_grad():
+        plain = token_logprobs(model, ids, mask, 1.0)
+    assert torch.equal(reference, plain)
+    assert not torch.allclose(reference, policy)
