@@ -1,12 +1,234 @@
-"""The ``rollflow`` command line (subcommands are added by each area)."""
+"""The ``rollflow`` command line: one small function per subcommand, in a table.
+
+Each subcommand is a ``Command``: its name, a one-line help, a function that adds its
+arguments to an ``argparse`` parser, and a function that runs it and returns the exit
+status. ``register`` adds one to ``COMMANDS``; ``main`` builds the parser from the table,
+so adding ``train``, ``resume``, ``eval``, ``sft`` or ``env`` (with its own ``new``
+sub-parser) is one ``register(Command(...))`` each.
+
+Errors a user can fix (a bad path, bad SQL, a refused write, a missing episode) print one
+line to stderr and exit 1; argparse's usage errors exit 2; anything else is a bug and
+keeps its traceback.
+"""
 
 from __future__ import annotations
 
+import argparse
+import csv
+import json
+import math
 import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from storage.errors import StorageError
+from storage.query import describe_views, open_run_sql, run_query
+from storage.runs import age_text, list_runs
+from storage.transcript import render_episode
+
+
+class UserError(Exception):
+    """A problem the user can fix; printed as one line, no traceback."""
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def register(command: Command) -> Command:
+    if command.name in COMMANDS:
+        raise ValueError(f"rollflow subcommand {command.name!r} is registered twice")
+    COMMANDS[command.name] = command
+    return command
+
+
+# ---------------------------------------------------------------- output formatting
+
+_MAX_CELL = 80
+
+
+def _cell_text(value: Any) -> str:
+    if value is None:
+        return "NULL"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, list | dict | tuple):
+        return json.dumps(value, ensure_ascii=False, default=str)
+    return str(value)
+
+
+def _clip(text: str) -> str:
+    text = text.replace("\n", "\\n")
+    return text if len(text) <= _MAX_CELL else text[: _MAX_CELL - 1] + "…"
+
+
+def format_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Aligned text: numbers to the right, long or multi-line cells clipped."""
+    cells = [[_clip(_cell_text(v)) for v in row] for row in rows]
+    widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
+    numeric = [
+        bool(rows) and all(isinstance(r[i], int | float) or r[i] is None for r in rows)
+        for i in range(len(columns))
+    ]
+
+    def line(values: Sequence[str]) -> str:
+        parts = [
+            v.rjust(w) if num else v.ljust(w)
+            for v, w, num in zip(values, widths, numeric, strict=True)
+        ]
+        return "  ".join(parts).rstrip()
+
+    out = [line(list(columns)), "  ".join("-" * w for w in widths)]
+    out.extend(line(r) for r in cells)
+    out.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
+    return "\n".join(out) + "\n"
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list | tuple):
+        return [_json_value(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    return value
+
+
+def _csv_value(value: Any) -> Any:
+    """NULL is an empty field; nested values are JSON text; the rest as Python writes them."""
+    if value is None:
+        return ""
+    return _cell_text(value) if isinstance(value, list | dict | tuple) else value
+
+
+def write_csv(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    writer = csv.writer(sys.stdout, lineterminator="\n")
+    writer.writerow(columns)
+    writer.writerows([_csv_value(v) for v in row] for row in rows)
+
+
+def write_json(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    records = [{c: _json_value(v) for c, v in zip(columns, row, strict=True)} for row in rows]
+    json.dump(records, sys.stdout, ensure_ascii=False, default=str, indent=1)
+    sys.stdout.write("\n")
+
+
+# ---------------------------------------------------------------- sql, show, runs
+
+
+def _sql_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", help="a run folder, or a quoted glob of them ('runs/*')")
+    parser.add_argument("query", nargs="?", help="one read-only SQL statement; omit to list views")
+    parser.add_argument("--format", choices=("table", "csv", "json"), default="table")
+
+
+def _list_views(con: duckdb.DuckDBPyConnection) -> None:
+    for view, columns in describe_views(con).items():
+        counted = con.execute(f"SELECT count(*) FROM {view}").fetchone()
+        print(f"{view} ({counted[0] if counted else 0} rows)")
+        width = max(len(name) for name, _ in columns)
+        for name, kind in columns:
+            print(f"  {name.ljust(width)}  {kind}")
+        print()
+
+
+def run_sql(args: argparse.Namespace) -> int:
+    con = open_run_sql(args.run_dir)
+    try:
+        if args.query is None:
+            _list_views(con)
+            return 0
+        columns, rows = run_query(con, args.query)
+    finally:
+        con.close()
+    if args.format == "csv":
+        write_csv(columns, rows)
+    elif args.format == "json":
+        write_json(columns, rows)
+    else:
+        sys.stdout.write(format_table(columns, rows))
+    return 0
+
+
+def _show_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", help="the run folder")
+    parser.add_argument("episode_id", help="e.g. train/3/0/1 (see: rollflow sql RUN_DIR)")
+
+
+def run_show(args: argparse.Namespace) -> int:
+    sys.stdout.write(render_episode(args.run_dir, args.episode_id))
+    return 0
+
+
+def _runs_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--runs-dir", default="runs", help="the folder holding run folders")
+
+
+def run_runs(args: argparse.Namespace) -> int:
+    if not Path(args.runs_dir).is_dir():
+        raise UserError(f"{args.runs_dir}: no such folder (pass --runs-dir)")
+    statuses = list_runs(args.runs_dir)
+    if not statuses:
+        print(f"no runs in {args.runs_dir}")
+        return 0
+    columns = ["run", "status", "last finished step", "checkpoint", "updated", "notes"]
+    rows = []
+    for s in statuses:
+        notes = [s.config_problem] if s.config_problem else []
+        if s.temporaries:
+            notes.append(f"{s.temporaries} half-written file(s) to discard on resume")
+        finished, checkpoint = s.last_finished_step, s.latest_checkpoint
+        rows.append(
+            [s.run_id, s.describe(), "-" if finished is None else str(finished),
+             "-" if checkpoint is None else str(checkpoint), age_text(s.updated), "; ".join(notes)]
+        )
+    sys.stdout.write(format_table(columns, rows))
+    return 0
+
+
+register(Command("sql", "query a run's episodes, scores, samples and steps (read-only)", _sql_arguments, run_sql))
+register(Command("show", "print one episode as a readable transcript", _show_arguments, run_show))
+register(Command("runs", "list runs with their status and last finished step", _runs_arguments, run_runs))
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rollflow", description="Multi-turn GRPO for tool-use agents over Parquet run folders."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for command in COMMANDS.values():
+        command.add_arguments(sub.add_parser(command.name, help=command.help, description=command.help))
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    raise SystemExit("rollflow: the command line is being built")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return COMMANDS[args.command].run(args)
+    except (UserError, StorageError) as exc:
+        print(f"rollflow {args.command}: {exc}".splitlines()[0], file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `rollflow sql ... | head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":
