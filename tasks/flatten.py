@@ -30,6 +30,12 @@ from pathlib import Path
 
 from envs.episode import ActionTokens
 from storage.records import EpisodeRecord, SampleRecord, ScoreRecord
+from storage.runfolder import RunFolder
+from storage.schemas import (
+    sample_records_to_table,
+    table_to_episode_records,
+    table_to_score_records,
+)
 from tasks.config import RunConfig
 
 
@@ -115,3 +121,20 @@ def flatten_episodes(
     for episode in episodes:
         samples.extend(flatten_episode_to_samples(episode, by_id[episode.episode_id]))
     return samples
+
+
+def flatten_stage(config: RunConfig, run_dir: Path, step: int) -> Path:
+    """Flatten step ``step``'s scored training episodes into ``samples.parquet``.
+
+    ``config`` is taken for the uniform stage signature; flattening has no settings (what
+    is trained was decided by scoring). A finished output is returned as is; a step with
+    nothing to train writes an empty table, so the stage still counts as done.
+    """
+    folder = RunFolder(run_dir)
+    done = folder.stage_output(step, "samples")
+    if done is not None:
+        return done
+    episodes = table_to_episode_records(folder.read_stage(step, "episodes"))
+    scores = table_to_score_records(folder.read_stage(step, "scores"))
+    samples = flatten_episodes(episodes, scores)
+    return folder.write_stage(sample_records_to_table(samples), step, "samples")

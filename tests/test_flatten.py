@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from envs.episode import ActionTokens, EpisodeRollout
 from envs.types import TruncationCause
 from storage.records import EpisodeRecord, ScoreRecord
-from tasks.flatten import FlattenError, flatten_episode_to_samples, flatten_episodes
+from storage.runfolder import RunFolder
+from storage.schemas import episode_records_to_table, score_records_to_table, table_to_sample_records
+from tasks.config import RunConfig
+from tasks.flatten import FlattenError, flatten_episode_to_samples, flatten_episodes, flatten_stage
 
 
 def action(prompt: tuple[int, ...], tokens: tuple[int, ...], *, reset: bool = False) -> ActionTokens:
@@ -107,3 +111,29 @@ def test_samples_are_frozen_records() -> None:
     [sample] = flatten_episode_to_samples(episode((action((1,), (2,)),)), score())
     with pytest.raises(dataclasses.FrozenInstanceError):
         sample.step = 3  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------- the stage
+
+
+def test_flatten_stage_writes_samples_of_trained_episodes_only(tmp_path: Path) -> None:
+    a = episode((action((1, 2), (3, 4)), action((5,), (6,))), "train/0/0/0")
+    b = episode((action((1, 2), (7,)),), "train/0/0/1")
+    folder = RunFolder(tmp_path)
+    folder.write_stage(episode_records_to_table([a, b]), 0, "episodes")
+    folder.write_stage(score_records_to_table([score(a.episode_id, 0.25), score(b.episode_id, trained=False)]), 0, "scores")
+    path = flatten_stage(RunConfig(), tmp_path, 0)
+    [sample] = table_to_sample_records(folder.read_stage(0, "samples"))
+    assert sample.input_ids == (1, 2, 3, 4, 5, 6) and sample.loss_mask == (0, 0, 1, 1, 0, 1)
+    assert sample.advantages == (0.0, 0.0, 0.25, 0.25, 0.0, 0.25)
+    assert sample.sampler_logprobs == pytest.approx((0.0, 0.0, -0.1, -0.2, 0.0, -0.1))
+    assert flatten_stage(RunConfig(), tmp_path, 0) == path  # finished: returned as is
+
+
+def test_flatten_stage_with_nothing_to_train_writes_an_empty_table(tmp_path: Path) -> None:
+    a = episode((action((1,), (2,)),))
+    folder = RunFolder(tmp_path)
+    folder.write_stage(episode_records_to_table([a]), 0, "episodes")
+    folder.write_stage(score_records_to_table([score(trained=False)]), 0, "scores")
+    flatten_stage(RunConfig(), tmp_path, 0)
+    assert folder.read_stage(0, "samples").num_rows == 0

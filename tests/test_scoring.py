@@ -1,0 +1,236 @@
+"""Scoring: penalties, parse failures, group baselines and advantages by hand; the stage."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from envs.episode import ActionTokens, EpisodeRollout
+from envs.hooks import EnvironmentMultiTurn
+from envs.runner import EpisodeScore, handle_from_hook
+from envs.types import (
+    EnvironmentEpisode,
+    EnvironmentStepResult,
+    Message,
+    RewardResult,
+    TaskExample,
+    TruncationCause,
+)
+from storage.records import EpisodeRecord
+from storage.runfolder import RunFolder
+from storage.schemas import episode_records_to_table, table_to_score_records
+from tasks.config import parse_config
+from tasks.scoring import (
+    ScoringError,
+    ScoringSettings,
+    overlong_penalty,
+    score_episodes_to_records,
+    score_stage,
+)
+
+EPS = 1e-6
+
+
+def rollout(
+    cause: TruncationCause | None = None, *, error: str | None = None, tokens: int = 0,
+    text: str = "done",
+) -> EpisodeRollout:
+    actions = (ActionTokens(tuple(range(tokens - 1)), False, (7,), (-0.5,), "stop"),) if tokens else ()
+    return EpisodeRollout(
+        messages=({"role": "user", "content": "q"}, {"role": "assistant", "content": text}),
+        response_text=text, turns=1,
+        terminated=cause is None and error is None, truncated=cause is not None,
+        truncation_cause=cause, error=error, actions=actions,
+    )
+
+
+def episode(r: EpisodeRollout, task: int = 0, index: int = 0, split: str = "train") -> EpisodeRecord:
+    group = f"{split}/0/{task}"
+    return EpisodeRecord("run", 0, split, f"task-{task}", group, f"{group}/{index}", index, r)
+
+
+def group(*rollouts: EpisodeRollout, task: int = 0) -> list[EpisodeRecord]:
+    return [episode(r, task, i) for i, r in enumerate(rollouts)]
+
+
+def env_score(reward: float, threshold: float | None = None, error: str | None = None) -> EpisodeScore:
+    return EpisodeScore(reward=reward, threshold=threshold, components={"r": reward}, error=error)
+
+
+# ---------------------------------------------------------------- the soft overlong penalty
+
+
+@pytest.mark.parametrize(
+    ("cause", "tokens", "buffer", "expected"),
+    [
+        (TruncationCause.MAX_TURNS, 1500, None, -1500 / 2048),  # ramp over the whole budget
+        (TruncationCause.MAX_TURNS, 1500, 512, 0.0),  # 1500 < 2048 - 512: outside the buffer
+        (TruncationCause.MAX_TURNS, 1800, 512, -(1800 - 1536) / 512),
+        (TruncationCause.MAX_TURNS, 4000, 512, -1.0),  # capped at the factor
+        (TruncationCause.CONTEXT_OVERFLOW, 10, 512, -1.0),  # the budget was spent: full penalty
+        (TruncationCause.ENV, 2000, None, 0.0),  # never for env truncations
+        (TruncationCause.PARSE_FAILURE, 2000, None, 0.0),  # nor parse failures
+        (None, 2000, None, 0.0),  # nor terminated episodes
+    ],
+)
+def test_soft_overlong_penalty(cause: TruncationCause | None, tokens: int, buffer: int | None, expected: float) -> None:
+    settings = ScoringSettings(max_model_length=2048, overlong_buffer_tokens=buffer)
+    assert overlong_penalty(rollout(cause, tokens=tokens), settings) == pytest.approx(expected)
+
+
+def test_overlong_penalty_factor_scales_it() -> None:
+    settings = ScoringSettings(max_model_length=1000, overlong_penalty_factor=0.25)
+    assert overlong_penalty(rollout(TruncationCause.CONTEXT_OVERFLOW), settings) == pytest.approx(-0.25)
+
+
+# ---------------------------------------------------------------- rewards and advantages
+
+
+def test_group_relative_advantages_scaled_by_std() -> None:
+    eps = group(rollout(), rollout(), rollout(), rollout())
+    records = score_episodes_to_records(eps, [env_score(r) for r in (1.0, 0.0, 1.0, 0.0)], ScoringSettings())
+    assert [r.group_mean for r in records] == [0.5] * 4
+    assert records[0].group_std == pytest.approx(0.5)  # population std
+    assert [r.advantage for r in records] == pytest.approx([0.5 / (0.5 + EPS), -0.5 / (0.5 + EPS)] * 2)
+    assert all(r.trained and not r.zero_variance and r.group_size == 4 for r in records)
+    assert [r.components for r in records][0] == {"r": 1.0}
+
+
+def test_mean_centred_only_without_std_scaling() -> None:
+    eps = group(rollout(), rollout(), rollout())
+    settings = ScoringSettings(scale_advantages_by_std=False)
+    records = score_episodes_to_records(eps, [env_score(r) for r in (3.0, 0.0, 0.0)], settings)
+    assert [r.advantage for r in records] == pytest.approx([2.0, -1.0, -1.0])
+
+
+def test_parse_failure_gets_failed_parse_reward_and_overlong_gets_penalty() -> None:
+    eps = group(
+        rollout(TruncationCause.PARSE_FAILURE, tokens=2000),
+        rollout(TruncationCause.CONTEXT_OVERFLOW, tokens=100),
+        rollout(TruncationCause.ENV, tokens=2000),
+        rollout(),
+    )
+    settings = ScoringSettings(failed_parse_reward=-0.1, max_model_length=2048, overlong_penalty_factor=0.5)
+    records = score_episodes_to_records(eps, [env_score(0.7)] * 4, settings)
+    assert [r.reward for r in records] == [0.7] * 4  # the environment's own reward is kept
+    assert [r.overlong_penalty for r in records] == pytest.approx([0.0, -0.5, 0.0, 0.0])
+    assert [r.final_reward for r in records] == pytest.approx([-0.1, 0.2, 0.7, 0.7])
+    finals = [-0.1, 0.2, 0.7, 0.7]
+    mean = sum(finals) / 4
+    std = math.sqrt(sum((f - mean) ** 2 for f in finals) / 4)
+    assert records[0].group_mean == pytest.approx(mean) and records[0].group_std == pytest.approx(std)
+    assert records[1].advantage == pytest.approx((0.2 - mean) / (std + EPS))
+
+
+def test_errored_episodes_leave_the_baseline_and_are_never_trained() -> None:
+    eps = group(rollout(), rollout(), rollout(error="RuntimeError: boom"), rollout())
+    scores = [env_score(1.0), env_score(0.0), env_score(0.0, error="not scored"), env_score(0.0, error="Scorer: bad")]
+    records = score_episodes_to_records(eps, scores, ScoringSettings(scale_advantages_by_std=False))
+    assert records[0].group_size == 2 and records[0].group_mean == pytest.approx(0.5)
+    assert [r.advantage for r in records] == pytest.approx([0.5, -0.5, 0.0, 0.0])
+    assert [r.trained for r in records] == [True, True, False, False]
+    assert [r.passed for r in records] == [True, False, False, False]
+    assert records[2].scoring_error == "not scored" and records[3].scoring_error == "Scorer: bad"
+
+
+def test_overlong_masking_keeps_truncated_rewards_in_the_baseline() -> None:
+    eps = group(rollout(), rollout(TruncationCause.MAX_TURNS), rollout(TruncationCause.ENV))
+    settings = ScoringSettings(overlong_masking=True, scale_advantages_by_std=False)
+    records = score_episodes_to_records(eps, [env_score(r) for r in (1.0, 0.0, 0.5)], settings)
+    assert records[0].group_mean == pytest.approx(0.5) and records[0].group_size == 3
+    assert records[0].advantage == pytest.approx(0.5)
+    assert [r.trained for r in records] == [True, False, False]  # truncated of any cause
+
+
+def test_zero_variance_groups_are_marked_and_skipped_only_with_dynamic_sampling() -> None:
+    eps = group(rollout(), rollout()) + group(rollout(), rollout(), task=1)
+    scores = [env_score(1.0), env_score(1.0), env_score(1.0), env_score(0.0)]
+    plain = score_episodes_to_records(eps, scores, ScoringSettings())
+    assert [r.zero_variance for r in plain] == [True, True, False, False]
+    assert [r.advantage for r in plain[:2]] == [0.0, 0.0]
+    assert all(r.trained for r in plain)
+    dynamic = score_episodes_to_records(eps, scores, ScoringSettings(dynamic_sampling=True))
+    assert [r.trained for r in dynamic] == [False, False, True, True]
+
+
+def test_group_of_one_is_zero_variance() -> None:
+    [record] = score_episodes_to_records(group(rollout()), [env_score(1.0)], ScoringSettings())
+    assert record.zero_variance and record.advantage == 0.0 and record.group_size == 1
+
+
+def test_passed_uses_the_threshold_else_positive_reward() -> None:
+    eps = group(rollout(), rollout(), rollout())
+    scores = [env_score(0.5, threshold=0.5), env_score(0.4, threshold=0.5), env_score(0.1)]
+    assert [r.passed for r in score_episodes_to_records(eps, scores, ScoringSettings())] == [True, False, True]
+
+
+def test_records_keep_input_order_and_lengths_must_match() -> None:
+    eps = group(rollout(), rollout(), task=1) + group(rollout(), rollout(), task=0)
+    records = score_episodes_to_records(eps, [env_score(r) for r in (1, 0, 0, 1)], ScoringSettings())
+    assert [r.episode_id for r in records] == [e.episode_id for e in eps]
+    with pytest.raises(ScoringError, match="3 episodes but 2 scores"):
+        score_episodes_to_records(eps[:3], [env_score(0.0)] * 2, ScoringSettings())
+
+
+# ---------------------------------------------------------------- the stage
+
+
+class AnswerEnv(EnvironmentMultiTurn):
+    """Scores 1 when the answer says 42; counts how often the group scorer is called."""
+
+    dataset = [{"input": "the answer?", "id": "task-0"}, {"input": "again?", "id": "task-1"}]
+    group_calls = 0
+
+    def start_episode(self, example: TaskExample, prompt_text: str) -> list[Message]:
+        return [{"role": "user", "content": prompt_text}]
+
+    def max_episode_turns(self, example: TaskExample) -> int:
+        return 1
+
+    def step_episode(self, example: TaskExample, messages: list[Message], assistant_response: str) -> EnvironmentStepResult:
+        return EnvironmentStepResult(done=True)
+
+    def score_episode(self, example: TaskExample, episode: EnvironmentEpisode) -> RewardResult:
+        return RewardResult(score=1.0 if "42" in episode.response_text else 0.0, threshold=1.0)
+
+    def score_episodes(self, example: TaskExample, episodes: list[EnvironmentEpisode]) -> list[RewardResult]:
+        type(self).group_calls += 1
+        return [self.score_episode(example, e) for e in episodes]
+
+
+def load_environment() -> AnswerEnv:
+    return AnswerEnv()
+
+
+def write_episodes(run_dir: Path, split: str = "train") -> list[EpisodeRecord]:
+    eps = [
+        episode(rollout(text="42"), 0, 0, split), episode(rollout(text="7"), 0, 1, split),
+        episode(rollout(text="42"), 1, 0, split), episode(rollout(TruncationCause.PARSE_FAILURE), 1, 1, split),
+    ]
+    RunFolder(run_dir).write_stage(episode_records_to_table(eps), 0, "episodes", split)
+    return eps
+
+
+@pytest.mark.parametrize("split", ["train", "validation"])
+def test_score_stage_scores_each_group_once_and_writes_scores(tmp_path: Path, split: str) -> None:
+    config = parse_config({"env": {"name": f"{__name__}:load_environment"}})
+    eps = write_episodes(tmp_path, split)
+    AnswerEnv.group_calls = 0
+    path = score_stage(config, tmp_path, 0, split)
+    assert AnswerEnv.group_calls == 2
+    records = table_to_score_records(RunFolder(tmp_path).read_stage(0, "scores", split))
+    assert [r.episode_id for r in records] == [e.episode_id for e in eps]
+    assert [r.final_reward for r in records] == pytest.approx([1.0, 0.0, 1.0, -0.1])
+    assert [r.passed for r in records] == [True, False, True, False]
+    assert score_stage(config, tmp_path, 0, split) == path  # finished: not scored again
+    assert AnswerEnv.group_calls == 2
+
+
+def test_score_stage_accepts_a_prebuilt_handle_and_names_unknown_tasks(tmp_path: Path) -> None:
+    write_episodes(tmp_path)
+    env = AnswerEnv()
+    env.dataset = [{"input": "other", "id": "task-9"}]
+    with pytest.raises(ScoringError, match="task 'task-0' is not among the environment's train tasks"):
+        score_stage(parse_config({}), tmp_path, 0, "train", handle=handle_from_hook(env))
