@@ -1,0 +1,115 @@
+"""The batched decoding loop on a tiny real model: logprobs, budgets, stops, seeds, deadlines."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from policy.generation import GenerationOutput, GenerationRequest, generate_batch
+from policy.models import ModelRef, load_causal_lm
+from policy.sampling import sampling_logprobs
+
+PROMPTS = ["hello there", "a", "one two three four five six seven eight", "tools, tokens"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    return load_causal_lm(ModelRef(path=str(tiny_model_dir)))
+
+
+def requests_for(
+    tokenizer: PreTrainedTokenizerBase, max_new: list[int], seed: int = 0
+) -> list[GenerationRequest]:
+    return [
+        GenerationRequest(tuple(tokenizer.encode(text)), new, seed + index)
+        for index, (text, new) in enumerate(zip(PROMPTS, max_new, strict=True))
+    ]
+
+
+def run(model: PreTrainedModel, requests: list[GenerationRequest], **overrides: object) -> list[GenerationOutput]:
+    options: dict = {"temperature": 1.0, "top_p": 1.0, "stop_token_ids": {2}, "pad_token_id": 2}
+    options.update(overrides)
+    return generate_batch(model, requests, **options)
+
+
+def test_logprobs_are_those_of_the_sampled_distribution_under_a_forward_pass(
+    tiny: tuple[PreTrainedModel, PreTrainedTokenizerBase],
+) -> None:
+    model, tokenizer = tiny
+    requests = requests_for(tokenizer, [12, 5, 20, 9])
+    outputs = run(model, requests, temperature=0.7, top_p=0.9)
+    for request, output in zip(requests, outputs, strict=True):
+        assert len(output.token_ids) == request.max_new_tokens  # a random model rarely stops
+        ids_T = torch.tensor(request.context_ids + output.token_ids)
+        with torch.no_grad():
+            logits_TV = model(ids_T[None]).logits[0]
+        start = len(request.context_ids) - 1  # logits at t predict token t + 1
+        expected_TV = sampling_logprobs(logits_TV[start : start + len(output.token_ids)], 0.7, 0.9)
+        expected_T = expected_TV.gather(-1, torch.tensor(output.token_ids)[:, None]).squeeze(-1)
+        assert torch.allclose(torch.tensor(output.logprobs), expected_T, atol=1e-4)
+        assert all(math.isfinite(logprob) for logprob in output.logprobs)
+
+
+def test_greedy_decoding_matches_hf_generate(
+    tiny: tuple[PreTrainedModel, PreTrainedTokenizerBase],
+) -> None:
+    model, tokenizer = tiny
+    requests = requests_for(tokenizer, [10, 10, 10, 10])
+    outputs = run(model, requests, temperature=0.0)
+    for request, output in zip(requests, outputs, strict=True):
+        generated = model.generate(
+            torch.tensor([request.context_ids]),
+            max_new_tokens=10,
+            do_sample=False,
+            eos_token_id=2,
+            pad_token_id=2,
+        )
+        expected = generated[0, len(request.context_ids) :].tolist()
+        assert list(output.token_ids) == expected
+        assert output.logprobs == (0.0,) * 10
+
+
+def test_a_row_stops_at_a_stop_token_and_the_others_go_on(
+    tiny: tuple[PreTrainedModel, PreTrainedTokenizerBase],
+) -> None:
+    model, tokenizer = tiny
+    requests = requests_for(tokenizer, [8, 8, 8, 8])
+    free = run(model, requests)
+    stop = free[2].token_ids[3]  # make row 2's fourth token a stop token: same seeds, same draws
+    assert stop not in free[2].token_ids[:3]
+    outputs = run(model, requests, stop_token_ids={stop})
+    assert outputs[2].token_ids == free[2].token_ids[:4] and outputs[2].stopped
+    for before, after in zip(free, outputs, strict=True):
+        cut = before.token_ids.index(stop) + 1 if stop in before.token_ids else 8
+        assert after.token_ids == before.token_ids[:cut]
+
+
+def test_samples_do_not_depend_on_the_batch_and_follow_the_seed(
+    tiny: tuple[PreTrainedModel, PreTrainedTokenizerBase],
+) -> None:
+    model, tokenizer = tiny
+    requests = requests_for(tokenizer, [15, 6, 15, 11])
+    batched = run(model, requests)
+    alone = [run(model, [request])[0] for request in requests]
+    assert [o.token_ids for o in batched] == [o.token_ids for o in alone]
+    reseeded = run(model, requests_for(tokenizer, [15, 6, 15, 11], seed=100))
+    assert all(a.token_ids != b.token_ids for a, b in zip(batched, reseeded, strict=True))
+
+
+def test_past_the_deadline_nothing_is_returned(
+    tiny: tuple[PreTrainedModel, PreTrainedTokenizerBase],
+) -> None:
+    model, tokenizer = tiny
+    outputs = run(model, requests_for(tokenizer, [50, 50, 50, 50]), timeout_s=1e-9)
+    assert all(o.timed_out and o.token_ids == () and o.logprobs == () for o in outputs)
+
+
+def test_requests_are_checked() -> None:
+    with pytest.raises(ValueError, match="at least one context token"):
+        GenerationRequest((), 5, 0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        GenerationRequest((1,), 0, 0)
