@@ -111,7 +111,9 @@ def load_policy_for_training(
             model = model.merge_and_unload()
         model.requires_grad_(True)
     if config.train.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        # transformers 5.2x renamed it; the old name still works but warns
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        (enable or model.gradient_checkpointing_enable)()
         if config.train.use_lora:
             model.enable_input_require_grads()
     return model, tokenizer

@@ -240,7 +240,9 @@ def train_stage(config: RunConfig, run_dir: Path, step: int) -> Path:
         return folder.stage_path(step, "train")
     committed = latest_checkpoint(folder, before_step=step + 1)
     if committed is not None and committed.step == step:
-        return folder.write_train_result(checkpoint_train_result(committed))
+        path = folder.write_train_result(checkpoint_train_result(committed))
+        prune_checkpoints(folder, config.train.keep_checkpoints)
+        return path
     timings: dict[str, float] = {}
     clock = time.perf_counter()
     previous = latest_checkpoint(folder, before_step=step)

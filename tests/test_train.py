@@ -272,3 +272,16 @@ def test_lora_reference_is_the_adapter_switched_off(tiny_model_dir: Path) -> Non
         plain = token_logprobs(model, ids, mask, 1.0)
     assert torch.equal(reference, plain)
     assert not torch.allclose(reference, policy)
+
+
+@pytest.mark.parametrize("use_lora", [True, False])
+def test_gradient_checkpointing_still_trains(tiny_model_dir: Path, use_lora: bool) -> None:
+    config = tiny_config(tiny_model_dir, gradient_checkpointing=True, use_lora=use_lora)
+    model, tokenizer = load_policy_for_training(config, None)
+    before = trainable_state(model)
+    optimizer = make_optimizer(model, config.train.learning_rate)
+    settings = UpdateSettings.from_config(config, tokenizer.pad_token_id)
+    stats = grpo_update(model, None, optimizer, stage_samples(0), settings)
+    after = trainable_state(model)
+    assert stats.grad_norm > 0
+    assert any(not torch.equal(before[k], after[k]) for k in before)
