@@ -36,7 +36,7 @@ import abc
 import asyncio
 import inspect
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
@@ -68,12 +68,17 @@ class EnvironmentMultiTurn(abc.ABC):
     @abc.abstractmethod
     def step_episode(
         self, example: TaskExample, messages: list[Message], assistant_response: str
-    ) -> EnvironmentStepResult:
-        """React to ``assistant_response``, already the last element of ``messages``."""
+    ) -> EnvironmentStepResult | Awaitable[EnvironmentStepResult]:
+        """React to ``assistant_response``, already the last element of ``messages``.
+
+        May be ``async def`` (hence the ``Awaitable`` in the type); the runner awaits it.
+        """
 
     @abc.abstractmethod
-    def score_episode(self, example: TaskExample, episode: EnvironmentEpisode) -> RewardResult:
-        """Grade one finished transcript."""
+    def score_episode(
+        self, example: TaskExample, episode: EnvironmentEpisode
+    ) -> RewardResult | Awaitable[RewardResult]:
+        """Grade one finished transcript. May be ``async def``."""
 
     def score_episodes(
         self, example: TaskExample, episodes: Sequence[EnvironmentEpisode]

@@ -15,6 +15,7 @@ a file system) and an episode must replay the same way every time.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Any
 
 from jsonschema import Draft202012Validator, validators
 from jsonschema.exceptions import SchemaError, best_match
+from jsonschema.protocols import Validator
 
 from envs.types import Message, Tool, ToolCall, ToolResult
 
@@ -88,17 +90,30 @@ def _argument_problem(tool: Tool, arguments: str) -> str | None:
         return f"arguments of {tool.name} are not valid JSON: {exc}"
     if not isinstance(value, dict):
         return f"arguments of {tool.name} must be a JSON object, got {type(value).__name__}"
-    try:
-        validator_class = validators.validator_for(tool.parameters_schema, default=Draft202012Validator)
-        validator_class.check_schema(tool.parameters_schema)
-        error = best_match(validator_class(tool.parameters_schema).iter_errors(value))
-    except SchemaError as exc:
-        return f"{tool.name} has an invalid parameters_schema (a bug in the tool): {exc.message}"
+    validator = _validator(json.dumps(tool.parameters_schema, sort_keys=True, default=repr))
+    if isinstance(validator, str):
+        return f"{tool.name} has an invalid parameters_schema (a bug in the tool): {validator}"
+    error = best_match(validator.iter_errors(value))
     if error is None:
         return None
     where = "/".join(str(part) for part in error.absolute_path)
     location = f" at {where!r}" if where else ""
     return f"arguments of {tool.name} do not match its schema{location}: {error.message}"
+
+
+@functools.lru_cache(maxsize=256)
+def _validator(schema_json: str) -> Validator | str:
+    """A validator for a schema (by its JSON text), or why the schema itself is invalid.
+
+    Cached: checking a schema and building its validator costs far more than validating.
+    """
+    schema = json.loads(schema_json)
+    validator_class = validators.validator_for(schema, default=Draft202012Validator)
+    try:
+        validator_class.check_schema(schema)
+    except SchemaError as exc:
+        return exc.message
+    return validator_class(schema)
 
 
 def _call_fields(call: ToolCall, index: int) -> tuple[str, str, str]:
