@@ -1,0 +1,312 @@
+"""The transformers policy: every waiting episode's next action in one batched generate call.
+
+Each episode opens a ``TransformersSession``. A session's ``act`` renders only what is
+new (the chat codec keeps the episode token-exact), checks the episode's context budget
+and queues a generation request. One scheduler task per busy policy collects the queue
+into a batch (once every open session has a request waiting, or a short window has
+passed), runs ``generate_batch`` in a worker thread so the event loop keeps stepping
+environments, and hands each session its tokens.
+
+Budgets, per the runner contract (envs/agent.py):
+- ``max_new_tokens = min(max_completion_tokens, max_model_length - len(context))``;
+- a context that leaves no room for a single token returns ``finish_reason="context"``
+  with no tokens (the prompt is never cut);
+- a generation that ends because the context budget ran out (not the per-action limit)
+  is ``"context"`` too; when both limits coincide the context is spent, so ``"context"``.
+
+Deadlines: with ``generation_timeout_s`` set, a row still generating when its batch's
+deadline passes is discarded (its tokens never leave this module) and queued again, up
+to ``max_sampling_attempts`` attempts in all; then ``act`` raises ``GenerationTimeoutError``
+and the runner records it on the episode.
+
+Simplifications, and why:
+- One batch runs at a time per policy: on a CPU the batch already uses every core, and a
+  second concurrent batch would only thrash. New requests wait for the next batch.
+- Weight swaps (``set_weights`` / ``load_adapter``) take the same lock as generation, so
+  a batch never mixes versions; the version number is read by the runner per episode.
+- A policy serves one event loop at a time (its scheduler task lives in that loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from envs.agent import FinishReason, PolicyAction
+from envs.types import Message, ToolSpec
+from policy.codec import ChatCodec, TokenState
+from policy.generation import GenerationOutput, GenerationRequest, generate_batch
+from policy.models import ModelRef, load_causal_lm
+from policy.sampling import SamplingSettings, request_seed
+
+_POLL_S = 0.002
+
+
+class GenerationTimeoutError(RuntimeError):
+    """Every allowed attempt at one action ran past the generation deadline."""
+
+
+@dataclass
+class _Pending:
+    """One queued request and the future its session awaits."""
+
+    session_id: int
+    turn: int
+    context_ids: tuple[int, ...]
+    max_new_tokens: int
+    future: asyncio.Future[tuple[GenerationOutput, int]]
+    attempt: int = 1
+
+
+@dataclass
+class _Stats:
+    """Counters for benchmarks and tests: batches run and their sizes."""
+
+    batch_sizes: list[int] = field(default_factory=list)
+    generated_tokens: int = 0
+
+
+class TransformersPolicy:
+    """A ``Policy`` (envs/agent.py) over a local transformers model."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        settings: SamplingSettings | None = None,
+        *,
+        version: int = 0,
+        batch_window_s: float = 0.05,
+        max_batch_size: int = 64,
+    ) -> None:
+        self.settings = settings or SamplingSettings()
+        _check_model_length(model, self.settings)
+        if batch_window_s < 0 or max_batch_size < 1:
+            raise ValueError(
+                f"batch_window_s must be >= 0 and max_batch_size >= 1, "
+                f"got {batch_window_s} and {max_batch_size}"
+            )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.codec = ChatCodec(tokenizer, stop_token_ids=_generation_stop_ids(model))
+        self.version = version
+        self.batch_window_s = batch_window_s
+        self.max_batch_size = max_batch_size
+        self.stats = _Stats()
+        self._pending: list[_Pending] = []
+        self._open_sessions = 0
+        self._session_ids = itertools.count()
+        self._scheduler: asyncio.Task[None] | None = None
+        self._model_lock = threading.Lock()
+
+    @classmethod
+    def from_ref(
+        cls,
+        model_ref: ModelRef,
+        settings: SamplingSettings | None = None,
+        *,
+        version: int = 0,
+        batch_window_s: float = 0.05,
+    ) -> TransformersPolicy:
+        """Load ``model_ref`` (default: the bundled SmolLM2) and wrap it."""
+        model, tokenizer = load_causal_lm(model_ref)
+        return cls(model, tokenizer, settings, version=version, batch_window_s=batch_window_s)
+
+    def open_session(self, tool_specs: Sequence[ToolSpec]) -> TransformersSession:
+        self._open_sessions += 1
+        return TransformersSession(self, next(self._session_ids), tuple(tool_specs))
+
+    # ------------------------------------------------------------ new policy versions
+
+    def set_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy (some of) the model's parameters in; unknown names are an error."""
+        with self._model_lock:
+            result = self.model.load_state_dict(dict(state_dict), strict=False)
+            if result.unexpected_keys:
+                raise KeyError(f"set_weights: unknown parameter names {result.unexpected_keys[:5]}")
+            self.version = version
+
+    def load_adapter(self, adapter_dir: str | Path, version: int) -> None:
+        """Act with the LoRA adapter in ``adapter_dir`` from now on (replaces the previous one)."""
+        from peft import PeftModel
+
+        if not (Path(adapter_dir) / "adapter_config.json").is_file():
+            raise FileNotFoundError(f"{adapter_dir} is not a peft adapter folder")
+        with self._model_lock:
+            name = f"v{version}"
+            if isinstance(self.model, PeftModel):
+                previous = self.model.active_adapter
+                self.model.load_adapter(str(adapter_dir), adapter_name=name)
+                self.model.set_adapter(name)
+                if previous != name:
+                    self.model.delete_adapter(previous)
+            else:
+                self.model = PeftModel.from_pretrained(self.model, str(adapter_dir), adapter_name=name)
+            self.model.eval()
+            self.version = version
+
+    # ------------------------------------------------------------ batching
+
+    async def _generate(
+        self, session_id: int, turn: int, context_ids: tuple[int, ...], max_new_tokens: int
+    ) -> tuple[GenerationOutput, int]:
+        """Queue one request; resolves to (output, attempts used)."""
+        loop = asyncio.get_running_loop()
+        if self._scheduler is not None and not self._scheduler.done():
+            if self._scheduler.get_loop() is not loop:
+                raise RuntimeError("a TransformersPolicy serves one event loop at a time")
+        pending = _Pending(session_id, turn, context_ids, max_new_tokens, loop.create_future())
+        self._pending.append(pending)
+        if self._scheduler is None or self._scheduler.done():
+            self._scheduler = loop.create_task(self._schedule())
+        return await pending.future
+
+    async def _schedule(self) -> None:
+        """Run batches until the queue is empty, then end (a new request starts a new task)."""
+        while self._pending:
+            await self._wait_for_batch()
+            batch = [p for p in self._pending[: self.max_batch_size] if not p.future.done()]
+            del self._pending[: self.max_batch_size]
+            if not batch:
+                continue
+            try:
+                outputs = await asyncio.to_thread(self._run_batch, batch)
+            except Exception as error:  # the model failed: every waiting episode learns why
+                for pending in batch:
+                    if not pending.future.done():
+                        pending.future.set_exception(error)
+                continue
+            for pending, output in zip(batch, outputs, strict=True):
+                self._deliver(pending, output)
+
+    async def _wait_for_batch(self) -> None:
+        started = time.monotonic()
+        while len(self._pending) < min(self._open_sessions, self.max_batch_size):
+            if time.monotonic() - started >= self.batch_window_s:
+                return
+            await asyncio.sleep(_POLL_S)
+
+    def _run_batch(self, batch: Sequence[_Pending]) -> list[GenerationOutput]:
+        requests = [
+            GenerationRequest(
+                context_ids=p.context_ids,
+                max_new_tokens=p.max_new_tokens,
+                seed=request_seed(self.settings.seed, p.session_id, p.turn, p.attempt),
+            )
+            for p in batch
+        ]
+        with self._model_lock:
+            outputs = generate_batch(
+                self.model,
+                requests,
+                temperature=self.settings.temperature,
+                top_p=self.settings.top_p,
+                stop_token_ids=self.codec.stop_token_ids,
+                pad_token_id=int(self.tokenizer.pad_token_id),
+                timeout_s=self.settings.generation_timeout_s,
+            )
+        self.stats.batch_sizes.append(len(batch))
+        self.stats.generated_tokens += sum(len(o.token_ids) for o in outputs)
+        return outputs
+
+    def _deliver(self, pending: _Pending, output: GenerationOutput) -> None:
+        if pending.future.done():  # the episode gave up waiting (cancelled)
+            return
+        if not output.timed_out:
+            pending.future.set_result((output, pending.attempt))
+        elif pending.attempt < self.settings.max_sampling_attempts:
+            pending.attempt += 1
+            self._pending.insert(0, pending)
+        else:
+            pending.future.set_exception(
+                GenerationTimeoutError(
+                    f"generation ran past its {self.settings.generation_timeout_s} s deadline "
+                    f"on all {pending.attempt} attempts (max_sampling_attempts="
+                    f"{self.settings.max_sampling_attempts}); the output was discarded"
+                )
+            )
+
+    def _session_closed(self) -> None:
+        self._open_sessions -= 1
+
+
+class TransformersSession:
+    """One episode's view of a ``TransformersPolicy`` (a ``PolicySession``)."""
+
+    def __init__(self, policy: TransformersPolicy, session_id: int, tool_specs: tuple[ToolSpec, ...]):
+        self._policy = policy
+        self._session_id = session_id
+        self._tool_specs = tool_specs
+        self._state: TokenState | None = None
+        self._turn = 0
+        self._closed = False
+
+    async def act(self, messages: Sequence[Message]) -> PolicyAction:
+        if self._closed:
+            raise RuntimeError("act() on a closed policy session")
+        started = time.perf_counter()
+        policy = self._policy
+        state, delta, reset = policy.codec.next_prompt(self._state, messages, self._tool_specs)
+        self._state = state
+        budget = policy.settings.max_model_length - len(state)
+        if budget <= 0:
+            return PolicyAction(  # not even one token fits: the prompt is never cut
+                text="",
+                prompt_delta_ids=delta,
+                reset=reset,
+                finish_reason="context",
+                latency_s=time.perf_counter() - started,
+                sampling_attempts=0,
+            )
+        max_new = min(policy.settings.max_completion_tokens, budget)
+        turn, self._turn = self._turn, self._turn + 1
+        output, attempts = await policy._generate(self._session_id, turn, state.token_ids, max_new)
+        self._state = policy.codec.record_action(state, output.token_ids)
+        return PolicyAction(
+            text=policy.codec.action_text(output.token_ids),
+            token_ids=output.token_ids,
+            logprobs=output.logprobs,
+            prompt_delta_ids=delta,
+            reset=reset,
+            finish_reason=_finish_reason(output, max_new, budget),
+            latency_s=time.perf_counter() - started,
+            sampling_attempts=attempts,
+        )
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._policy._session_closed()
+
+
+def _finish_reason(output: GenerationOutput, max_new: int, budget: int) -> FinishReason:
+    if output.stopped:
+        return "stop"
+    assert len(output.token_ids) == max_new, "a generation without a stop token spent its budget"
+    return "context" if max_new == budget else "length"
+
+
+def _generation_stop_ids(model: PreTrainedModel) -> list[int]:
+    """The end tokens the model's generation config declares (Qwen-style models have two)."""
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(token) for token in (eos if isinstance(eos, list) else [eos])]
+
+
+def _check_model_length(model: PreTrainedModel, settings: SamplingSettings) -> None:
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and settings.max_model_length > limit:
+        raise ValueError(
+            f"max_model_length={settings.max_model_length} exceeds the model's "
+            f"max_position_embeddings={limit}"
+        )
