@@ -234,6 +234,8 @@ def train_stage(config: RunConfig, run_dir: Path, step: int) -> Path:
 
     Idempotent: a finished step is returned as is; a step whose checkpoint was committed
     before a crash kept ``train.json`` from being written gets it from the checkpoint.
+    Every step makes a new policy version, even one with nothing to train (its weights
+    are then the previous version's), so step ``s`` always acts with version ``s``.
     """
     folder = RunFolder(run_dir)
     if folder.is_complete(step, "train"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import dataclasses
 from pathlib import Path
@@ -10,8 +11,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from envs.hooks import EnvironmentMultiTurn
+from envs.runner import EpisodeLimits, handle_from_hook, play_groups
+from envs.types import EnvironmentEpisode, EnvironmentStepResult, Message, RewardResult, TaskExample
 from policy.loss import LossSettings
-from storage.records import SampleRecord
+from policy.sampling import SamplingSettings
+from policy.transformers_backend import TransformersPolicy
+from storage.records import EpisodeRecord, SampleRecord, ScoreRecord
 from storage.runfolder import RunFolder
 from storage.schemas import sample_records_to_table
 from tasks.checkpoints import (
@@ -21,6 +27,7 @@ from tasks.checkpoints import (
     seed_everything,
 )
 from tasks.config import RunConfig, parse_config
+from tasks.flatten import flatten_episode_to_samples
 from tasks.train import (
     UpdateSettings,
     adapter_off_reference,
@@ -285,3 +292,64 @@ def test_gradient_checkpointing_still_trains(tiny_model_dir: Path, use_lora: boo
     after = trainable_state(model)
     assert stats.grad_norm > 0
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+# ---------------------------------------------------------------- sampler and trainer agree
+
+
+class TwoTurnChat(EnvironmentMultiTurn):
+    """Free text, two assistant turns, then done: enough context deltas to misalign."""
+
+    checks_tool_protocol = False
+    dataset = [{"input": "Say something.", "id": "t0"}, {"input": "And again.", "id": "t1"}]
+
+    def start_episode(self, example: TaskExample, prompt_text: str) -> list[Message]:
+        return [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt_text}]
+
+    def max_episode_turns(self, example: TaskExample) -> int:
+        return 2
+
+    def step_episode(self, example: TaskExample, messages: list[Message], assistant_response: str) -> EnvironmentStepResult:
+        done = sum(m["role"] == "assistant" for m in messages) >= 2
+        return EnvironmentStepResult(done=done, messages=() if done else ({"role": "user", "content": "More."},))
+
+    def score_episode(self, example: TaskExample, episode: EnvironmentEpisode) -> RewardResult:
+        return RewardResult(score=float(len(episode.response_text) % 2))
+
+
+def test_trainer_logprobs_match_the_sampler_on_flattened_episodes(tiny_model_dir: Path) -> None:
+    config = tiny_config(tiny_model_dir)
+    temperature = 0.8
+    model, tokenizer = load_policy_for_training(dataclasses.replace(
+        config, train=dataclasses.replace(config.train, use_lora=False)), None)
+    policy = TransformersPolicy(model, tokenizer, SamplingSettings(
+        temperature=temperature, max_completion_tokens=12, max_model_length=256, seed=5))
+    handle = handle_from_hook(TwoTurnChat())
+    items = handle.tasks("train")
+    groups = asyncio.run(play_groups(handle, items, 2, policy, EpisodeLimits(max_turns=2), concurrency=4))
+    samples = []
+    for task_index, (item, rollouts) in enumerate(zip(items, groups, strict=True)):
+        for index, r in enumerate(rollouts):
+            assert r.error is None and len(r.actions) == 2, r.error
+            gid = f"train/0/{task_index}"
+            record = EpisodeRecord("run", 0, "train", item.task_id, gid, f"{gid}/{index}", index, r)
+            score = ScoreRecord("run", 0, "train", item.task_id, gid, record.episode_id, 1.0, None, {},
+                                0.0, 1.0, True, 0.5, 0.5, 2, False, 1.0 if index else -1.0, True)
+            samples += flatten_episode_to_samples(record, score)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    settings = UpdateSettings(temperature=temperature, loss=LossSettings(clip_eps_low=0.01, clip_eps_high=0.01))
+    stats = grpo_update(model, None, optimizer, samples, settings)
+    assert stats.num_action_tokens > 20
+    assert stats.ratio_mean == pytest.approx(1.0, abs=1e-3)  # same tokens, same distribution
+    assert stats.clip_fraction == 0.0  # no token strays by even 1% from the sampler
+
+
+def test_step_with_nothing_to_train_still_makes_a_version(tiny_model_dir: Path, tmp_path: Path) -> None:
+    config = tiny_config(tiny_model_dir)
+    RunFolder(tmp_path).write_stage(sample_records_to_table([]), 0, "samples")
+    train_stage(config, tmp_path, 0)
+    result = RunFolder(tmp_path).read_train_result(0)
+    assert (result.num_samples, result.num_action_tokens, result.policy_version) == (0, 0, 1)
+    write_samples(tmp_path, 1)  # the next step resumes from the untrained version fine
+    train_stage(config, tmp_path, 1)
+    assert RunFolder(tmp_path).read_train_result(1).policy_version == 2
