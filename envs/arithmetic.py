@@ -10,16 +10,21 @@ every intermediate result at most ``MAX_MAGNITUDE``; a power whose result would 
 is refused before it is computed. Booleans and complex numbers are not numbers here.
 
 Every failure is an ``ExpressionError`` (a ``ValueError``), so a tool can turn it into
-``tool_error: ...`` with one ``except``.
+``tool_error: ...`` with one ``except``. ``CalculatorTool`` is that tool, shared by the
+bundled environments: it raises, and ``envs.tools.execute_tool_calls`` reports it.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import math
 import operator
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from envs.types import ToolResult
 
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 64
@@ -125,3 +130,26 @@ def _bounded(value: object) -> Number:
     if abs(value) > MAX_MAGNITUDE:
         raise ExpressionError(f"result too large (beyond 1e{round(math.log10(MAX_MAGNITUDE))})")
     return value
+
+
+class CalculatorTool:
+    """The ``calculator`` tool: ``{"expression": "..."}`` -> its value, via ``safe_eval``.
+
+    ``run`` takes parsed arguments (for writing expert transcripts without an event loop);
+    ``execute`` is the async ``Tool`` protocol method.
+    """
+
+    name = "calculator"
+    description = "Evaluate an arithmetic expression with + - * / // % ** and parentheses."
+    parameters_schema: dict[str, Any] = {
+        "type": "object",
+        "properties": {"expression": {"type": "string"}},
+        "required": ["expression"],
+        "additionalProperties": False,
+    }
+
+    def run(self, arguments: Mapping[str, Any]) -> str:
+        return format_number(safe_eval(arguments["expression"]))
+
+    async def execute(self, arguments: str) -> ToolResult:
+        return ToolResult(content=self.run(json.loads(arguments)))

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from envs.agent import Policy, PolicyAction, PolicySession
+from envs.checks import require_int
 from envs.episode import ActionTokens, EpisodeRollout
 from envs.types import Message, Split, Task, TaskExample, TruncationCause
 
@@ -48,8 +49,8 @@ class EpisodeLimits:
     max_turns: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_turns is not None and (isinstance(self.max_turns, bool) or self.max_turns < 1):
-            raise ValueError(f"max_turns must be a positive integer or None, got {self.max_turns!r}")
+        if self.max_turns is not None:
+            require_int("max_turns", self.max_turns, minimum=1)
 
 
 @dataclass(frozen=True)

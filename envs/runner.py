@@ -28,9 +28,16 @@ from collections.abc import Callable, Mapping, Sequence
 
 from envs.agent import Policy
 from envs.async_handle import AsyncEnvironmentHandle
+from envs.checks import require_int
 from envs.env import AsyncEnvSuite, Env
 from envs.episode import EpisodeRollout
-from envs.handle import EnvironmentHandle, EpisodeLimits, EpisodeScore, TaskItem, task_id_for
+from envs.handle import (
+    EnvironmentHandle,
+    EpisodeLimits,
+    EpisodeScore,
+    TaskItem,
+    task_id_for,
+)
 from envs.hook_handle import HookEnvironmentHandle, to_environment_episode
 from envs.hooks import EnvironmentMultiTurn
 from envs.types import Task
@@ -115,10 +122,8 @@ async def play_groups(
 
     Result order: items in the order given, then index in the group.
     """
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
-    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-        raise ValueError(f"concurrency must be a positive integer, got {concurrency!r}")
+    require_int("group_size", group_size, minimum=1)
+    require_int("concurrency", concurrency, minimum=1)
     if handle.style == "async" and limits.max_turns is None:
         raise ValueError("async-style environments need a turn limit: EpisodeLimits(max_turns=...)")
     bound = asyncio.Semaphore(concurrency)

@@ -19,9 +19,17 @@ import random
 import re
 from collections.abc import Sequence
 
+from envs.checks import require_int
 from envs.hooks import EnvironmentMultiTurn, check_split
 from envs.scripted import ScriptedPolicy
-from envs.types import EnvironmentEpisode, EnvironmentStepResult, Message, RewardResult, Split, TaskExample
+from envs.types import (
+    EnvironmentEpisode,
+    EnvironmentStepResult,
+    Message,
+    RewardResult,
+    Split,
+    TaskExample,
+)
 
 SYSTEM_PROMPT = "We are playing a guessing game. Reply with one whole number each turn."
 HIGHER, LOWER = "Higher.", "Lower."
@@ -33,8 +41,7 @@ class GuessNumber(EnvironmentMultiTurn):
     checks_tool_protocol = False  # free-text guesses
 
     def __init__(self, train: Sequence[TaskExample], validation: Sequence[TaskExample], max_turns: int = 8) -> None:
-        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
-            raise ValueError(f"max_turns must be a positive integer, got {max_turns!r}")
+        require_int("max_turns", max_turns, minimum=1)
         self._splits = {"train": tuple(train), "validation": tuple(validation)}
         self.max_turns = max_turns
 
@@ -80,9 +87,8 @@ def load_environment(
     """Secrets drawn uniformly from [low, high] with ``random.Random(seed)``."""
     if not (isinstance(low, int) and isinstance(high, int)) or low >= high:
         raise ValueError(f"need whole numbers low < high, got low={low!r}, high={high!r}")
-    for name, count in (("num_train", num_train), ("num_validation", num_validation)):
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ValueError(f"{name} must be a non-negative integer, got {count!r}")
+    require_int("num_train", num_train, minimum=0)
+    require_int("num_validation", num_validation, minimum=0)
     rng = random.Random(seed)
     prompt = f"I am thinking of a whole number between {low} and {high}. Guess it!"
     examples = [

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from envs.checks import require_int
 from envs.hooks import EnvironmentMultiTurn, check_split
 from envs.protocol import make_tool_call, parse_action, render_tool_calls
 from envs.scripted import ScriptedPolicy, replay_policy
@@ -55,8 +56,7 @@ class ToolUseGame(EnvironmentMultiTurn):
         worked_example: bool = True,
         max_turns: int = 6,
     ) -> None:
-        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
-            raise ValueError(f"max_turns must be a positive integer, got {max_turns!r}")
+        require_int("max_turns", max_turns, minimum=1)
         self._splits: dict[str, tuple[TaskExample, ...]] = {"train": tuple(train), "validation": tuple(validation)}
         self.worked_example = worked_example
         self.max_turns = max_turns

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from envs.arithmetic import safe_eval
+from envs.checks import require_int
 from envs.types import TaskExample
 
 ITEMS = ("crates", "barrels", "sacks", "trucks", "workers", "lamps", "boxes", "chairs", "goats", "ladders")
@@ -58,9 +59,8 @@ def fact_key(item: str, place: str) -> str:
 
 def generate_examples(seed: int, num_train: int, num_validation: int) -> tuple[list[TaskExample], list[TaskExample]]:
     """``num_train`` training and ``num_validation`` validation examples, unique questions."""
-    for name, value in (("num_train", num_train), ("num_validation", num_validation)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    require_int("num_train", num_train, minimum=0)
+    require_int("num_validation", num_validation, minimum=0)
     rng = random.Random(seed)
     tasks: list[GameTask] = []
     questions = {WORKED_EXAMPLE.question}  # never a task: the prompt already answers it

@@ -1,5 +1,7 @@
 """The game's three tools over one task's fact table: ``list_fact_keys``, ``lookup``, ``calculator``.
 
+The calculator is the shared one from ``envs.arithmetic``.
+
 Each tool has a plain ``run(arguments)`` (used to write expert transcripts without an
 event loop) and the async ``execute`` of the ``Tool`` protocol (used in episodes, through
 ``envs.tools.execute_tool_calls``, which validates arguments against the schema first).
@@ -12,7 +14,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from envs.arithmetic import format_number, safe_eval
+from envs.arithmetic import CalculatorTool
 from envs.types import ToolResult, ToolSpec, tool_to_spec
 
 
@@ -49,23 +51,6 @@ class LookupTool:
         if key not in self.facts:
             raise ValueError(f"no fact named {key!r}; call list_fact_keys to see the keys")
         return str(self.facts[key])
-
-    async def execute(self, arguments: str) -> ToolResult:
-        return ToolResult(content=self.run(json.loads(arguments)))
-
-
-class CalculatorTool:
-    name = "calculator"
-    description = "Evaluate an arithmetic expression with + - * / // % ** and parentheses."
-    parameters_schema: dict[str, Any] = {
-        "type": "object",
-        "properties": {"expression": {"type": "string"}},
-        "required": ["expression"],
-        "additionalProperties": False,
-    }
-
-    def run(self, arguments: Mapping[str, Any]) -> str:
-        return format_number(safe_eval(arguments["expression"]))
 
     async def execute(self, arguments: str) -> ToolResult:
         return ToolResult(content=self.run(json.loads(arguments)))
