@@ -1,0 +1,185 @@
+"""The run folder answers what is finished, where to resume, and what a crash left behind."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from storage.errors import ConfigMismatchError, SchemaMismatchError, StageExistsError, StorageError
+from storage.parquet import temporary_path
+from storage.records import TrainResult
+from storage.runfolder import RunFolder
+from storage.runs import age_text, list_runs, run_status
+from storage.schemas import episode_records_to_table, score_records_to_table, table_to_episode_records
+from storage.synthetic import synthetic_episode, synthetic_score
+
+
+def _episodes(step: int, split: str = "train"):
+    return [synthetic_episode("r", step, t, i, split=split) for t in range(2) for i in range(2)]
+
+
+def _train_result(step: int) -> TrainResult:
+    return TrainResult("r", step, step + 1, 0.5, None, 0.0, 1.0, 4, 100, 20, 1e-5, 10.0, {"backward": 0.5})
+
+
+def _finish_step(folder: RunFolder, step: int) -> None:
+    episodes = _episodes(step)
+    folder.write_stage(episode_records_to_table(episodes), step, "episodes")
+    folder.write_stage(score_records_to_table([synthetic_score(e, 1.0) for e in episodes]), step, "scores")
+    folder.write_train_result(_train_result(step))
+
+
+def test_layout_matches_the_design(tmp_path: Path) -> None:
+    folder = RunFolder(tmp_path / "run-7")
+    assert folder.run_id == "run-7"
+    assert folder.stage_path(3, "episodes") == tmp_path / "run-7/steps/step=000003/episodes.parquet"
+    assert folder.stage_path(3, "train") == tmp_path / "run-7/steps/step=000003/train.json"
+    assert folder.parts_dir(3, "episodes") == tmp_path / "run-7/steps/step=000003/episodes"
+    assert folder.stage_path(10, "scores", "validation") == tmp_path / "run-7/validation/step=000010/scores.parquet"
+    assert folder.checkpoint_dir(3) == tmp_path / "run-7/checkpoints/step=000003"
+    with pytest.raises(ValueError, match="validation stages are \\['episodes', 'scores'\\]"):
+        folder.stage_path(10, "samples", "validation")
+    with pytest.raises(ValueError, match="split must be one of"):
+        folder.stage_path(1, "episodes", "test")
+    with pytest.raises(ValueError, match="steps count from 0"):
+        folder.step_dir(-1)
+
+
+def test_config_is_frozen(tmp_path: Path) -> None:
+    folder = RunFolder(tmp_path / "run")
+    folder.write_config("[train]\nnum_steps = 2\n")
+    folder.write_config("[train]\nnum_steps = 2\n")  # the same text again is fine (resume)
+    with pytest.raises(ConfigMismatchError, match="frozen"):
+        folder.write_config("[train]\nnum_steps = 3\n")
+    assert folder.read_config() == "[train]\nnum_steps = 2\n"
+
+
+def test_progress_follows_finished_stages(tmp_path: Path) -> None:
+    folder = RunFolder(tmp_path / "run")
+    assert (folder.completed_steps(), folder.next_step(), folder.first_incomplete_stage(0)) == ([], 0, "episodes")
+    _finish_step(folder, 0)
+    _finish_step(folder, 1)
+    folder.write_stage(episode_records_to_table(_episodes(2)), 2, "episodes")
+    assert folder.completed_steps() == [0, 1]
+    assert folder.next_step() == 2
+    assert folder.first_incomplete_stage(2) == "scores"
+    assert folder.is_complete(2, "episodes") and not folder.is_complete(2, "scores")
+    assert folder.read_train_result(1) == _train_result(1)
+
+
+def test_finished_stages_are_never_rewritten(tmp_path: Path) -> None:
+    folder = RunFolder(tmp_path / "run")
+    _finish_step(folder, 0)
+    with pytest.raises(StageExistsError, match="episodes is already complete"):
+        folder.write_stage(episode_records_to_table(_episodes(0)), 0, "episodes")
+    with pytest.raises(StageExistsError, match="train is already complete"):
+        folder.write_train_result(_train_result(0))
+
+
+def test_stage_tables_must_belong_to_their_folder(tmp_path: Path) -> None:
+    folder = RunFolder(tmp_path / "run")
+    with pytest.raises(ValueError, match="rows for step \\[4\\] cannot go in the train step=3"):
+        folder.write_stage(episode_records_to_table(_episodes(4)), 3, "episodes")
+    with pytest.raises(ValueError, match="split \\['validation'\\]"):
+        folder.write_stage(episode_records_to_table(_episodes(3, "validation")), 3, "episodes")
+    with pytest.raises(ValueError, match="must be a scores table, got episodes"):
+        folder.write_stage(episode_records_to_table(_episodes(3)), 3, "scores")
+
+
+def test_sharded_stage_is_complete_once_sealed(tmp_path: Path) -> None:
+    folder = RunFolder(tmp_path / "run")
+    records = _episodes(5)
+    folder.write_stage_part(episode_records_to_table(records[:2]), 5, "episodes", 0)
+    folder.write_stage_part(episode_records_to_table(records[2:]), 5, "episodes", 1)
+    assert not folder.is_complete(5, "episodes")
+    assert len(folder.part_paths(5, "episodes")) == 2
+    with pytest.raises(StorageError, match="episodes is not complete"):
+        folder.read_stage(5, "episodes")
+    folder.seal_stage(5, "episodes")
+    assert folder.stage_output(5, "episodes") == folder.parts_dir(5, "episodes")
+    assert table_to_episode_records(folder.read_stage(5, "episodes")) == records
+    with pytest.raises(StageExistsError):
+        folder.write_stage(episode_records_to_table(records), 5, "episodes")
+
+
+def test_checkpoint_counts_only_once_renamed(tmp_path: Path) -> None:
+    folder = RunFolder(tmp_path / "run")
+    assert folder.latest_checkpoint() is None
+    first = folder.new_checkpoint_tmp(1)
+    (first / "adapter.safetensors").write_bytes(b"weights")
+    folder.commit_checkpoint(first, 1)
+    second = folder.new_checkpoint_tmp(2)
+    (second / "adapter.safetensors").write_bytes(b"half")  # the crash happens here
+    step, path = folder.latest_checkpoint()
+    assert (step, path) == (1, folder.checkpoint_dir(1))
+    assert (path / "adapter.safetensors").read_bytes() == b"weights"
+    with pytest.raises(StageExistsError, match="already committed"):
+        folder.commit_checkpoint(folder.new_checkpoint_tmp(1), 1)
+
+
+def test_discard_temporaries_keeps_everything_finished(tmp_path: Path) -> None:
+    folder = RunFolder(tmp_path / "run")
+    _finish_step(folder, 0)
+    folder.write_stage_part(episode_records_to_table(_episodes(1)), 1, "episodes", 0)
+    half_part = temporary_path(folder.parts_dir(1, "episodes") / "part-00001.parquet")
+    half_part.write_bytes(b"half")
+    half_scores = temporary_path(folder.stage_path(0, "samples"))
+    half_scores.write_bytes(b"half")
+    half_checkpoint = folder.new_checkpoint_tmp(1)
+    (half_checkpoint / "optimizer.pt").write_bytes(b"half")
+    kept_before = sorted(p for p in folder.root.rglob("*") if p.is_file() and ".tmp-" not in str(p))
+
+    removed = folder.discard_temporaries()
+
+    assert sorted(removed) == sorted([half_part, half_scores, half_checkpoint])
+    assert not any(p.exists() for p in removed)
+    assert sorted(p for p in folder.root.rglob("*") if p.is_file()) == kept_before
+    assert len(folder.part_paths(1, "episodes")) == 1, "the complete part survives the resume"
+    assert folder.discard_temporaries() == []
+
+
+def test_read_train_result_names_a_bad_file(tmp_path: Path) -> None:
+    folder = RunFolder(tmp_path / "run")
+    folder.write_json_atomic(folder.stage_path(0, "train"), {"record": "scores"})
+    with pytest.raises(SchemaMismatchError, match="train.json: not a train result"):
+        folder.read_train_result(0)
+
+
+def test_run_status_says_where_each_run_stopped(tmp_path: Path) -> None:
+    done = RunFolder(tmp_path / "runs/a-done")
+    done.write_config("[train]\nnum_steps = 2\n")
+    _finish_step(done, 0)
+    _finish_step(done, 1)
+    stopped = RunFolder(tmp_path / "runs/b-stopped")
+    stopped.write_config("[train]\nnum_steps = 5\n")
+    _finish_step(stopped, 0)
+    stopped.write_stage(episode_records_to_table(_episodes(1)), 1, "episodes")
+    temporary_path(stopped.stage_path(1, "scores")).write_bytes(b"half")
+    (tmp_path / "runs/not-a-run").mkdir()
+
+    statuses = list_runs(tmp_path / "runs")
+
+    assert [s.run_id for s in statuses] == ["a-done", "b-stopped"]
+    assert statuses[0].complete and statuses[0].describe() == "complete (2 steps)"
+    b = statuses[1]
+    assert not b.complete and (b.last_finished_step, b.next_step, b.stopped_stage) == (0, 1, "scores")
+    assert b.describe() == "in progress or failed at step 1 of 5, stage scores"
+    assert b.temporaries == 1
+
+
+def test_run_status_without_a_readable_config(tmp_path: Path) -> None:
+    folder = RunFolder(tmp_path / "run")
+    _finish_step(folder, 0)
+    assert run_status(folder.root).config_problem == "no config.toml"
+    folder.config_path.write_text("[train\n")
+    status = run_status(folder.root)
+    assert status.num_steps is None and "unreadable" in (status.config_problem or "")
+    assert status.describe() == "in progress or failed at step 1, stage episodes"
+
+
+def test_age_text() -> None:
+    assert age_text(100.0, now=142.0) == "42s ago"
+    assert age_text(0.0, now=2 * 86400 + 5) == "2d ago"
+    assert age_text(os.path.getmtime(__file__)).endswith("ago")
