@@ -103,7 +103,7 @@ class ChatCodec:
         prepared = [_as_rendered(message) for message in messages]
         tools = list(tool_specs) or None
         if tools is not None and not self.template_renders_tools:
-            prepared = _with_tools_in_system_prompt(prepared, describe_tools(tool_specs))
+            prepared = with_tools_in_system_prompt(prepared, describe_tools(tool_specs))
             tools = None
         return self._apply_template(prepared, tools)
 
@@ -210,7 +210,8 @@ def _as_rendered(message: Message) -> Message:
     return cast(Message, without_calls)
 
 
-def _with_tools_in_system_prompt(messages: list[Message], tools_text: str) -> list[Message]:
+def with_tools_in_system_prompt(messages: Sequence[Message], tools_text: str) -> list[Message]:
+    """``tools_text`` appended to a leading system message, or put in a new one."""
     if messages and messages[0].get("role") == "system":
         system: Message = {**messages[0], "content": f"{messages[0]['content']}\n\n{tools_text}"}
         return [system, *messages[1:]]

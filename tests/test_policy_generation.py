@@ -30,10 +30,12 @@ def requests_for(
     ]
 
 
-def run(model: PreTrainedModel, requests: list[GenerationRequest], **overrides: object) -> list[GenerationOutput]:
-    options: dict = {"temperature": 1.0, "top_p": 1.0, "stop_token_ids": {2}, "pad_token_id": 2}
+def run(
+    model: PreTrainedModel, requests: list[GenerationRequest], **overrides: object
+) -> list[GenerationOutput]:
+    options: dict[str, object] = {"temperature": 1.0, "top_p": 1.0, "stop_token_ids": {2}, "pad_token_id": 2}
     options.update(overrides)
-    return generate_batch(model, requests, **options)
+    return generate_batch(model, requests, **options)  # type: ignore[arg-type]
 
 
 def test_logprobs_are_those_of_the_sampled_distribution_under_a_forward_pass(
