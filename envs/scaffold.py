@@ -1,0 +1,64 @@
+"""``rollflow env new NAME --multi-turn|--async``: write a runnable starter environment.
+
+``write_starter(name, dest_dir, style)`` copies one of the starter packages in
+``envs/starters/`` to ``dest_dir/NAME/`` (``__init__.py``, ``environment.py``,
+``test_environment.py``) and renames its environment class after ``NAME``. The copy is a
+package exposing ``load_environment``; its test plays it through the runner with a
+scripted policy, and finds it by its own package name, so it works wherever the folder
+lands (``envs/NAME`` -> spec ``envs.NAME:load_environment``; a top-level folder ->
+``NAME:load_environment``).
+
+The starters are real modules rather than text templates so that they are type-checked
+and tested with the rest of the code (``tests/test_scaffold.py`` runs the written copies).
+"""
+
+from __future__ import annotations
+
+import keyword
+import re
+import sys
+from pathlib import Path
+from typing import Literal
+
+StarterStyle = Literal["hook", "async"]
+
+_STARTERS = Path(__file__).parent / "starters"
+_SOURCES: dict[str, tuple[str, str]] = {  # style -> (folder, class name to rename)
+    "hook": ("hook_style", "HookStarterEnv"),
+    "async": ("async_style", "AsyncStarterEnv"),
+}
+_FILES = ("__init__.py", "environment.py", "test_environment.py")
+_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+def write_starter(name: str, dest_dir: Path, style: StarterStyle) -> list[Path]:
+    """Write the starter package ``dest_dir/name``; return the files written, in order.
+
+    Raises ``ValueError`` for a bad name or style and ``FileExistsError`` rather than
+    overwrite anything.
+    """
+    if style not in _SOURCES:
+        raise ValueError(f"unknown starter style {style!r}; expected 'hook' (--multi-turn) or 'async' (--async)")
+    _check_name(name)
+    package_dir = Path(dest_dir) / name
+    if package_dir.exists():
+        raise FileExistsError(f"{package_dir} already exists; choose another name or remove it")
+    folder, class_name = _SOURCES[style]
+    new_class_name = "".join(part.capitalize() for part in name.split("_") if part) + "Env"
+    package_dir.mkdir(parents=True)
+    written = []
+    for file_name in _FILES:
+        source = (_STARTERS / folder / file_name).read_text(encoding="utf-8")
+        target = package_dir / file_name
+        target.write_text(re.sub(rf"\b{class_name}\b", new_class_name, source), encoding="utf-8")
+        written.append(target)
+    return written
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(
+            f"environment name {name!r} must be a lowercase Python name: a letter, then letters, digits or _"
+        )
+    if keyword.iskeyword(name) or name in sys.stdlib_module_names or name in {"envs", "tasks", "flows", "storage", "policy"}:
+        raise ValueError(f"environment name {name!r} would shadow a Python or rollflow module; choose another")
