@@ -1,0 +1,72 @@
+"""Starting and resuming a run folder: the one place a flow learns which run it drives.
+
+A new run freezes its config as ``config.toml`` in a fresh folder; resuming reads that
+frozen copy back, so a resumed run can never silently train with other settings. Either
+way, whatever a killed process left half-written is discarded before any stage runs.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from storage.runfolder import RunFolder
+from tasks.config import ConfigError, RunConfig, config_to_toml, load_config
+from tasks.metrics import METRICS_JSON  # written last in a step: the step is finished
+
+
+class RunSetupError(ValueError):
+    """The run cannot start: no config, no such run folder, an unsupported setting."""
+
+
+@dataclass(frozen=True)
+class RunHandle:
+    config: RunConfig
+    folder: RunFolder
+
+    @property
+    def root(self) -> Path:
+        return self.folder.root
+
+    def step_finished(self, step: int) -> bool:
+        return (self.folder.step_dir(step) / METRICS_JSON).exists()
+
+    def report(self, message: str) -> None:
+        print(f"[{self.folder.run_id}] {message}", file=sys.stderr, flush=True)
+
+
+def new_run_dir(config: RunConfig, config_path: Path) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path(config.storage.runs_dir) / f"{config_path.stem}-{stamp}"
+
+
+def open_run(config_path: str | Path | None, run_dir: str | Path | None) -> RunHandle:
+    """Create the run (``config_path``) or reopen it (``run_dir`` alone); see train_flow."""
+    if config_path is None and run_dir is None:
+        raise RunSetupError("give a config file to start a run, or a run folder to resume one")
+    if config_path is not None:
+        config = load_config(config_path)
+        root = Path(run_dir) if run_dir is not None else new_run_dir(config, Path(config_path))
+        folder = RunFolder(root)
+        folder.write_config(config_to_toml(config))
+    else:
+        folder = RunFolder(Path(str(run_dir)))
+        if not folder.config_path.exists():
+            raise RunSetupError(f"{folder.root}: not a run folder (no config.toml to resume from)")
+        config = load_config(folder.config_path)
+    check_supported(config)
+    handle = RunHandle(config=config, folder=folder)
+    discarded = folder.discard_temporaries()
+    if discarded:
+        handle.report(f"discarded {len(discarded)} half-written file(s) from an interrupted run")
+    return handle
+
+
+def check_supported(config: RunConfig) -> None:
+    if config.rollout.max_steps_off_policy is not None:
+        raise ConfigError(
+            "[rollout] max_steps_off_policy: async (off-policy) collection is not supported "
+            "by rollflow's file-staged pipeline; remove the key to train in lockstep"
+        )

@@ -1,0 +1,121 @@
+"""The GRPO training flow: per step, rollout -> scoring -> flatten -> train -> metrics.
+
+The flow body only orchestrates: each stage is a plain function in ``tasks/`` taking
+``(config, run_dir, step)`` and returning the path of the file it wrote, wrapped here in a
+thin Prefect task so each shows up as a named task run ("rollout step 3", ...).
+
+Resume is the same call again on the same run folder. A stage whose output file exists
+is finished and is skipped by the stage itself (the file, not Prefect's database, is the
+record of what is done, so a resume works with a fresh Prefect server); a half-written
+temporary left by a crash is discarded before anything runs; training continues from the
+newest committed checkpoint with its optimizer and RNG state.
+
+Validation runs before every ``validation_interval``-th step (step 0 gives the baseline)
+and once more after the last step, on the validation tasks, without training on them.
+
+Simplified: steps run in lockstep (rollouts finish before training starts). Async
+collection (``max_steps_off_policy``) is refused by ``check_supported`` with a clear
+message rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+
+from flows.runs import RunHandle, open_run
+from tasks.config import RunConfig
+from tasks.flatten import flatten_stage
+from tasks.metrics import finish_tracking, metrics_stage, start_tracking, validation_metrics_stage
+from tasks.rollout import rollout_stage
+from tasks.scoring import score_stage
+from tasks.train import train_stage
+
+# The files are the cache: Prefect must neither hash configs nor persist results.
+_STAGE = dict(cache_policy=NO_CACHE, persist_result=False)
+
+
+@task(name="rollout", task_run_name="rollout step {step} ({split})", **_STAGE)
+def rollout(config: RunConfig, run_dir: Path, step: int, split: str = "train") -> Path:
+    return rollout_stage(config, run_dir, step, split)
+
+
+@task(name="scoring", task_run_name="scoring step {step} ({split})", **_STAGE)
+def scoring(config: RunConfig, run_dir: Path, step: int, split: str = "train") -> Path:
+    return score_stage(config, run_dir, step, split)
+
+
+@task(name="flatten", task_run_name="flatten step {step}", **_STAGE)
+def flatten(config: RunConfig, run_dir: Path, step: int) -> Path:
+    return flatten_stage(config, run_dir, step)
+
+
+@task(name="train", task_run_name="train step {step}", **_STAGE)
+def train(config: RunConfig, run_dir: Path, step: int) -> Path:
+    return train_stage(config, run_dir, step)
+
+
+@task(name="metrics", task_run_name="metrics step {step}", **_STAGE)
+def metrics(config: RunConfig, run_dir: Path, step: int, stage_seconds: dict[str, float]) -> Path:
+    return metrics_stage(config, run_dir, step, stage_seconds)
+
+
+@task(name="validation-metrics", task_run_name="validation metrics step {step}", **_STAGE)
+def validation_metrics(config: RunConfig, run_dir: Path, step: int) -> Path:
+    return validation_metrics_stage(config, run_dir, step)
+
+
+def validate(config: RunConfig, run_dir: Path, step: int) -> None:
+    rollout(config, run_dir, step, "validation")
+    scoring(config, run_dir, step, "validation")
+    validation_metrics(config, run_dir, step)
+
+
+def validation_due(config: RunConfig, step: int) -> bool:
+    interval = config.validation.validation_interval
+    return interval > 0 and (step % interval == 0 or step == config.train.num_steps)
+
+
+@flow(name="rollflow-train")
+def train_flow(config_path: str | None = None, run_dir: str | None = None) -> str:
+    """Train (or resume) one run; returns its run folder.
+
+    ``config_path`` alone starts a new run under ``[storage].runs_dir``; ``run_dir`` alone
+    resumes that run with its frozen config; both start a new run in ``run_dir`` (or resume
+    it, when it already holds the same config).
+    """
+    handle = open_run(config_path, run_dir)
+    handle.report(f"run folder {handle.root}")
+    start_tracking(handle.config, handle.root)
+    succeeded = False
+    try:
+        run_training(handle)
+        succeeded = True
+    finally:
+        finish_tracking(handle.config, handle.root, succeeded)
+    return str(handle.root)
+
+
+def run_training(handle: RunHandle) -> None:
+    config, root = handle.config, handle.root
+    for step in range(config.train.num_steps):
+        if handle.step_finished(step):
+            continue
+        if validation_due(config, step):
+            validate(config, root, step)
+        seconds: dict[str, float] = {}
+        for name, stage in (("rollout", rollout), ("scoring", scoring), ("flatten", flatten), ("train", train)):
+            started = time.perf_counter()
+            stage(config, root, step)
+            seconds[name] = time.perf_counter() - started
+        seconds["step"] = sum(seconds.values())
+        metrics(config, root, step, seconds)
+        handle.report(
+            f"step {step + 1}/{config.train.num_steps} done in {seconds['step']:.1f}s "
+            + " ".join(f"{k}={v:.1f}s" for k, v in seconds.items() if k != "step")
+        )
+    if validation_due(config, config.train.num_steps):
+        validate(config, root, config.train.num_steps)

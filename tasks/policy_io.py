@@ -1,0 +1,88 @@
+"""The acting policy of a step, built from the config and the run's checkpoints.
+
+Shared by the stages that play episodes (rollout for training and validation, and the
+evaluation flow); not a stage itself. Step ``s`` acts with the newest checkpoint written
+before it (policy version ``s`` in a lockstep run), or the base model at step 0.
+
+``[rollout].backend = "openai"`` plays against an OpenAI-compatible server instead (a
+vLLM server, a hosted model): nothing is loaded here, the server holds the weights, and
+the episodes carry whatever token ids and logprobs the server returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from envs.agent import Policy
+from policy.models import load_causal_lm
+from storage.runfolder import RunFolder
+from tasks.checkpoints import CheckpointError, latest_checkpoint, policy_model_ref, torch_dtype
+from tasks.config import RunConfig
+
+
+@dataclass
+class ActingPolicy:
+    """A policy plus a way to fix its sampling seed (a no-op for policies without one)."""
+
+    policy: Policy
+
+    def reseed(self, seed: int) -> None:
+        reseed = getattr(self.policy, "reseed", None)
+        if callable(reseed):
+            reseed(seed)
+
+
+@contextmanager
+def open_policy(
+    config: RunConfig, folder: RunFolder | None, step: int, given: Policy | None = None
+) -> Iterator[ActingPolicy]:
+    """The policy that acts at ``step`` (``given`` wins: tests, the Python API)."""
+    if given is not None:
+        yield ActingPolicy(given)
+        return
+    if config.rollout.backend == "openai":
+        yield ActingPolicy(_openai_policy(config))
+        return
+    yield ActingPolicy(load_transformers_policy(config, folder, step))
+
+
+def load_transformers_policy(config: RunConfig, folder: RunFolder | None, step: int) -> Policy:
+    from policy.transformers_backend import SamplingSettings, TransformersPolicy
+
+    checkpoint = latest_checkpoint(folder, before_step=step) if folder is not None else None
+    if folder is not None and step > 0 and (checkpoint is None or checkpoint.step != step - 1):
+        found = "none" if checkpoint is None else f"step {checkpoint.step}"
+        raise CheckpointError(
+            f"{folder.root}: step {step} acts with the checkpoint of step {step - 1}, "
+            f"but the newest one before it is {found}"
+        )
+    model, tokenizer = load_causal_lm(policy_model_ref(config, checkpoint), torch_dtype(config))
+    rollout = config.rollout
+    settings = SamplingSettings(
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        max_completion_tokens=rollout.max_completion_tokens,
+        max_model_length=rollout.max_model_length,
+        seed=config.train.seed,
+        generation_timeout_s=rollout.generation_timeout_s,
+        max_sampling_attempts=rollout.max_sampling_attempts,
+    )
+    version = 0 if checkpoint is None else checkpoint.policy_version
+    return TransformersPolicy(model, tokenizer, settings, version=version)
+
+
+def _openai_policy(config: RunConfig) -> Policy:
+    from policy.openai_backend import OpenAIChatPolicy
+
+    rollout = config.rollout
+    if not rollout.base_url or not rollout.api_model:
+        raise ValueError("[rollout] backend = \"openai\" needs base_url and api_model")
+    return OpenAIChatPolicy(
+        base_url=rollout.base_url,
+        model=rollout.api_model,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        max_completion_tokens=rollout.max_completion_tokens,
+    )

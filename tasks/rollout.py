@@ -1,0 +1,130 @@
+"""Rollout stage: the current policy plays a group of episodes for each task of a step.
+
+Training step ``s`` draws ``batch_size`` tasks and plays ``episodes_per_task`` episodes of
+each (the GRPO group) with policy version ``s`` (the base model at step 0, then the
+checkpoint written by training step ``s - 1``). Validation plays every validation task (or
+the first ``num_tasks``) once, one at a time when ``sequential_validation`` is set.
+
+Output: ``episodes`` for the step, written as part files, one per chunk of groups, then
+sealed. A killed rollout keeps its finished parts; the resumed one replays only the
+missing chunks. Each chunk samples with a seed derived from (seed, split, step, chunk),
+so a replayed chunk is the same chunk.
+
+Simplified, and why:
+- Task order: each epoch over the training tasks is a fresh permutation seeded by
+  (seed, epoch), and steps take consecutive slices of it, so every task is seen once per
+  epoch and a resumed run draws the same tasks.
+- A chunk holds as many groups as fit in ``concurrency`` episodes: the whole chunk is
+  generated as one batch, and a crash loses at most one chunk of work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from envs.agent import Policy
+from envs.episode import EpisodeRollout
+from envs.runner import EpisodeLimits, TaskItem, load_environment_handle, play_groups
+from storage.parquet import part_index
+from storage.records import EpisodeRecord
+from storage.runfolder import RunFolder
+from storage.schemas import episode_records_to_table
+from tasks.config import RunConfig
+from tasks.policy_io import open_policy
+
+VALIDATION_GROUP_SIZE = 1  # validation measures the policy, it needs no group baseline
+
+
+def derive_seed(*parts: object) -> int:
+    """A 31-bit seed that depends on every part (stable across processes, unlike hash())."""
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+def select_train_tasks(items: Sequence[TaskItem], step: int, batch_size: int, seed: int) -> list[TaskItem]:
+    """``batch_size`` tasks for ``step``: consecutive slices of per-epoch permutations."""
+    if not items:
+        raise ValueError("the environment has no training tasks")
+    chosen: list[TaskItem] = []
+    for position in range(step * batch_size, (step + 1) * batch_size):
+        epoch, index = divmod(position, len(items))
+        order = list(range(len(items)))
+        random.Random(derive_seed(seed, "epoch", epoch)).shuffle(order)
+        chosen.append(items[order[index]])
+    return chosen
+
+
+def select_validation_tasks(items: Sequence[TaskItem], num_tasks: int | None) -> list[TaskItem]:
+    return list(items if num_tasks is None else items[:num_tasks])
+
+
+def rollout_stage(
+    config: RunConfig, run_dir: Path, step: int, split: str = "train", policy: Policy | None = None
+) -> Path:
+    """Play the step's episodes and write them; returns the sealed episodes folder."""
+    folder = RunFolder(run_dir)
+    done = folder.stage_output(step, "episodes", split)
+    if done is not None:
+        return done
+    handle = load_environment_handle(config.env.name, config.env.kwargs)
+    if split == "train":
+        items = select_train_tasks(handle.tasks("train"), step, config.rollout.batch_size, config.train.seed)
+        group_size, concurrency = config.rollout.episodes_per_task, config.rollout.concurrency
+        limits = EpisodeLimits(max_turns=config.rollout.max_turns)
+    else:
+        items = select_validation_tasks(handle.tasks("validation"), config.validation.num_tasks)
+        group_size = VALIDATION_GROUP_SIZE
+        concurrency = 1 if config.validation.sequential_validation else config.rollout.concurrency
+        limits = EpisodeLimits(max_turns=config.val_max_turns)
+    groups_per_chunk = max(1, concurrency // group_size)
+    chunks = [items[i : i + groups_per_chunk] for i in range(0, len(items), groups_per_chunk)]
+    written = {part_index(p) for p in folder.part_paths(step, "episodes", split)}
+    started = time.perf_counter()
+    with open_policy(config, folder, step, policy) as acting:
+        for index, chunk in enumerate(chunks):
+            if index in written:
+                continue
+            first_group = index * groups_per_chunk
+            acting.reseed(derive_seed(config.train.seed, split, step, index))
+            rollouts_GE = asyncio.run(
+                play_groups(handle, chunk, group_size, acting.policy, limits, concurrency)
+            )
+            records = [
+                _record(folder.run_id, step, split, first_group + g, item, e, rollout)
+                for g, (item, rollouts_E) in enumerate(zip(chunk, rollouts_GE, strict=True))
+                for e, rollout in enumerate(rollouts_E)
+            ]
+            folder.write_stage_part(episode_records_to_table(records), step, "episodes", index, split)
+            _progress(split, step, index + 1, len(chunks), started)
+    return folder.seal_stage(step, "episodes", split)
+
+
+def _record(
+    run_id: str, step: int, split: str, group: int, item: TaskItem, index: int, rollout: EpisodeRollout
+) -> EpisodeRecord:
+    group_id = f"{split}/{step}/{group}"
+    return EpisodeRecord(
+        run_id=run_id,
+        step=step,
+        split=split,
+        task_id=item.task_id,
+        group_id=group_id,
+        episode_id=f"{group_id}/{index}",
+        index_in_group=index,
+        rollout=rollout,
+    )
+
+
+def _progress(split: str, step: int, done: int, total: int, started: float) -> None:
+    elapsed = time.perf_counter() - started
+    print(
+        f"  rollout {split} step {step}: chunk {done}/{total} ({elapsed:.1f}s)",
+        file=sys.stderr,
+        flush=True,
+    )
