@@ -1,1 +1,13 @@
-"""The run folder: Parquet records, atomic writes, DuckDB views, MLflow."""
+"""The run folder: Parquet records, atomic writes, DuckDB views, MLflow.
+
+- ``records``: the frozen stage records (pinned contract); ``schemas``: their Arrow
+  schemas and exact conversions (``nested`` flattens messages and actions).
+- ``parquet``: atomic writes, part files, checked reads; ``errors``: what they raise.
+- ``runfolder``: one run's layout, progress and resume; ``runs``: status of many runs.
+- ``views`` / ``query``: read-only DuckDB views and the metric SQL the pipeline logs;
+  ``transcript``: one episode as readable text.
+- ``tracking``: the MLflow adapter (the only module importing MLflow).
+- ``synthetic``: deterministic records for tests and the benchmark.
+
+The full schema and folder layout are documented in ``docs/storage.md``.
+"""

@@ -213,11 +213,11 @@ def _metrics(
     params = {"split": split, "step": step, "run_id": run_id}
     episodes = _family(con, EPISODE_METRICS_SQL, params)
     rewards = _family(con, REWARD_METRICS_SQL, params)
-    missing = dict.fromkeys(METRIC_NAMES, math.nan)
-    return {
-        key: {name: {**missing, **values, **rewards.get(key, {})}[name] for name in METRIC_NAMES}
-        for key, values in episodes.items()
-    }
+    merged: dict[tuple[str, int], dict[str, float]] = {}
+    for key, values in episodes.items():
+        combined = {**values, **rewards.get(key, {})}  # no scores yet: reward keys are NaN
+        merged[key] = {name: combined.get(name, math.nan) for name in METRIC_NAMES}
+    return merged
 
 
 def _one_run(rows: dict[tuple[str, int], dict[str, float]], what: str) -> str:

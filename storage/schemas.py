@@ -229,7 +229,7 @@ def _episode_row(record: EpisodeRecord) -> dict[str, Any]:
         "turns": rollout.turns,
         "terminated": rollout.terminated,
         "truncated": rollout.truncated,
-        "truncation_cause": None if cause is None else cause.value,
+        "truncation_cause": None if cause is None else TruncationCause(cause).value,
         "error": rollout.error,
         "env_reward": rollout.env_reward,
         "env_metrics": list(rollout.env_metrics.items()),
