@@ -1,7 +1,8 @@
 """One TOML file -> typed, frozen, validated config objects (one per section).
 
 A run is configured by one TOML file with the sections ``[model]``, ``[env]``,
-``[rollout]``, ``[train]``, ``[validation]``, ``[storage]`` and ``[tracking]``; each
+``[rollout]``, ``[train]``, ``[validation]``, ``[storage]``, ``[tracking]`` and ``[sft]``
+(read only by ``rollflow sft``); each
 becomes a frozen dataclass and ``RunConfig`` holds them all. Every section validates itself
 in ``__post_init__``, so an object built from Python is checked exactly like one parsed
 from TOML. Bad input raises ``ConfigError`` naming ``[section].key``, the allowed values or
@@ -190,6 +191,24 @@ class TrackingConfig:
 
 
 @dataclass(frozen=True)
+class SFTConfig:
+    """``rollflow sft``: supervised warm-start; LoRA, seed and micro-batch come from [train]."""
+
+    epochs: int = 3  # passes over the rows
+    learning_rate: float = 1e-4  # LoRA SFT; full weights want about 1e-5
+    batch_size: int = 8  # rows per optimizer step
+    max_rows: int | None = None  # None = every row of the source
+    # a .jsonl / .parquet file of message lists; None = [env]'s start_episode + sft_completion
+    transcripts: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_types(self, "sft")
+        for key in ("epochs", "batch_size", "max_rows"):
+            _at_least(self, "sft", key, 1)
+        _in_range(self, "sft", "learning_rate", 0.0, None, low_open=True)
+
+
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -198,6 +217,7 @@ class RunConfig:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
 
     @property
     def groups_in_flight(self) -> int:
