@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from envs.agent import Policy
 from policy.models import load_causal_lm
+from policy.sampling import SamplingSettings
 from storage.runfolder import RunFolder
 from tasks.checkpoints import CheckpointError, latest_checkpoint, policy_model_ref, torch_dtype
 from tasks.config import RunConfig
@@ -49,7 +50,7 @@ def open_policy(
 
 
 def load_transformers_policy(config: RunConfig, folder: RunFolder | None, step: int) -> Policy:
-    from policy.transformers_backend import SamplingSettings, TransformersPolicy
+    from policy.transformers_backend import TransformersPolicy
 
     checkpoint = latest_checkpoint(folder, before_step=step) if folder is not None else None
     if folder is not None and step > 0 and (checkpoint is None or checkpoint.step != step - 1):
@@ -59,8 +60,13 @@ def load_transformers_policy(config: RunConfig, folder: RunFolder | None, step: 
             f"but the newest one before it is {found}"
         )
     model, tokenizer = load_causal_lm(policy_model_ref(config, checkpoint), torch_dtype(config))
+    version = 0 if checkpoint is None else checkpoint.policy_version
+    return TransformersPolicy(model, tokenizer, _sampling_settings(config), version=version)
+
+
+def _sampling_settings(config: RunConfig) -> SamplingSettings:
     rollout = config.rollout
-    settings = SamplingSettings(
+    return SamplingSettings(
         temperature=rollout.temperature,
         top_p=rollout.top_p,
         max_completion_tokens=rollout.max_completion_tokens,
@@ -69,8 +75,6 @@ def load_transformers_policy(config: RunConfig, folder: RunFolder | None, step: 
         generation_timeout_s=rollout.generation_timeout_s,
         max_sampling_attempts=rollout.max_sampling_attempts,
     )
-    version = 0 if checkpoint is None else checkpoint.policy_version
-    return TransformersPolicy(model, tokenizer, settings, version=version)
 
 
 def _openai_policy(config: RunConfig) -> Policy:
@@ -82,7 +86,5 @@ def _openai_policy(config: RunConfig) -> Policy:
     return OpenAIChatPolicy(
         base_url=rollout.base_url,
         model=rollout.api_model,
-        temperature=rollout.temperature,
-        top_p=rollout.top_p,
-        max_completion_tokens=rollout.max_completion_tokens,
+        settings=_sampling_settings(config),
     )
