@@ -1,0 +1,249 @@
+"""The evaluation flow: play the validation tasks with any policy, score them, report.
+
+``eval_flow`` scores a model without training it: the local model (a Hugging Face
+folder, a GGUF file, the bundled SmolLM2, optionally with a LoRA adapter) or a model
+behind an OpenAI-compatible server (a vLLM server, a hosted model). It is a training
+run's validation pass on its own: the same rollout and scoring stages with
+``split="validation"``, writing the same Parquet tables into a run folder
+(``validation/step=000000/episodes``, ``scores.parquet``, ``metrics.json``), so
+``rollflow sql`` and ``rollflow show`` work on it and its numbers are comparable with a
+training run's ``val/`` curves.
+
+The report's numbers come from ``storage.query.step_metrics``, the very SQL the training
+flow logs; the worst episodes (errored first, then by final reward) are listed by id for
+``rollflow show``.
+
+Command-line overrides (``EvalOverrides``) are applied to the config before the run
+folder freezes it, so ``config.toml`` says exactly what was evaluated.
+
+Simplified, and why:
+- One pass over the validation tasks (``[validation].num_tasks`` or ``--tasks``), one
+  episode each, sampled at ``[rollout].temperature`` like training's validation: the
+  numbers then mean the same thing as ``val/`` in a training run. (Greedy decoding is
+  not offered: ``[rollout].temperature`` must be > 0 because training samples with it.)
+- ``--env`` names another environment with no keyword arguments unless it is the
+  config's own environment (whose ``[env.kwargs]`` are kept): arguments of one
+  environment rarely fit another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+
+from flows.train import validate
+from storage.query import open_run_sql, step_metrics
+from storage.runfolder import RunFolder
+from tasks.config import ConfigError, EnvConfig, ModelConfig, RunConfig, config_to_toml, load_config
+from tasks.metrics import finish_tracking, start_tracking
+
+EVAL_STEP = 0  # an evaluation is one validation pass, stored as step 0
+WORST_EPISODES = 5
+
+_WORST_SQL = """
+SELECT e.episode_id, e.task_id, s.final_reward,
+       CASE WHEN e.error IS NOT NULL THEN 'error'
+            WHEN s.scoring_error IS NOT NULL THEN 'scoring error'
+            WHEN e.terminated THEN 'terminated'
+            ELSE e.truncation_cause END AS ending,
+       e.turns, e.total_tokens
+FROM episodes AS e
+JOIN scores AS s USING (run_id, split, step, episode_id)
+WHERE e.split = 'validation' AND e.step = $step
+ORDER BY (e.error IS NOT NULL OR s.scoring_error IS NOT NULL) DESC, s.final_reward, e.episode_id
+LIMIT $limit
+"""
+
+
+@dataclass(frozen=True)
+class EvalOverrides:
+    """What ``rollflow eval`` flags change in the config; None keeps the config's value."""
+
+    env: str | None = None  # "module:function"
+    model: str | None = None  # a Hugging Face folder or a .gguf file
+    adapter: str | None = None  # a LoRA adapter folder on top of the model
+    base_url: str | None = None  # an OpenAI-compatible server (with api_model)
+    api_model: str | None = None
+    num_tasks: int | None = None  # the first N validation tasks
+
+
+def eval_config(config: RunConfig, overrides: EvalOverrides) -> RunConfig:
+    """``config`` with ``overrides`` applied, checked like a config file."""
+    if (overrides.base_url is None) != (overrides.api_model is None):
+        raise ConfigError("--base-url and --api-model go together: the server and the model it serves")
+    if overrides.base_url is not None and (overrides.model or overrides.adapter):
+        raise ConfigError("give either a local model (--model/--adapter) or a server (--base-url), not both")
+    if overrides.env is not None:
+        kwargs = config.env.kwargs if overrides.env == config.env.name else {}
+        config = replace(config, env=EnvConfig(name=overrides.env, kwargs=kwargs))
+    if overrides.model is not None:
+        config = replace(config, model=_model_config(overrides.model, config.model))
+    if overrides.adapter is not None:
+        config = replace(config, model=replace(config.model, adapter=overrides.adapter))
+    if overrides.base_url is not None:
+        rollout = replace(config.rollout, backend="openai", base_url=overrides.base_url, api_model=overrides.api_model)
+        config = replace(config, rollout=rollout)
+    if overrides.num_tasks is not None:
+        config = replace(config, validation=replace(config.validation, num_tasks=overrides.num_tasks))
+    return config
+
+
+def _model_config(model: str, current: ModelConfig) -> ModelConfig:
+    path = Path(model)
+    if path.suffix == ".gguf":
+        return ModelConfig(path=str(path.parent), gguf_file=path.name, dtype=current.dtype)
+    return ModelConfig(path=model, dtype=current.dtype)
+
+
+def open_eval_run(config: RunConfig, run_dir: str | Path | None, name: str = "eval") -> RunFolder:
+    """A fresh run folder under ``[storage].runs_dir`` (or ``run_dir``) with the config frozen.
+
+    Giving the folder of an unfinished evaluation with the same config resumes it.
+    """
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    root = Path(run_dir) if run_dir is not None else Path(config.storage.runs_dir) / f"{name}-{stamp}"
+    folder = RunFolder(root)
+    folder.write_config(config_to_toml(config))
+    folder.discard_temporaries()
+    return folder
+
+
+@flow(name="rollflow-eval")
+def eval_flow(
+    config_path: str | None = None,
+    run_dir: str | None = None,
+    env: str | None = None,
+    model: str | None = None,
+    adapter: str | None = None,
+    base_url: str | None = None,
+    api_model: str | None = None,
+    num_tasks: int | None = None,
+) -> str:
+    """Evaluate one policy on the validation tasks; returns the run folder.
+
+    Without ``config_path`` the defaults are evaluated: the bundled SmolLM2 on the bundled
+    tool-use game. The other arguments are ``EvalOverrides``.
+    """
+    base = load_config(config_path) if config_path is not None else RunConfig()
+    overrides = EvalOverrides(env, model, adapter, base_url, api_model, num_tasks)
+    config = eval_config(base, overrides)
+    name = f"eval-{Path(config_path).stem}" if config_path is not None else "eval"
+    folder = open_eval_run(config, run_dir, name)
+    start_tracking(config, folder.root)
+    succeeded = False
+    try:
+        validate(config, folder.root, EVAL_STEP)
+        succeeded = True
+    finally:
+        finish_tracking(config, folder.root, succeeded)
+    get_run_logger().info("\n%s", format_report(eval_report(folder.root), describe_policy(config)))
+    return str(folder.root)
+
+
+# ---------------------------------------------------------------- the report
+
+
+@dataclass(frozen=True)
+class WorstEpisode:
+    episode_id: str
+    task_id: str
+    final_reward: float
+    ending: str
+    turns: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    run_dir: Path
+    metrics: Mapping[str, float]  # storage.query.METRIC_NAMES
+    worst: tuple[WorstEpisode, ...]
+
+
+def eval_report(run_dir: str | Path, worst: int = WORST_EPISODES) -> EvalReport:
+    """The evaluation's metrics (training's SQL) and its ``worst`` lowest-scored episodes."""
+    con = open_run_sql(run_dir)
+    try:
+        metrics = step_metrics(con, step=EVAL_STEP, split="validation")
+        rows = con.execute(_WORST_SQL, {"step": EVAL_STEP, "limit": worst}).fetchall()
+    finally:
+        con.close()
+    episodes = tuple(
+        WorstEpisode(str(e), str(t), float(r), str(ending), int(turns), int(tokens or 0))
+        for e, t, r, ending, turns, tokens in rows
+    )
+    return EvalReport(Path(run_dir), metrics, episodes)
+
+
+def describe_policy(config: RunConfig) -> str:
+    if config.rollout.backend == "openai":
+        return f"{config.rollout.api_model} at {config.rollout.base_url}"
+    model = config.model
+    if model.path is None and model.gguf_file is None:
+        text = "bundled SmolLM2-135M-Instruct"
+    else:
+        text = str(Path(model.path or "") / (model.gguf_file or ""))
+    return text + (f" + adapter {model.adapter}" if model.adapter else "")
+
+
+def _number(value: float, digits: int = 3) -> str:
+    return "n/a" if math.isnan(value) else f"{value:.{digits}f}"
+
+
+def format_report(report: EvalReport, policy: str | None = None) -> str:
+    m = report.metrics
+    lines = [
+        f"evaluation {report.run_dir}",
+        *([f"  policy        {policy}"] if policy else []),
+        f"  episodes      {int(m['num_episodes'])} (validation tasks, one episode each)",
+        f"  pass rate     {_number(m['pass_rate'])}",
+        f"  reward        mean {_number(m['reward_mean'])}  std {_number(m['reward_std'])}  "
+        f"min {_number(m['reward_min'])}  max {_number(m['reward_max'])}",
+        f"  ended         terminated {_number(m['terminated_ratio'])}  truncated {_number(m['truncated_ratio'])}  "
+        f"errors {_number(m['error_ratio'])}",
+        f"  truncations   max_turns {_number(m['max_turns_ratio'])}  context_overflow "
+        f"{_number(m['context_overflow_ratio'])}  parse_failure {_number(m['parse_failure_ratio'])}  "
+        f"env {_number(m['env_truncated_ratio'])}",
+        f"  per episode   turns {_number(m['turns_mean'], 2)}  tokens {_number(m['tokens_mean'], 1)}",
+    ]
+    if report.worst:
+        lines.append(f"  worst episodes (rollflow show {report.run_dir} EPISODE_ID):")
+        width = max(len(w.episode_id) for w in report.worst)
+        for w in report.worst:
+            lines.append(
+                f"    {w.episode_id.ljust(width)}  reward {w.final_reward:+.3f}  {w.ending:<16}  "
+                f"turns {w.turns}  tokens {w.tokens}  task {w.task_id}"
+            )
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- command line
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="a run config (TOML); default: the bundled model and game")
+    parser.add_argument("--env", help="the environment as module:function (replaces [env])")
+    parser.add_argument("--model", help="a Hugging Face model folder or a .gguf file")
+    parser.add_argument("--adapter", help="a LoRA adapter folder on top of the model (e.g. from rollflow sft)")
+    parser.add_argument("--base-url", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
+    parser.add_argument("--api-model", help="the model name that server expects")
+    parser.add_argument("--tasks", type=int, help="evaluate the first N validation tasks")
+    parser.add_argument("--run-dir", help="the run folder to write (default: a new one under [storage].runs_dir)")
+
+
+def run_eval_command(args: argparse.Namespace) -> str:
+    """Run ``eval_flow`` from parsed ``rollflow eval`` arguments; returns the report text."""
+    if args.tasks is not None and args.tasks < 1:
+        raise ConfigError(f"--tasks must be at least 1; got {args.tasks}")
+    root = eval_flow(
+        config_path=args.config, run_dir=args.run_dir, env=args.env, model=args.model,
+        adapter=args.adapter, base_url=args.base_url, api_model=args.api_model, num_tasks=args.tasks,
+    )
+    config = load_config(Path(root) / "config.toml")
+    return format_report(eval_report(root), describe_policy(config))

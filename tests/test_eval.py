@@ -1,0 +1,228 @@
+"""The evaluation flow: config overrides, a tiny local model, and an OpenAI-compatible server.
+
+The report's numbers are checked against a hand count over the Parquet files (pyarrow,
+not the SQL the report uses), so a wrong query or a wrong join would show.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from flows.eval import (
+    EvalOverrides,
+    add_eval_arguments,
+    eval_config,
+    eval_flow,
+    eval_report,
+    format_report,
+    run_eval_command,
+)
+from storage.runfolder import RunFolder
+from storage.schemas import table_to_episode_records
+from tasks.config import ConfigError, RunConfig, load_config
+
+
+def hand_count(run_dir: Path) -> dict[str, Any]:
+    folder = RunFolder(run_dir)
+    episodes = table_to_episode_records(folder.read_stage(0, "episodes", "validation"))
+    scores = pq.read_table(folder.stage_path(0, "scores", "validation")).to_pylist()
+    finals = {s["episode_id"]: s["final_reward"] for s in scores}
+    counted = [e for e in episodes if e.rollout.error is None]
+    return {
+        "num_episodes": len(episodes),
+        "reward_mean": sum(finals[e.episode_id] for e in counted) / len(counted),
+        "pass_rate": sum(s["passed"] for s in scores) / len(counted),
+        "terminated_ratio": sum(e.rollout.terminated for e in episodes) / len(episodes),
+        "turns_mean": sum(e.rollout.turns for e in episodes) / len(episodes),
+        "tokens_mean": sum(e.rollout.total_tokens for e in episodes) / len(episodes),
+        "finals": finals,
+        "ids": [e.episode_id for e in episodes],
+    }
+
+
+# ---------------------------------------------------------------- overrides
+
+
+def test_overrides_replace_only_what_they_name() -> None:
+    base = RunConfig()
+    same = eval_config(base, EvalOverrides())
+    assert same == base
+    config = eval_config(base, EvalOverrides(model="/m/smol.Q8.gguf", adapter="/a", num_tasks=3))
+    assert (config.model.path, config.model.gguf_file, config.model.adapter) == ("/m", "smol.Q8.gguf", "/a")
+    assert config.validation.num_tasks == 3 and config.rollout == base.rollout
+    folder = eval_config(base, EvalOverrides(model="/models/hf"))
+    assert (folder.model.path, folder.model.gguf_file) == ("/models/hf", None)
+    served = eval_config(base, EvalOverrides(base_url="http://127.0.0.1:9/v1", api_model="smol"))
+    assert (served.rollout.backend, served.rollout.base_url, served.rollout.api_model) == (
+        "openai", "http://127.0.0.1:9/v1", "smol")
+
+
+def test_env_override_keeps_kwargs_only_for_the_same_environment() -> None:
+    from tasks.config import EnvConfig
+
+    base = RunConfig(env=EnvConfig(name="envs.tool_use_game:load_environment", kwargs={"num_validation": 3}))
+    assert eval_config(base, EvalOverrides(env=base.env.name)).env.kwargs == {"num_validation": 3}
+    other = eval_config(base, EvalOverrides(env="envs.guess_number:load_environment"))
+    assert other.env.name == "envs.guess_number:load_environment" and other.env.kwargs == {}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        (EvalOverrides(base_url="http://x/v1"), "go together"),
+        (EvalOverrides(api_model="m"), "go together"),
+        (EvalOverrides(base_url="http://x/v1", api_model="m", model="/m"), "not both"),
+        (EvalOverrides(env="no_colon"), r"\[env\]\.name must be 'module:function'"),
+        (EvalOverrides(num_tasks=0), r"\[validation\]\.num_tasks must be at least 1"),
+    ],
+)
+def test_bad_overrides_are_refused_with_the_culprit(overrides: EvalOverrides, pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        eval_config(RunConfig(), overrides)
+
+
+# ---------------------------------------------------------------- a tiny local model
+
+
+@pytest.fixture(scope="module")
+def tiny_eval(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, prefect_harness: object
+) -> Path:
+    """configs/tiny.toml evaluated on 3 validation tasks with the session's tiny model."""
+    repo = Path(__file__).resolve().parent.parent
+    root = tmp_path_factory.mktemp("eval")
+    return Path(
+        eval_flow(
+            config_path=str(repo / "configs" / "tiny.toml"), run_dir=str(root / "run"),
+            model=str(tiny_model_dir), num_tasks=3,
+        )
+    )
+
+
+def test_eval_writes_validation_tables_and_nothing_of_training(tiny_eval: Path, tiny_model_dir: Path) -> None:
+    folder = RunFolder(tiny_eval)
+    assert folder.is_complete(0, "episodes", "validation") and folder.is_complete(0, "scores", "validation")
+    assert (folder.step_dir(0, "validation") / "metrics.json").exists()
+    assert folder.steps("train") == [] and folder.checkpoints() == []
+    frozen = load_config(folder.config_path)
+    assert frozen.model.path == str(tiny_model_dir) and frozen.validation.num_tasks == 3
+    episodes = table_to_episode_records(folder.read_stage(0, "episodes", "validation"))
+    assert len(episodes) == 3 and all(e.split == "validation" for e in episodes)
+    assert all(a.token_ids for e in episodes if e.rollout.error is None for a in e.rollout.actions)
+
+
+def test_report_numbers_match_a_hand_count(tiny_eval: Path) -> None:
+    report = eval_report(tiny_eval, worst=2)
+    expected = hand_count(tiny_eval)
+    for key in ("num_episodes", "reward_mean", "pass_rate", "terminated_ratio", "turns_mean", "tokens_mean"):
+        assert report.metrics[key] == pytest.approx(expected[key]), key
+    assert len(report.worst) == 2
+    rewards = [w.final_reward for w in report.worst]
+    assert rewards == sorted(rewards) and rewards[0] == min(expected["finals"].values())
+    assert all(w.episode_id in expected["ids"] for w in report.worst)
+
+
+def test_report_text_names_every_figure_and_the_show_command(tiny_eval: Path) -> None:
+    report = eval_report(tiny_eval)
+    text = format_report(report, "tiny")
+    for label in ("pass rate", "reward", "terminated", "max_turns", "context_overflow", "parse_failure",
+                  "turns", "tokens", "worst episodes"):
+        assert label in text
+    assert f"rollflow show {tiny_eval} EPISODE_ID" in text
+    assert f"{report.metrics['pass_rate']:.3f}" in text
+    assert all(w.episode_id in text for w in report.worst)
+
+
+def test_command_line_arguments_reach_the_flow(
+    tiny_model_dir: Path, tmp_path: Path, prefect_harness: object
+) -> None:
+    repo = Path(__file__).resolve().parent.parent
+    parser = argparse.ArgumentParser()
+    add_eval_arguments(parser)
+    args = parser.parse_args([
+        "--config", str(repo / "configs" / "tiny.toml"), "--model", str(tiny_model_dir),
+        "--tasks", "1", "--run-dir", str(tmp_path / "cli"),
+    ])
+    text = run_eval_command(args)
+    assert text.startswith(f"evaluation {tmp_path / 'cli'}") and "episodes      1 " in text
+    assert f"policy        {tiny_model_dir}" in text
+    with pytest.raises(ConfigError, match="--tasks must be at least 1"):
+        run_eval_command(parser.parse_args(["--tasks", "0"]))
+
+
+# ---------------------------------------------------------------- an OpenAI-compatible server
+
+
+@dataclass
+class ChatServer:
+    """Answers every chat completion with ``answer``; records the request bodies."""
+
+    answer: str
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    base_url: str = ""
+
+
+@pytest.fixture
+def chat_server() -> Iterator[ChatServer]:
+    server = ChatServer(answer="17")
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (the http.server API)
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+            server.bodies.append({"path": self.path, **body})
+            message = {"role": "assistant", "content": server.answer}
+            payload = json.dumps({
+                "id": "c", "object": "chat.completion",
+                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 30, "completion_tokens": 2, "total_tokens": 32},
+            }).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    server.base_url = f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    yield server
+    httpd.shutdown()
+    httpd.server_close()
+    thread.join()
+
+
+def test_eval_against_an_openai_compatible_server(
+    chat_server: ChatServer, tmp_path: Path, prefect_harness: object
+) -> None:
+    config = tmp_path / "served.toml"
+    config.write_text('[tracking]\nenabled = false\n[validation]\nnum_tasks = 2\n')
+    root = Path(eval_flow(
+        config_path=str(config), run_dir=str(tmp_path / "run"), base_url=chat_server.base_url, api_model="smol",
+    ))
+    assert len(chat_server.bodies) == 2  # one answer ends each episode
+    body = chat_server.bodies[0]
+    assert body["path"] == "/v1/chat/completions" and body["model"] == "smol"
+    assert {t["function"]["name"] for t in body["tools"]} >= {"lookup", "calculator"}
+    assert body["messages"][0]["role"] == "system" and body["messages"][-1]["role"] == "user"
+    expected = hand_count(root)
+    report = eval_report(root)
+    assert report.metrics["num_episodes"] == 2 and report.metrics["terminated_ratio"] == 1.0
+    assert report.metrics["turns_mean"] == 1.0 and report.metrics["tokens_mean"] == 0.0  # text only
+    assert report.metrics["reward_mean"] == pytest.approx(expected["reward_mean"])
+    assert report.metrics["pass_rate"] == pytest.approx(expected["pass_rate"])
+    episodes = table_to_episode_records(RunFolder(root).read_stage(0, "episodes", "validation"))
+    assert all(e.rollout.response_text == "17" for e in episodes)
