@@ -16,11 +16,16 @@ The metrics are two SQL texts kept here as constants, one per family, so the pip
   tokens per episode, episode and group counts.
 - ``REWARD_METRICS_SQL``: statistics of ``final_reward`` (the reward with the overlong
   penalty or failed-parse reward applied: what GRPO optimises) over the *counted*
-  episodes, those whose episode did not error and whose scoring did not fail. A counted
+  episodes, those with no ``scoring_error`` (the scoring stage records there why it left
+  an episode out of the group baseline: the rollout's error or the scorer's). A counted
   episode passes when ``final_reward >= threshold`` (no threshold: ``> 0``), the rule
   ``ScoreRecord.passed`` documents. ``zero_variance_skip_ratio`` is the share of groups
-  whose counted final rewards are all equal (GRPO learns nothing from them).
+  whose counted final rewards are all equal, trivially so with fewer than two (GRPO
+  learns nothing from them; the same rule as ``ScoreRecord.zero_variance``).
   ``reward_std`` is the population standard deviation.
+
+Reading only ``scores`` (no join with ``episodes``) keeps the reward query at one pass
+over a few narrow columns.
 
 A step with episodes but no scores yet gets NaN for the reward family.
 """
@@ -84,38 +89,47 @@ ORDER BY run_id, step
 """
 
 REWARD_METRICS_SQL = f"""
-WITH counted AS (
+WITH scored AS (
     SELECT
         run_id, step, group_id, final_reward,
+        scoring_error IS NULL AS counted,
         CASE WHEN threshold IS NULL THEN final_reward > 0
              ELSE final_reward >= threshold END AS passed
     FROM scores
-    JOIN (SELECT run_id, split, step, episode_id, error FROM episodes) USING (run_id, split, step, episode_id)
     WHERE {_FILTER}
-      AND scoring_error IS NULL
-      AND error IS NULL
+),
+rewards AS (
+    SELECT
+        run_id,
+        step,
+        avg(final_reward)           AS reward_mean,
+        stddev_pop(final_reward)    AS reward_std,
+        min(final_reward)           AS reward_min,
+        max(final_reward)           AS reward_max,
+        count_if(passed) / count(*) AS pass_rate
+    FROM scored
+    WHERE counted
+    GROUP BY run_id, step
 ),
 per_group AS (
-    SELECT run_id, step, min(final_reward) = max(final_reward) AS all_equal
-    FROM counted
+    SELECT
+        run_id,
+        step,
+        count_if(counted) < 2
+            OR min(final_reward) FILTER (counted) = max(final_reward) FILTER (counted) AS all_equal
+    FROM scored
     GROUP BY run_id, step, group_id
-)
-SELECT
-    run_id,
-    step,
-    avg(final_reward)                  AS reward_mean,
-    stddev_pop(final_reward)           AS reward_std,
-    min(final_reward)                  AS reward_min,
-    max(final_reward)                  AS reward_max,
-    count_if(passed) / count(*)        AS pass_rate,
-    any_value(zero_variance_skip_ratio) AS zero_variance_skip_ratio
-FROM counted
-JOIN (
+),
+groups AS (
     SELECT run_id, step, count_if(all_equal) / count(*) AS zero_variance_skip_ratio
     FROM per_group
     GROUP BY run_id, step
-) USING (run_id, step)
-GROUP BY run_id, step
+)
+SELECT
+    run_id, step, reward_mean, reward_std, reward_min, reward_max, pass_rate,
+    zero_variance_skip_ratio
+FROM groups
+LEFT JOIN rewards USING (run_id, step)
 ORDER BY run_id, step
 """
 
@@ -136,6 +150,7 @@ def open_run_sql(run_dirs: Sequence[Path | str] | Path | str) -> duckdb.DuckDBPy
     """A locked, read-only DuckDB connection with views over ``run_dirs`` (paths or a glob)."""
     folders = resolve_run_folders(run_dirs)
     con = duckdb.connect(":memory:")
+    con.execute("SET parquet_metadata_cache = true")  # footers are read once, not per query
     allowed: list[str] = []
     for view in VIEW_KINDS:
         groups = collect_files(folders, view)

@@ -38,7 +38,7 @@ STEP_1 = [
     ("A", 0, "term", 1, 10, 1.0, 1.0, None),
     ("A", 1, "term", 2, 20, 0.0, 1.0, None),
     ("A", 2, MAX_TURNS, 3, 30, -0.5, 1.0, None),
-    ("A", 3, "error", 1, 5, 0.0, 1.0, None),  # errored episode: not counted
+    ("A", 3, "error", 1, 5, 0.0, 1.0, "RuntimeError: boom"),  # errored: scoring copies it
     ("B", 0, OVERFLOW, 2, 40, 0.5, None, None),  # no threshold: passes when > 0
     ("B", 1, PARSE, 1, 8, -0.1, None, None),
     ("B", 2, ENV, 2, 12, 0.0, None, "ValueError: no answer"),  # scoring failed: not counted
@@ -116,6 +116,22 @@ def test_every_metric_matches_a_hand_count(run: RunFolder) -> None:
     }
     assert list(metrics) == list(METRIC_NAMES)
     assert metrics == pytest.approx(expected, abs=1e-12)
+
+
+def test_groups_with_fewer_than_two_counted_are_zero_variance(tmp_path: Path) -> None:
+    folder = RunFolder(tmp_path / "run")
+    rows = [
+        ("X", 0, "term", 1, 10, 0.5, 1.0, None),
+        ("X", 1, "error", 1, 10, 0.0, 1.0, "RuntimeError: boom"),
+        ("Y", 0, "error", 1, 10, 0.0, 1.0, "RuntimeError: boom"),
+        ("Z", 0, "term", 1, 10, 1.0, 1.0, None),
+        ("Z", 1, "term", 1, 10, 0.0, 1.0, None),
+    ]
+    _write_step(folder, 0, rows)
+    metrics = step_metrics(open_run_sql(folder.root), step=0)
+    assert metrics["zero_variance_skip_ratio"] == pytest.approx(2 / 3)  # X (one counted), Y (none)
+    assert metrics["reward_mean"] == pytest.approx(0.5)  # X0, Z0, Z1
+    assert metrics["pass_rate"] == pytest.approx(1 / 3)
 
 
 def test_steps_and_splits_are_kept_apart(run: RunFolder) -> None:
