@@ -81,7 +81,9 @@ class AsyncEnvironmentHandle:
         trace.stage = "env_factory"
         env = self.suite.env_factory(task)
         if not all(hasattr(env, name) for name in ("reset", "step", "tool_specs", "close")):
-            raise TypeError(f"env_factory returned {type(env).__name__}, not an Env (reset/step/tool_specs/close)")
+            raise TypeError(
+                f"env_factory returned {type(env).__name__}, not an Env (reset/step/tool_specs/close)"
+            )
         cleanup.add("Env.close", env.close)
         trace.stage = "Env.reset"
         trace.messages = checked_messages(await env.reset(task), "Env.reset")

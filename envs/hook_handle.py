@@ -69,7 +69,9 @@ class HookEnvironmentHandle:
 
     def tasks(self, split: Split) -> list[TaskItem]:
         check_split(split)
-        return [TaskItem(task_id=task_id_for(example), payload=example) for example in self.env.examples(split)]
+        return [
+            TaskItem(task_id=task_id_for(example), payload=example) for example in self.env.examples(split)
+        ]
 
     async def play(self, item: TaskItem, policy: Policy, limits: EpisodeLimits) -> EpisodeRollout:
         trace = EpisodeTrace(policy)
@@ -109,7 +111,9 @@ class HookEnvironmentHandle:
             trace.stage = "step_episode"
             result = await call_hook(self.env.step_episode, example, list(trace.messages), action.text)
             if not isinstance(result, EnvironmentStepResult):
-                raise TypeError(f"step_episode returned {type(result).__name__}, not an EnvironmentStepResult")
+                raise TypeError(
+                    f"step_episode returned {type(result).__name__}, not an EnvironmentStepResult"
+                )
             trace.step_metadata.append(dict(result.metadata))
             if result.final_response_text is not None:
                 trace.response_text = result.final_response_text
@@ -145,7 +149,8 @@ def to_environment_episode(rollout: EpisodeRollout) -> EnvironmentEpisode:
         messages=rollout.messages,
         response_text=rollout.response_text,
         turns=tuple(
-            EnvironmentTurn(role=m["role"], content=m["content"], name=m.get("name")) for m in rollout.messages
+            EnvironmentTurn(role=m["role"], content=m["content"], name=m.get("name"))
+            for m in rollout.messages
         ),
         metadata={
             "steps": [dict(step) for step in rollout.step_metadata],
@@ -160,7 +165,9 @@ def to_environment_episode(rollout: EpisodeRollout) -> EnvironmentEpisode:
 
 def _example(item: TaskItem) -> TaskExample:
     if not isinstance(item.payload, TaskExample):
-        raise TypeError(f"task {item.task_id} holds a {type(item.payload).__name__}; hook style plays TaskExamples")
+        raise TypeError(
+            f"task {item.task_id} holds a {type(item.payload).__name__}; hook style plays TaskExamples"
+        )
     return item.payload
 
 
@@ -188,7 +195,8 @@ def _to_episode_score(outcome: object, scorer: str) -> EpisodeScore:
             reward=checked_score(outcome.score, "RewardResult.score"),
             threshold=None if threshold is None else checked_score(threshold, "RewardResult.threshold"),
             components={
-                str(name): checked_score(value, f"component {name!r}") for name, value in outcome.components.items()
+                str(name): checked_score(value, f"component {name!r}")
+                for name, value in outcome.components.items()
             },
         )
     except (ValueError, TypeError, AttributeError) as exc:

@@ -154,7 +154,9 @@ def messages_from_output(output: object, where: str) -> list[Message]:
             raise ValueError(f"{where}: a dict output needs a 'messages' key, got keys {sorted(output)}")
         output = output["messages"]
     if not isinstance(output, Sequence) or isinstance(output, str):
-        raise ValueError(f"{where}: output must be a scalar or a list of messages, got {type(output).__name__}")
+        raise ValueError(
+            f"{where}: output must be a scalar or a list of messages, got {type(output).__name__}"
+        )
     return [checked_message(message, f"{where} message {i}") for i, message in enumerate(output)]
 
 

@@ -145,8 +145,7 @@ def describe_tools(tool_specs: Sequence[ToolSpec]) -> str:
     if not tool_specs:
         return ""
     lines = [
-        "You can call tools. Each tool is listed with what it does and the JSON schema "
-        "of its arguments:",
+        "You can call tools. Each tool is listed with what it does and the JSON schema of its arguments:",
         "",
     ]
     for index, spec in enumerate(tool_specs):

@@ -79,7 +79,9 @@ def load_environment_handle(spec: str, kwargs: Mapping[str, object] | None = Non
     try:
         loaded = function(**arguments)
     except Exception as exc:
-        raise EnvironmentLoadError(f"{spec}(**{arguments!r:.200}) raised {type(exc).__name__}: {exc}") from exc
+        raise EnvironmentLoadError(
+            f"{spec}(**{arguments!r:.200}) raised {type(exc).__name__}: {exc}"
+        ) from exc
     return handle_for(loaded, where=spec)
 
 
@@ -102,7 +104,11 @@ def handle_from_async(
 
     Without ``val_tasks`` the training tasks are validated on, as in the reference recipe.
     """
-    suite = AsyncEnvSuite(tasks=tuple(tasks), val_tasks=tuple(tasks if val_tasks is None else val_tasks), env_factory=env_factory)
+    suite = AsyncEnvSuite(
+        tasks=tuple(tasks),
+        val_tasks=tuple(tasks if val_tasks is None else val_tasks),
+        env_factory=env_factory,
+    )
     return AsyncEnvironmentHandle(suite)
 
 
@@ -160,7 +166,9 @@ def _import(module_name: str, spec: str) -> object:
         raise EnvironmentLoadError(f"importing {module_name!r} raised {type(exc).__name__}: {exc}") from exc
 
 
-def _checked_kwargs(function: Callable[..., object], kwargs: Mapping[str, object] | None, spec: str) -> dict[str, object]:
+def _checked_kwargs(
+    function: Callable[..., object], kwargs: Mapping[str, object] | None, spec: str
+) -> dict[str, object]:
     arguments = dict(kwargs or {})
     bad_keys = [key for key in arguments if not isinstance(key, str)]
     if bad_keys:

@@ -38,7 +38,9 @@ def write_starter(name: str, dest_dir: Path, style: StarterStyle) -> list[Path]:
     overwrite anything.
     """
     if style not in _SOURCES:
-        raise ValueError(f"unknown starter style {style!r}; expected 'hook' (--multi-turn) or 'async' (--async)")
+        raise ValueError(
+            f"unknown starter style {style!r}; expected 'hook' (--multi-turn) or 'async' (--async)"
+        )
     _check_name(name)
     package_dir = Path(dest_dir) / name
     if package_dir.exists():
@@ -60,5 +62,11 @@ def _check_name(name: str) -> None:
         raise ValueError(
             f"environment name {name!r} must be a lowercase Python name: a letter, then letters, digits or _"
         )
-    if keyword.iskeyword(name) or name in sys.stdlib_module_names or name in {"envs", "tasks", "flows", "storage", "policy"}:
-        raise ValueError(f"environment name {name!r} would shadow a Python or rollflow module; choose another")
+    if (
+        keyword.iskeyword(name)
+        or name in sys.stdlib_module_names
+        or name in {"envs", "tasks", "flows", "storage", "policy"}
+    ):
+        raise ValueError(
+            f"environment name {name!r} would shadow a Python or rollflow module; choose another"
+        )

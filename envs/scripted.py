@@ -72,7 +72,9 @@ def constant_policy(text: str) -> ScriptedPolicy:
     return ScriptedPolicy(lambda messages, turn: text)
 
 
-def replay_policy(actions_by_request: Mapping[str, Sequence[str]], unknown_reply: str = "I don't know.") -> ScriptedPolicy:
+def replay_policy(
+    actions_by_request: Mapping[str, Sequence[str]], unknown_reply: str = "I don't know."
+) -> ScriptedPolicy:
     """Plays ``actions_by_request[latest user message]`` in order (see the module doc)."""
     scripts = {request: tuple(actions) for request, actions in actions_by_request.items()}
     empty = [request for request, actions in scripts.items() if not actions]

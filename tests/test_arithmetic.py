@@ -85,7 +85,12 @@ def test_last_number() -> None:
 
 
 @settings(max_examples=500, deadline=None)
-@given(st.text(max_size=60) | st.lists(st.sampled_from(list("0123456789+-*/%().e_ ") + ["**", "//", "9" * 20]), max_size=40).map("".join))
+@given(
+    st.text(max_size=60)
+    | st.lists(st.sampled_from(list("0123456789+-*/%().e_ ") + ["**", "//", "9" * 20]), max_size=40).map(
+        "".join
+    )
+)
 def test_never_raises_anything_but_expression_error(expression: str) -> None:
     try:
         value = safe_eval(expression)

@@ -59,7 +59,9 @@ class EchoEnv(Env):
         calls = message.get("tool_calls", [])
         if not calls:
             correct = message["content"].strip() == str(self._task.target)
-            return StepResult(True, False, list(self._messages), reward=float(correct), metrics={"correct": float(correct)})
+            return StepResult(
+                True, False, list(self._messages), reward=float(correct), metrics={"correct": float(correct)}
+            )
         outcome = await run_tool_calls(self._tools, calls)
         self._messages.extend(outcome.messages)
         self._errors += outcome.errors
@@ -114,7 +116,9 @@ def test_terminated_reads_reward_and_metrics_from_the_ending_step() -> None:
 
 
 def test_a_tool_stop_request_the_env_honours_terminates() -> None:
-    rollout = _play(_script('<tool_call>{"name": "echo", "arguments": {"text": "x", "stop": true}}</tool_call>'))
+    rollout = _play(
+        _script('<tool_call>{"name": "echo", "arguments": {"text": "x", "stop": true}}</tool_call>')
+    )
     assert rollout.terminated and rollout.env_reward == 0.25
 
 

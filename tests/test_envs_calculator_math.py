@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 from envs.arithmetic import CalculatorTool, safe_eval
 from envs.calculator_math import CalculatorMathEnv, expert_policy, generate_tasks, load_environment
 from envs.protocol import make_tool_call, render_tool_calls
-from envs.runner import EnvironmentLoadError, EpisodeLimits, handle_from_async, load_environment_handle, play_groups
+from envs.runner import (
+    EnvironmentLoadError,
+    EpisodeLimits,
+    handle_from_async,
+    load_environment_handle,
+    play_groups,
+)
 from envs.scripted import ScriptedPolicy, constant_policy
 from envs.tools import execute_tool_calls
 from envs.types import Task, TruncationCause
@@ -24,7 +30,9 @@ def test_the_expert_solves_every_task() -> None:
     handle = load_environment_handle(SPEC)
     assert handle.style == "async"
     items = handle.tasks("train")
-    groups = asyncio.run(play_groups(handle, items, 2, expert_policy(), EpisodeLimits(max_turns=4), concurrency=32))
+    groups = asyncio.run(
+        play_groups(handle, items, 2, expert_policy(), EpisodeLimits(max_turns=4), concurrency=32)
+    )
     rollouts = [r for group in groups for r in group]
     assert len(rollouts) == 400 and all(r.terminated and r.turns == 2 for r in rollouts)
     scores = [s for item, g in zip(items, groups, strict=True) for s in asyncio.run(handle.score(item, g))]
@@ -44,7 +52,9 @@ def test_tasks_are_seeded_integer_questions_split_without_overlap() -> None:
 
 
 def _play(policy: ScriptedPolicy, max_turns: int = 5, max_tool_errors: int = 3):
-    handle = load_environment_handle(SPEC, {"num_train": 1, "num_validation": 0, "max_tool_errors": max_tool_errors})
+    handle = load_environment_handle(
+        SPEC, {"num_train": 1, "num_validation": 0, "max_tool_errors": max_tool_errors}
+    )
     item = handle.tasks("train")[0]
     rollout = asyncio.run(handle.play(item, policy, EpisodeLimits(max_turns=max_turns)))
     return rollout, asyncio.run(handle.score(item, [rollout]))[0], item.payload
@@ -60,7 +70,9 @@ def test_repeated_tool_errors_truncate_with_cause_env() -> None:
     bad = render_tool_calls([make_tool_call("calculator", {"expression": "2 ^ 3"})])
     rollout, score, _ = _play(constant_policy(bad), max_turns=10, max_tool_errors=2)
     assert rollout.truncation_cause is TruncationCause.ENV and rollout.turns == 2
-    assert rollout.messages[3]["content"].startswith("tool_error: calculator failed: ExpressionError: '^' is not a power")
+    assert rollout.messages[3]["content"].startswith(
+        "tool_error: calculator failed: ExpressionError: '^' is not a power"
+    )
     assert score.components == {"correct": 0.0, "tool_calls": 2.0, "tool_errors": 2.0}
 
 
@@ -79,7 +91,9 @@ def test_step_before_reset_is_an_error_episode() -> None:
             return []
 
     handle = handle_from_async(generate_tasks(seed=0, count=1), env_factory=lambda task: NoReset())
-    rollout = asyncio.run(handle.play(handle.tasks("train")[0], constant_policy("1"), EpisodeLimits(max_turns=1)))
+    rollout = asyncio.run(
+        handle.play(handle.tasks("train")[0], constant_policy("1"), EpisodeLimits(max_turns=1))
+    )
     assert rollout.error == "RuntimeError: step() before reset() (in Env.step)"
 
 
@@ -93,6 +107,10 @@ def test_loader_checks_its_arguments() -> None:
 @settings(max_examples=200, deadline=None)
 @given(st.text(max_size=40) | st.from_regex(r"[0-9+*/%() .-]{1,30}", fullmatch=True))
 def test_the_calculator_tool_answers_every_expression_with_a_number_or_a_tool_error(expression: str) -> None:
-    [message] = asyncio.run(execute_tool_calls({"calculator": CalculatorTool()}, [make_tool_call("calculator", {"expression": expression})]))
+    [message] = asyncio.run(
+        execute_tool_calls(
+            {"calculator": CalculatorTool()}, [make_tool_call("calculator", {"expression": expression})]
+        )
+    )
     content = message["content"]
     assert content.startswith("tool_error: ") or re.fullmatch(r"-?[\d.e+-]+|-?\d+", content), content

@@ -18,7 +18,9 @@ SPEC = "envs.guess_number:load_environment"
 def test_binary_search_solves_every_task_within_log2_guesses() -> None:
     handle = load_environment_handle(SPEC)
     items = handle.tasks("train")
-    groups = asyncio.run(play_groups(handle, items, 1, binary_search_policy(), EpisodeLimits(), concurrency=16))
+    groups = asyncio.run(
+        play_groups(handle, items, 1, binary_search_policy(), EpisodeLimits(), concurrency=16)
+    )
     rollouts = [group[0] for group in groups]
     assert len(rollouts) == 200 and all(r.terminated for r in rollouts)
     assert max(r.turns for r in rollouts) <= math.ceil(math.log2(100))
@@ -51,7 +53,9 @@ def test_a_first_guess_hit_scores_one_and_running_out_scores_zero() -> None:
     rollouts = [
         asyncio.run(handle.play(item, constant_policy(str(secret)), EpisodeLimits())),
         asyncio.run(handle.play(item, constant_policy(wrong), EpisodeLimits())),
-        asyncio.run(handle.play(item, constant_policy("<tool_call>"), EpisodeLimits())),  # free text, not a parse failure
+        asyncio.run(
+            handle.play(item, constant_policy("<tool_call>"), EpisodeLimits())
+        ),  # free text, not a parse failure
     ]
     assert rollouts[0].terminated and rollouts[0].turns == 1
     assert [r.truncation_cause for r in rollouts[1:]] == [TruncationCause.MAX_TURNS] * 2
@@ -63,7 +67,9 @@ def test_a_first_guess_hit_scores_one_and_running_out_scores_zero() -> None:
 
 def test_a_raising_policy_is_an_error_episode() -> None:
     handle = load_environment_handle(SPEC, {"num_train": 1, "num_validation": 0})
-    rollout = asyncio.run(handle.play(handle.tasks("train")[0], ScriptedPolicy(lambda m, t: {}[t]), EpisodeLimits()))  # type: ignore[arg-type, return-value]
+    rollout = asyncio.run(
+        handle.play(handle.tasks("train")[0], ScriptedPolicy(lambda m, t: {}[t]), EpisodeLimits())
+    )  # type: ignore[arg-type, return-value]
     assert rollout.error == "KeyError: 0 (in PolicySession.act)"
 
 

@@ -58,14 +58,19 @@ class AgentEnv(EnvironmentMultiTurn):
 
     def start_episode(self, example: TaskExample, prompt_text: str) -> list[Message]:
         return [
-            {"role": "system", "content": "Call tools with <tool_call>{...}</tool_call>; reply in plain text when done."},
+            {
+                "role": "system",
+                "content": "Call tools with <tool_call>{...}</tool_call>; reply in plain text when done.",
+            },
             {"role": "user", "content": example.input},
         ]
 
     def max_episode_turns(self, example: TaskExample) -> int:
         return 8
 
-    def step_episode(self, example: TaskExample, messages: list[Message], assistant_response: str) -> EnvironmentStepResult:
+    def step_episode(
+        self, example: TaskExample, messages: list[Message], assistant_response: str
+    ) -> EnvironmentStepResult:
         blocks = TOOL_CALL.findall(assistant_response)
         if blocks:  # a TOOL turn: run the calls, feed results back, stay open
             results = [run_tool(**json.loads(b)) for b in blocks]
@@ -100,7 +105,12 @@ def test_refund_agent_plays_and_scores_through_the_runner() -> None:
     [item] = handle.tasks("validation")
     assert item.payload == TaskExample(input="Refund my last order.", output="refund_order")
     helpful = ScriptedPolicy(lambda m, turn: [LOOKUP, REFUND, "Your order A17 is refunded."][turn])
-    policies = [helpful, constant_policy("Sorry, I cannot help."), constant_policy(LOOKUP), constant_policy("<tool_call>{oops")]
+    policies = [
+        helpful,
+        constant_policy("Sorry, I cannot help."),
+        constant_policy(LOOKUP),
+        constant_policy("<tool_call>{oops"),
+    ]
     rollouts = [asyncio.run(handle.play(item, p, EpisodeLimits())) for p in policies]
     assert rollouts[0].terminated and rollouts[0].turns == 3
     assert rollouts[0].response_text == "Your order A17 is refunded."
@@ -159,7 +169,12 @@ class MathEnv(Env):
         tool_calls = message.get("tool_calls", [])
         if not tool_calls:
             correct = message.get("content", "").strip() == str(self._task.target)
-            return StepResult(terminated=True, truncated=False, messages=list(self._messages), reward=1.0 if correct else 0.0)
+            return StepResult(
+                terminated=True,
+                truncated=False,
+                messages=list(self._messages),
+                reward=1.0 if correct else 0.0,
+            )
         for call in tool_calls:
             name = call["function"]["name"]
             try:
@@ -183,7 +198,9 @@ class MathEnv(Env):
 def _calculate_then_answer(messages: list[Message], turn: int) -> str:
     if turn == 0:
         expression = messages[-1]["content"].removeprefix("What is ").removesuffix("?")
-        return f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}</tool_call>'
+        return (
+            f'<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expression}"}}}}</tool_call>'
+        )
     return messages[-1]["content"]  # the tool's answer
 
 
@@ -192,12 +209,24 @@ def test_math_env_trains_like_train_multi_turn_would_call_it() -> None:
     handle = handle_from_async(tasks, env_factory=lambda task: MathEnv(), val_tasks=tasks)
     items = handle.tasks("train")
     groups = asyncio.run(
-        play_groups(handle, items, 4, ScriptedPolicy(_calculate_then_answer), EpisodeLimits(max_turns=6), concurrency=8)
+        play_groups(
+            handle,
+            items,
+            4,
+            ScriptedPolicy(_calculate_then_answer),
+            EpisodeLimits(max_turns=6),
+            concurrency=8,
+        )
     )
     for item, group in zip(items, groups, strict=True):
         assert all(r.terminated and r.turns == 2 for r in group)
         assert group[0].messages[2]["tool_calls"][0]["id"] == "call_0"
-        assert group[0].messages[3] == {"role": "tool", "content": "42", "tool_call_id": "call_0", "name": "calculator"}
+        assert group[0].messages[3] == {
+            "role": "tool",
+            "content": "42",
+            "tool_call_id": "call_0",
+            "name": "calculator",
+        }
         assert [s.reward for s in asyncio.run(handle.score(item, group))] == [1.0] * 4
 
 

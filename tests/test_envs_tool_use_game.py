@@ -68,7 +68,11 @@ def test_the_expert_plays_every_training_task_perfectly() -> None:
     assert len(items) == 200 and len(handle.tasks("validation")) == 50
     policy = expert_policy(item.payload for item in items)  # type: ignore[misc]
     groups = asyncio.run(play_groups(handle, items, 1, policy, EpisodeLimits(), concurrency=32))
-    scores = [score for item, group in zip(items, groups, strict=True) for score in asyncio.run(handle.score(item, group))]
+    scores = [
+        score
+        for item, group in zip(items, groups, strict=True)
+        for score in asyncio.run(handle.score(item, group))
+    ]
     assert all(group[0].terminated and group[0].turns == 4 for group in groups)
     assert {(s.reward, s.error) for s in scores} == {(1.0, None)}
     assert all(s.components == {"correct": 1.0, "lookups": 1.0, "calculator": 1.0} for s in scores)
@@ -129,7 +133,11 @@ def test_bad_tool_calls_become_tool_errors_and_the_episode_goes_on() -> None:
     assert "arguments of lookup do not match its schema" in tool_messages[1]["content"]
     assert "unknown tool 'teleport'" in tool_messages[2]["content"]
     assert "Call is not allowed" in tool_messages[3]["content"]
-    assert rollout.step_metadata[0] == {"action": "tool_calls", "tools": ["lookup", "lookup", "teleport", "calculator"], "tool_errors": 4}
+    assert rollout.step_metadata[0] == {
+        "action": "tool_calls",
+        "tools": ["lookup", "lookup", "teleport", "calculator"],
+        "tool_errors": 4,
+    }
     [score] = asyncio.run(handle.score(item, [rollout]))
     assert score.components == {"correct": 1.0, "lookups": 0.0, "calculator": 0.0}
 
@@ -143,7 +151,10 @@ def test_endings_of_the_game() -> None:
         "terminated": constant_policy(f"The answer is {task.answer}."),
     }
     rollouts = {name: asyncio.run(handle.play(item, p, EpisodeLimits())) for name, p in policies.items()}
-    assert rollouts["max_turns"].truncation_cause is TruncationCause.MAX_TURNS and rollouts["max_turns"].turns == 3
+    assert (
+        rollouts["max_turns"].truncation_cause is TruncationCause.MAX_TURNS
+        and rollouts["max_turns"].turns == 3
+    )
     assert rollouts["parse_failure"].truncation_cause is TruncationCause.PARSE_FAILURE
     assert rollouts["terminated"].terminated
     scores = asyncio.run(handle.score(item, list(rollouts.values())))
@@ -170,11 +181,18 @@ def test_reward_credits_well_formed_calls_of_the_right_tools() -> None:
         make_tool_call("lookup", {"key": "zzz"}, 1),
         make_tool_call("calculator", {"expression": "1 +"}, 2),
     ]
-    messages = [{"role": "assistant", "content": render_tool_calls(calls)}]  # no tool_calls key: parsed from text
+    messages = [
+        {"role": "assistant", "content": render_tool_calls(calls)}
+    ]  # no tool_calls key: parsed from text
     result = score_game(["a", "b"], 5, messages, "4")  # type: ignore[arg-type]
     assert result.components == {"correct": 0.0, "lookups": 0.5, "calculator": 0.0}
     assert result.score == pytest.approx(0.075)
-    good_calculator = [{"role": "assistant", "content": render_tool_calls([make_tool_call("calculator", {"expression": "2+3"})])}]
+    good_calculator = [
+        {
+            "role": "assistant",
+            "content": render_tool_calls([make_tool_call("calculator", {"expression": "2+3"})]),
+        }
+    ]
     assert score_game(["a"], 5, good_calculator, "5").score == pytest.approx(0.85)  # type: ignore[arg-type]
 
 
@@ -182,7 +200,9 @@ def test_protocol_checks_off_sends_unreadable_calls_back_as_a_user_message() -> 
     class Lenient(ToolUseGame):
         checks_tool_protocol = False
 
-    example = TaskExample(input="q", output=1, metadata={"facts": {"a": 1}, "needed_keys": ["a"], "formula": "{0}"})
+    example = TaskExample(
+        input="q", output=1, metadata={"facts": {"a": 1}, "needed_keys": ["a"], "formula": "{0}"}
+    )
     result = asyncio.run(Lenient([example], []).step_episode(example, [], "<tool_call>{"))
     assert not result.done and result.messages[0]["role"] == "user"
     assert "could not be read" in result.messages[0]["content"]

@@ -71,7 +71,9 @@ class PingEnv(EnvironmentMultiTurn):
         if episode.response_text == "explode":
             raise ValueError("unscorable")
         done = float(episode.response_text == "DONE")
-        return RewardResult(score=done, threshold=1.0, components={"done": done, "steps": len(episode.metadata["steps"])})
+        return RewardResult(
+            score=done, threshold=1.0, components={"done": done, "steps": len(episode.metadata["steps"])}
+        )
 
 
 class FreeTextEnv(PingEnv):
@@ -82,7 +84,9 @@ def _item(**metadata: object) -> TaskItem:
     return TaskItem(task_id="t", payload=TaskExample(input="hello", metadata=metadata))
 
 
-def _play(env: EnvironmentMultiTurn, policy: ScriptedPolicy, limits: EpisodeLimits | None = None, **metadata: object):
+def _play(
+    env: EnvironmentMultiTurn, policy: ScriptedPolicy, limits: EpisodeLimits | None = None, **metadata: object
+):
     handle = HookEnvironmentHandle(env)
     return asyncio.run(handle.play(_item(**metadata), policy, limits or EpisodeLimits()))
 
@@ -99,7 +103,15 @@ def test_terminated_episode_follows_the_reference_loop() -> None:
     assert rollout.terminated and not rollout.truncated and rollout.error is None
     assert rollout.turns == 3
     assert rollout.response_text == "DONE"  # final_response_text overrides the action
-    assert [m["role"] for m in rollout.messages] == ["system", "user", "assistant", "tool", "assistant", "user", "assistant"]
+    assert [m["role"] for m in rollout.messages] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "user",
+        "assistant",
+    ]
     assert rollout.messages[2] == parse_action(call).to_message(call)
     assert rollout.messages[3]["tool_call_id"] == "call_0"
     assert rollout.step_metadata == ({"turn": 1}, {"turn": 2}, {"turn": 3})
@@ -136,8 +148,17 @@ def test_an_env_can_opt_out_of_protocol_checks() -> None:
 
 def test_context_overflow_keeps_sampled_tokens_and_skips_the_step() -> None:
     env = PingEnv()
-    first = PolicyAction(text="hmm", token_ids=(5, 6), logprobs=(-0.1, -0.2), prompt_delta_ids=(1, 2, 3), latency_s=0.5)
-    partial = PolicyAction(text="do", token_ids=(7,), logprobs=(-0.3,), prompt_delta_ids=(4,), finish_reason="context", sampling_attempts=2)
+    first = PolicyAction(
+        text="hmm", token_ids=(5, 6), logprobs=(-0.1, -0.2), prompt_delta_ids=(1, 2, 3), latency_s=0.5
+    )
+    partial = PolicyAction(
+        text="do",
+        token_ids=(7,),
+        logprobs=(-0.3,),
+        prompt_delta_ids=(4,),
+        finish_reason="context",
+        sampling_attempts=2,
+    )
     policy = ScriptedPolicy(lambda messages, turn: [first, partial][turn], version=7)
     rollout = _play(env, policy)
     assert rollout.truncation_cause is TruncationCause.CONTEXT_OVERFLOW
@@ -211,7 +232,9 @@ def test_group_scoring_isolates_a_raising_score_episode_and_skips_errored_episod
         def step_episode(self, example, messages, assistant_response):  # type: ignore[no-untyped-def]
             return EnvironmentStepResult(done=True, final_response_text=assistant_response)
 
-    _, scores = _group(HookEnvironmentHandle(ExplodingFinal()), constant_policy("explode"), constant_policy("fine"))
+    _, scores = _group(
+        HookEnvironmentHandle(ExplodingFinal()), constant_policy("explode"), constant_policy("fine")
+    )
     assert scores[0].error == "ValueError: unscorable (in score_episode)"
     assert scores[1].error is None
 

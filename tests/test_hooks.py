@@ -110,7 +110,9 @@ def test_score_episode_returning_the_wrong_type_is_an_error() -> None:
 def test_sft_completion_scalar_becomes_one_assistant_message() -> None:
     env = SlowScoringEnv()
     assert env.sft_completion(TaskExample(input="q", output=42)) == [{"role": "assistant", "content": "42"}]
-    assert env.sft_completion(TaskExample(input="q", output="yes")) == [{"role": "assistant", "content": "yes"}]
+    assert env.sft_completion(TaskExample(input="q", output="yes")) == [
+        {"role": "assistant", "content": "yes"}
+    ]
 
 
 def test_sft_completion_message_list_and_messages_dict_are_the_transcript() -> None:

@@ -115,7 +115,10 @@ def test_render_escapes_tags_inside_arguments() -> None:
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.text(max_size=12)
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**6), 10**6)
+    | st.text(max_size=12)
     | st.floats(allow_nan=False, allow_infinity=False),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=8,
@@ -141,8 +144,29 @@ def test_parse_inverts_render(specs: list[tuple[str, dict[str, object]]]) -> Non
 
 
 fragments = st.sampled_from(
-    [OPEN_TAG, CLOSE_TAG, "{", "}", '"name"', '"arguments"', ":", ",", '"lookup"', "[", "]",
-     "NaN", "1e400", " ", "\n", "<tool", "_call>", '"', "\\", "\x00", "é"]
+    [
+        OPEN_TAG,
+        CLOSE_TAG,
+        "{",
+        "}",
+        '"name"',
+        '"arguments"',
+        ":",
+        ",",
+        '"lookup"',
+        "[",
+        "]",
+        "NaN",
+        "1e400",
+        " ",
+        "\n",
+        "<tool",
+        "_call>",
+        '"',
+        "\\",
+        "\x00",
+        "é",
+    ]
 )
 
 

@@ -24,7 +24,7 @@ from envs.runner import (
 from envs.types import Message, Task, TaskExample, ToolSpec
 
 MODULE = textwrap.dedent(
-    '''
+    """
     from envs.hooks import EnvironmentMultiTurn
     from envs.types import EnvironmentStepResult, RewardResult
 
@@ -61,7 +61,7 @@ MODULE = textwrap.dedent(
         raise ValueError(f"size must be positive, got {size}")
 
     not_a_function = 3
-    '''
+    """
 )
 
 
@@ -88,7 +88,11 @@ def test_a_spec_loads_a_hook_handle_with_kwargs(env_module: str) -> None:
         ("say_env_for_tests:load-env", None, "not a Python name"),
         ("no_such_module_xyz:load_environment", None, "no module named 'no_such_module_xyz'"),
         ("broken_env_for_tests:load_environment", None, "importing 'broken_env_for_tests' failed"),
-        ("say_env_for_tests:load_env", None, "has no 'load_env'; it has load_environment, load_nothing, load_raising"),
+        (
+            "say_env_for_tests:load_env",
+            None,
+            "has no 'load_env'; it has load_environment, load_nothing, load_raising",
+        ),
         ("say_env_for_tests:not_a_function", None, "is a int, not a function"),
         ("say_env_for_tests:load_nothing", None, "returned a int; expected an EnvironmentMultiTurn"),
         ("say_env_for_tests:load_environment", {"colour": "red"}, "unexpected keyword argument 'colour'"),
@@ -96,7 +100,9 @@ def test_a_spec_loads_a_hook_handle_with_kwargs(env_module: str) -> None:
         ("say_env_for_tests:load_raising", {"size": -1}, "raised ValueError: size must be positive, got -1"),
     ],
 )
-def test_bad_specs_name_the_problem(env_module: str, spec: str, kwargs: dict[str, object] | None, problem: str) -> None:
+def test_bad_specs_name_the_problem(
+    env_module: str, spec: str, kwargs: dict[str, object] | None, problem: str
+) -> None:
     with pytest.raises(EnvironmentLoadError) as caught:
         load_environment_handle(spec, kwargs)
     assert problem in str(caught.value)
@@ -142,12 +148,16 @@ def test_play_groups_bounds_concurrency_and_keeps_order(env_module: str) -> None
     items = handle.tasks("train")
     policy = CountingPolicy(delay_s=0.05)
     started = time.perf_counter()
-    groups = asyncio.run(play_groups(handle, items, group_size=3, policy=policy, limits=EpisodeLimits(), concurrency=4))
+    groups = asyncio.run(
+        play_groups(handle, items, group_size=3, policy=policy, limits=EpisodeLimits(), concurrency=4)
+    )
     elapsed = time.perf_counter() - started
     assert policy.most_acting == 4
     assert elapsed < 12 * 0.05  # 12 episodes of one action each, four at a time: about 3 rounds
     assert [len(group) for group in groups] == [3, 3, 3, 3]
-    assert [[r.response_text for r in group] for group in groups] == [[f"done: task {i}"] * 3 for i in range(4)]
+    assert [[r.response_text for r in group] for group in groups] == [
+        [f"done: task {i}"] * 3 for i in range(4)
+    ]
     assert all(r.terminated and r.policy_version == 3 for group in groups for r in group)
 
 
@@ -156,7 +166,11 @@ def test_one_failing_task_does_not_stop_the_others(env_module: str) -> None:
     groups = asyncio.run(
         play_groups(handle, handle.tasks("train"), 2, CountingPolicy(0.0), EpisodeLimits(), concurrency=8)
     )
-    assert [[r.error is None for r in group] for group in groups] == [[True, True], [False, False], [True, True]]
+    assert [[r.error is None for r in group] for group in groups] == [
+        [True, True],
+        [False, False],
+        [True, True],
+    ]
     assert all(r.truncated for r in groups[0])  # "fail-one" is never said: max_turns
 
 

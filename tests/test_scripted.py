@@ -53,7 +53,11 @@ def test_bad_scripts_fail_clearly() -> None:
 
 def test_replay_follows_the_latest_user_message_and_repeats_its_last_action() -> None:
     policy = replay_policy({"q1": ["a", "b"], "q2": ["c"]}, unknown_reply="?")
-    history: list[Message] = [{"role": "user", "content": "q0"}, {"role": "assistant", "content": "x"}, {"role": "user", "content": "q1"}]
+    history: list[Message] = [
+        {"role": "user", "content": "q0"},
+        {"role": "assistant", "content": "x"},
+        {"role": "user", "content": "q1"},
+    ]
     assert [a.text for a in _acts(policy, [*history, {"role": "tool", "content": "r"}], 3)] == ["a", "b", "b"]
     assert [a.text for a in _acts(policy, [{"role": "user", "content": "q2"}], 1)] == ["c"]
     assert [a.text for a in _acts(policy, [{"role": "user", "content": "q9"}], 1)] == ["?"]

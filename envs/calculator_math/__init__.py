@@ -45,7 +45,10 @@ class CalculatorMathEnv(Env):
     async def reset(self, task: Task) -> list[Message]:
         self._task = task
         self._tool_calls = self._tool_errors = 0
-        self._messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": task.prompt}]
+        self._messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": task.prompt},
+        ]
         return list(self._messages)
 
     async def step(self, message: Message) -> StepResult:
@@ -75,8 +78,14 @@ class CalculatorMathEnv(Env):
     def messages(self) -> list[Message]:
         return list(self._messages)
 
-    def _result(self, *, reward: float, correct: bool, terminated: bool = False, truncated: bool = False) -> StepResult:
-        metrics = {"correct": float(correct), "tool_calls": float(self._tool_calls), "tool_errors": float(self._tool_errors)}
+    def _result(
+        self, *, reward: float, correct: bool, terminated: bool = False, truncated: bool = False
+    ) -> StepResult:
+        metrics = {
+            "correct": float(correct),
+            "tool_calls": float(self._tool_calls),
+            "tool_errors": float(self._tool_errors),
+        }
         return StepResult(terminated, truncated, list(self._messages), reward=reward, metrics=metrics)
 
 
@@ -91,11 +100,19 @@ def generate_tasks(seed: int, count: int, id_offset: int = 0) -> list[Task]:
             expression += f" {rng.choice('+-*')} {operand}"
         if len(operands) == 3 and rng.random() < 0.4:
             expression = f"({expression.rsplit(' ', 2)[0]}) {expression.rsplit(' ', 2)[1]} {operands[-1]}"
-        tasks.append(Task(prompt=f"What is {expression}?", target=safe_eval(expression), id=f"calculator_math/seed={seed}/{index:05d}"))
+        tasks.append(
+            Task(
+                prompt=f"What is {expression}?",
+                target=safe_eval(expression),
+                id=f"calculator_math/seed={seed}/{index:05d}",
+            )
+        )
     return tasks
 
 
-def load_environment(seed: int = 0, num_train: int = 200, num_validation: int = 50, max_tool_errors: int = 3) -> AsyncEnvSuite:
+def load_environment(
+    seed: int = 0, num_train: int = 200, num_validation: int = 50, max_tool_errors: int = 3
+) -> AsyncEnvSuite:
     require_int("num_train", num_train, minimum=1)
     require_int("num_validation", num_validation, minimum=0)
     require_int("max_tool_errors", max_tool_errors, minimum=1)

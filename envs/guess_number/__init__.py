@@ -40,7 +40,9 @@ _RANGE = re.compile(r"between (-?\d+) and (-?\d+)")
 class GuessNumber(EnvironmentMultiTurn):
     checks_tool_protocol = False  # free-text guesses
 
-    def __init__(self, train: Sequence[TaskExample], validation: Sequence[TaskExample], max_turns: int = 8) -> None:
+    def __init__(
+        self, train: Sequence[TaskExample], validation: Sequence[TaskExample], max_turns: int = 8
+    ) -> None:
         require_int("max_turns", max_turns, minimum=1)
         self._splits = {"train": tuple(train), "validation": tuple(validation)}
         self.max_turns = max_turns
@@ -63,11 +65,15 @@ class GuessNumber(EnvironmentMultiTurn):
         if guess is None:
             low, high = example.metadata["low"], example.metadata["high"]
             reply = f"Please reply with one whole number between {low} and {high}."
-            return EnvironmentStepResult(done=False, messages=({"role": "user", "content": reply},), metadata={"guess": None})
+            return EnvironmentStepResult(
+                done=False, messages=({"role": "user", "content": reply},), metadata={"guess": None}
+            )
         if guess == secret:
             return EnvironmentStepResult(done=True, final_response_text=str(guess), metadata={"guess": guess})
         reply = HIGHER if guess < secret else LOWER
-        return EnvironmentStepResult(done=False, messages=({"role": "user", "content": reply},), metadata={"guess": guess})
+        return EnvironmentStepResult(
+            done=False, messages=({"role": "user", "content": reply},), metadata={"guess": guess}
+        )
 
     def score_episode(self, example: TaskExample, episode: EnvironmentEpisode) -> RewardResult:
         guesses = sum(message["role"] == "assistant" for message in episode.messages)
@@ -82,7 +88,12 @@ class GuessNumber(EnvironmentMultiTurn):
 
 
 def load_environment(
-    seed: int = 0, num_train: int = 200, num_validation: int = 50, low: int = 1, high: int = 100, max_turns: int = 8
+    seed: int = 0,
+    num_train: int = 200,
+    num_validation: int = 50,
+    low: int = 1,
+    high: int = 100,
+    max_turns: int = 8,
 ) -> GuessNumber:
     """Secrets drawn uniformly from [low, high] with ``random.Random(seed)``."""
     if not (isinstance(low, int) and isinstance(high, int)) or low >= high:

@@ -57,7 +57,10 @@ class ToolUseGame(EnvironmentMultiTurn):
         max_turns: int = 6,
     ) -> None:
         require_int("max_turns", max_turns, minimum=1)
-        self._splits: dict[str, tuple[TaskExample, ...]] = {"train": tuple(train), "validation": tuple(validation)}
+        self._splits: dict[str, tuple[TaskExample, ...]] = {
+            "train": tuple(train),
+            "validation": tuple(validation),
+        }
         self.worked_example = worked_example
         self.max_turns = max_turns
 
@@ -84,7 +87,9 @@ class ToolUseGame(EnvironmentMultiTurn):
     ) -> EnvironmentStepResult:
         parsed = parse_action(assistant_response)
         if parsed.kind == "final":
-            return EnvironmentStepResult(done=True, final_response_text=parsed.content, metadata={"action": "answer"})
+            return EnvironmentStepResult(
+                done=True, final_response_text=parsed.content, metadata={"action": "answer"}
+            )
         if parsed.kind == "parse_failure":  # only reachable when protocol checks are off
             reply: Message = {"role": "user", "content": f"Your tool call could not be read: {parsed.error}"}
             return EnvironmentStepResult(done=False, messages=(reply,), metadata={"action": "parse_failure"})
@@ -161,7 +166,9 @@ def expert_policy(examples: Iterable[TaskExample]) -> ScriptedPolicy:
     """A scripted policy that plays the expert transcript of each of ``examples``."""
     return replay_policy(
         {
-            str(example.input): [m["content"] for m in expert_transcript(game_task(example)) if m["role"] == "assistant"]
+            str(example.input): [
+                m["content"] for m in expert_transcript(game_task(example)) if m["role"] == "assistant"
+            ]
             for example in examples
         }
     )

@@ -41,7 +41,9 @@ def score_game(
     components = {
         "correct": float(_final_answer_is(response_text, answer)),
         "lookups": len(needed & looked_up) / len(needed) if needed else 1.0,
-        "calculator": float(any(name == "calculator" and _evaluates(args.get("expression")) for name, args in calls)),
+        "calculator": float(
+            any(name == "calculator" and _evaluates(args.get("expression")) for name, args in calls)
+        ),
     }
     score = sum(WEIGHTS[name] * value for name, value in components.items())
     return RewardResult(score=round(score, 9), threshold=WEIGHTS["correct"], components=components)

@@ -57,7 +57,9 @@ def fact_key(item: str, place: str) -> str:
     return f"{item}_at_{place}"
 
 
-def generate_examples(seed: int, num_train: int, num_validation: int) -> tuple[list[TaskExample], list[TaskExample]]:
+def generate_examples(
+    seed: int, num_train: int, num_validation: int
+) -> tuple[list[TaskExample], list[TaskExample]]:
     """``num_train`` training and ``num_validation`` validation examples, unique questions."""
     require_int("num_train", num_train, minimum=0)
     require_int("num_validation", num_validation, minimum=0)
@@ -89,7 +91,9 @@ def _random_task(rng: random.Random) -> GameTask:
     _add_distractors(rng, facts, item, places[:needed_count])
     shuffled = list(facts.items())
     rng.shuffle(shuffled)
-    return GameTask(question=question, facts=dict(shuffled), needed_keys=needed, formula=formula, answer=answer)
+    return GameTask(
+        question=question, facts=dict(shuffled), needed_keys=needed, formula=formula, answer=answer
+    )
 
 
 def _apply(formula: str, values: list[int]) -> int:
@@ -121,12 +125,20 @@ Template = Callable[[random.Random, str, list[str], list[int]], tuple[str, int, 
 
 def _scaled(rng: random.Random, item: str, places: list[str], values: list[int]) -> tuple[str, int, str]:
     k = rng.randint(2, 9)
-    return f"If {places[0]} had {k} times as many {item} as it has now, how many {item} would it have?", 1, f"{{0}} * {k}"
+    return (
+        f"If {places[0]} had {k} times as many {item} as it has now, how many {item} would it have?",
+        1,
+        f"{{0}} * {k}",
+    )
 
 
 def _received(rng: random.Random, item: str, places: list[str], values: list[int]) -> tuple[str, int, str]:
     k = rng.randint(3, 40)
-    return f"{places[0].capitalize()} receives {k} more {item}. How many {item} does it have then?", 1, f"{{0}} + {k}"
+    return (
+        f"{places[0].capitalize()} receives {k} more {item}. How many {item} does it have then?",
+        1,
+        f"{{0}} + {k}",
+    )
 
 
 def _together(rng: random.Random, item: str, places: list[str], values: list[int]) -> tuple[str, int, str]:
@@ -142,8 +154,8 @@ def _more_than(rng: random.Random, item: str, places: list[str], values: list[in
 def _plus_times(rng: random.Random, item: str, places: list[str], values: list[int]) -> tuple[str, int, str]:
     k = rng.randint(2, 5)
     question = (
-        f"{places[0].capitalize()} keeps its own {item} and gets {k} times as many {item} as {places[1]} has. "
-        f"How many {item} does {places[0]} have then?"
+        f"{places[0].capitalize()} keeps its own {item} and gets {k} times as many {item} "
+        f"as {places[1]} has. How many {item} does {places[0]} have then?"
     )
     return question, 2, f"{{0}} + {k} * {{1}}"
 
@@ -152,14 +164,24 @@ def _in_total(rng: random.Random, item: str, places: list[str], values: list[int
     return f"How many {item} are at {places[0]}, {places[1]} and {places[2]} in total?", 3, "{0} + {1} + {2}"
 
 
-def _together_minus(rng: random.Random, item: str, places: list[str], values: list[int]) -> tuple[str, int, str]:
+def _together_minus(
+    rng: random.Random, item: str, places: list[str], values: list[int]
+) -> tuple[str, int, str]:
     if values[2] > values[0] + values[1]:
         values[2] = values[0] + values[1]
     question = f"How many {item} are at {places[0]} and {places[1]} together, minus those at {places[2]}?"
     return question, 3, "{0} + {1} - {2}"
 
 
-_TEMPLATES: tuple[Template, ...] = (_scaled, _received, _together, _more_than, _plus_times, _in_total, _together_minus)
+_TEMPLATES: tuple[Template, ...] = (
+    _scaled,
+    _received,
+    _together,
+    _more_than,
+    _plus_times,
+    _in_total,
+    _together_minus,
+)
 
 # The worked example the prompt carries (fixed, outside every generated split).
 WORKED_EXAMPLE = GameTask(

@@ -83,4 +83,6 @@ def load_environment(seed: int = 0, num_tasks: int = 20) -> AsyncEnvSuite:
     pairs = [(rng.randint(1, 99), rng.randint(1, 99)) for _ in range(num_tasks)]
     tasks = [Task(prompt=f"What is {a} plus {b}?", target=a + b) for a, b in pairs]
     split = max(1, num_tasks * 4 // 5)
-    return AsyncEnvSuite(tasks=tasks[:split], val_tasks=tasks[split:], env_factory=lambda task: AsyncStarterEnv())
+    return AsyncEnvSuite(
+        tasks=tasks[:split], val_tasks=tasks[split:], env_factory=lambda task: AsyncStarterEnv()
+    )

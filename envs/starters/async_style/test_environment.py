@@ -17,7 +17,7 @@ SPEC = f"{__package__}:load_environment"
 def add_with_the_tool(messages: Sequence[Message], turn: int) -> str:
     if turn == 0:
         a, b = (int(n) for n in re.findall(r"\d+", messages[-1]["content"]))
-        return f'<tool_call>{json.dumps({"name": "add", "arguments": {"a": a, "b": b}})}</tool_call>'
+        return f"<tool_call>{json.dumps({'name': 'add', 'arguments': {'a': a, 'b': b}})}</tool_call>"
     return messages[-1]["content"]  # the tool's answer
 
 

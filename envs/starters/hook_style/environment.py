@@ -54,7 +54,9 @@ class CountLettersTool:
 class HookStarterEnv(EnvironmentMultiTurn):
     def __init__(self, max_turns: int = 4) -> None:
         self.max_turns = max_turns
-        self.dataset = [{"input": f"How many letters are in the word {word!r}?", "output": len(word)} for word in WORDS]
+        self.dataset = [
+            {"input": f"How many letters are in the word {word!r}?", "output": len(word)} for word in WORDS
+        ]
         self.tools = {"count_letters": CountLettersTool()}
 
     def start_episode(self, example: TaskExample, prompt_text: str) -> list[Message]:
