@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -31,11 +32,11 @@ def requests_for(
 
 
 def run(
-    model: PreTrainedModel, requests: list[GenerationRequest], **overrides: object
+    model: PreTrainedModel, requests: list[GenerationRequest], **overrides: Any
 ) -> list[GenerationOutput]:
-    options: dict[str, object] = {"temperature": 1.0, "top_p": 1.0, "stop_token_ids": {2}, "pad_token_id": 2}
+    options: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "stop_token_ids": {2}, "pad_token_id": 2}
     options.update(overrides)
-    return generate_batch(model, requests, **options)  # type: ignore[arg-type]
+    return generate_batch(model, requests, **options)
 
 
 def test_logprobs_are_those_of_the_sampled_distribution_under_a_forward_pass(
