@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib
 import json
 import math
 import sys
@@ -205,7 +206,13 @@ register(Command("runs", "list runs with their status and last finished step", _
 # ---------------------------------------------------------------- entry point
 
 
+# Subcommands kept in their own modules; each registers itself when imported.
+COMMAND_MODULES = ("flows.cli_train",)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    for module in COMMAND_MODULES:
+        importlib.import_module(module)
     parser = argparse.ArgumentParser(
         prog="rollflow", description="Multi-turn GRPO for tool-use agents over Parquet run folders."
     )

@@ -38,8 +38,13 @@ class RunHandle:
 
 
 def new_run_dir(config: RunConfig, config_path: Path) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path(config.storage.runs_dir) / f"{config_path.stem}-{stamp}"
+    """``<runs_dir>/<config name>-<time>``, suffixed when that folder is already taken."""
+    base = Path(config.storage.runs_dir) / f"{config_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    candidate, n = base, 1
+    while candidate.exists():
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    return candidate
 
 
 def open_run(config_path: str | Path | None, run_dir: str | Path | None) -> RunHandle:

@@ -23,6 +23,9 @@ from tasks.checkpoints import CheckpointError, latest_checkpoint, policy_model_r
 from tasks.config import RunConfig
 
 
+BATCH_WINDOW_S = 10.0
+
+
 @dataclass
 class ActingPolicy:
     """A policy plus a way to fix its sampling seed (a no-op for policies without one)."""

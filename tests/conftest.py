@@ -43,3 +43,23 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from policy.models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+# ---------------------------------------------------------------- Prefect
+
+
+@pytest.fixture(scope="session")
+def prefect_harness() -> object:
+    """One temporary Prefect server and database for the whole session (~10 s to start)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture
+def tiny_config_path(tiny_model_dir: Path, tmp_path: Path) -> Path:
+    """configs/tiny.toml on the session's tiny model (see tests/tiny_run.py)."""
+    from tiny_run import tiny_config_at
+
+    return tiny_config_at(tmp_path, tiny_model_dir)

@@ -1,0 +1,91 @@
+"""``rollflow train``, ``resume`` and ``env new``: the subcommands that start work.
+
+They register themselves in ``flows.cli``'s table when this module is imported (the
+table's loader does that). Prefect is imported only when a flow actually runs, so
+``rollflow sql`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from flows.cli import Command, UserError, register
+
+
+def _quiet_prefect_defaults() -> None:
+    # No network here: Prefect's telemetry would log an error on every run.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from envs.runner import EnvironmentLoadError
+    from flows.runs import RunSetupError
+    from policy.models import ModelLoadError
+    from tasks.config import ConfigError
+
+    return (ConfigError, RunSetupError, EnvironmentLoadError, ModelLoadError, FileNotFoundError)
+
+
+def _train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="a TOML config, e.g. configs/default.toml")
+    parser.add_argument("--run-dir", help="the run folder (default: <runs_dir>/<config name>-<time>)")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    return _run_flow(config_path=args.config, run_dir=args.run_dir)
+
+
+def _resume_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", help="the run folder of a stopped or failed run")
+
+
+def run_resume(args: argparse.Namespace) -> int:
+    return _run_flow(config_path=None, run_dir=args.run_dir)
+
+
+def _run_flow(config_path: str | None, run_dir: str | None) -> int:
+    _quiet_prefect_defaults()
+    try:
+        from flows.runs import open_run
+
+        # A bad config or folder fails here in one clear line, before Prefect starts; the
+        # flow then runs on the frozen copy in the (new or existing) run folder.
+        handle = open_run(config_path, run_dir)
+        from flows.train import train_flow
+
+        folder = train_flow(run_dir=str(handle.root))
+    except _user_errors() as exc:
+        raise UserError(str(exc)) from exc
+    print(folder)
+    return 0
+
+
+def _env_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="env_command", metavar="ACTION", required=True)
+    new = actions.add_parser("new", help="write a runnable starter environment with a test")
+    new.add_argument("name", help="a Python package name, e.g. my_agent_env")
+    style = new.add_mutually_exclusive_group()
+    style.add_argument("--multi-turn", dest="style", action="store_const", const="hook",
+                       help="hook style: start_episode / step_episode / score_episode (default)")
+    style.add_argument("--async", dest="style", action="store_const", const="async",
+                       help="async style: Env with reset / step / tool_specs")
+    new.add_argument("--dest", default="envs", help="the folder to write the package into (default: envs)")
+
+
+def run_env(args: argparse.Namespace) -> int:
+    from envs.scaffold import write_starter
+
+    try:
+        written = write_starter(args.name, Path(args.dest), args.style or "hook")
+    except (ValueError, FileExistsError) as exc:
+        raise UserError(str(exc)) from exc
+    for path in written:
+        print(path)
+    return 0
+
+
+register(Command("train", "train a policy with GRPO (a Prefect flow); prints the run folder", _train_arguments, run_train))
+register(Command("resume", "continue a stopped or failed run from where it stopped", _resume_arguments, run_resume))
+register(Command("env", "environment tools: `rollflow env new NAME --multi-turn|--async`", _env_arguments, run_env))

@@ -1,0 +1,150 @@
+"""The whole training flow on a tiny model under Prefect's test harness: files, metrics, resume."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+import flows.train as train_module
+from flows.runs import RunSetupError, open_run
+from flows.train import train_flow
+from storage.query import open_run_sql, run_query
+from storage.runfolder import RunFolder
+from storage.tracking import RunTracker
+from tasks.config import ConfigError, load_config
+from tiny_run import tiny_config_at
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+STAGES = ("rollout_stage", "score_stage", "flatten_stage", "train_stage", "metrics_stage")
+
+
+class InjectedCrash(RuntimeError):
+    pass
+
+
+def final_adapter(run_dir: Path) -> dict:
+    folder = RunFolder(run_dir)
+    step, path = folder.latest_checkpoint()
+    return {"step": step, "weights": load_file(str(path / "adapter_model.safetensors"))}
+
+
+def episode_ids(run_dir: Path) -> list[tuple[int, str]]:
+    con = open_run_sql([run_dir])
+    _, rows = run_query(con, "SELECT step, episode_id FROM episodes WHERE split = 'train' ORDER BY ALL")
+    return rows
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, prefect_harness: object) -> Path:
+    """One run that nothing interrupts: the reference every resumed run must equal."""
+    root = tmp_path_factory.mktemp("uninterrupted")
+    path = tiny_config_at(root, tiny_model_dir)
+    return Path(train_flow(config_path=str(path), run_dir=str(root / "run")))
+
+
+def test_the_updates_really_change_the_policy(uninterrupted: Path) -> None:
+    """Guards the resume tests: identical weights must not come from a no-op update."""
+    folder = RunFolder(uninterrupted)
+    _, rows = run_query(open_run_sql([uninterrupted]), "SELECT count(*) FROM scores WHERE advantage <> 0")
+    assert rows[0][0] > 0
+    assert all(folder.read_train_result(s).grad_norm > 0 for s in (0, 1))
+    lora_b = [t for name, t in final_adapter(uninterrupted)["weights"].items() if "lora_B" in name]
+    assert lora_b and any(t.abs().sum() > 0 for t in lora_b)  # B starts at zero
+
+
+def test_tiny_run_writes_every_stage_and_logs_each_step_once(uninterrupted: Path) -> None:
+    folder = RunFolder(uninterrupted)
+    config = load_config(folder.config_path)
+    assert folder.completed_steps() == [0, 1]
+    assert [s for s, _ in folder.checkpoints()] == [0, 1]
+    assert folder.steps("validation") == [0, 2]  # baseline, then after the last step
+    per_step = config.rollout.batch_size * config.rollout.episodes_per_task
+    ids = episode_ids(uninterrupted)
+    assert len(ids) == 2 * per_step and len(set(ids)) == len(ids)
+    metrics = json.loads((folder.step_dir(1) / "metrics.json").read_text())
+    assert metrics["episodes/count"] == per_step
+    assert metrics["policy/version"] == 2  # step 1 trained version 1 into version 2
+    assert {"reward/mean", "optim/loss", "time/rollout", "episodes/terminated_ratio"} <= set(metrics)
+    tracker = RunTracker.open(uninterrupted)
+    assert [s for s, _ in tracker.metric_history("episodes/count")] == [0, 1]
+    assert [s for s, _ in tracker.metric_history("val/reward/mean")] == [0, 2]
+    assert (uninterrupted / "reward_curve.png").stat().st_size > 0
+
+
+def test_rerunning_a_finished_run_changes_nothing(uninterrupted: Path) -> None:
+    before = {p: p.stat().st_mtime_ns for p in uninterrupted.rglob("*.parquet")}
+    assert train_flow(run_dir=str(uninterrupted)) == str(uninterrupted)
+    after = {p: p.stat().st_mtime_ns for p in uninterrupted.rglob("*.parquet")}
+    assert before == after
+    tracker = RunTracker.open(uninterrupted)
+    assert [s for s, _ in tracker.metric_history("optim/loss")] == [0, 1]
+
+
+def crash_at_step_one(monkeypatch: pytest.MonkeyPatch, stage: str) -> None:
+    real: Callable[..., Path] = getattr(train_module, stage)
+
+    def crashing(config, run_dir, step, *args, **kwargs):  # noqa: ANN001, ANN202
+        if step == 1:
+            raise InjectedCrash(f"{stage} died at step 1")
+        return real(config, run_dir, step, *args, **kwargs)
+
+    monkeypatch.setattr(train_module, stage, crashing)
+
+
+@pytest.mark.parametrize(
+    "stage",
+    [pytest.param(s, marks=() if s == "train_stage" else pytest.mark.slow) for s in STAGES],
+)
+def test_a_crash_in_any_stage_resumes_to_the_same_run(
+    stage: str, tiny_config_path: Path, tmp_path: Path, uninterrupted: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir = tmp_path / "crashed"
+    with monkeypatch.context() as patch:
+        crash_at_step_one(patch, stage)
+        with pytest.raises(InjectedCrash):
+            train_flow(config_path=str(tiny_config_path), run_dir=str(run_dir))
+    assert RunFolder(run_dir).completed_steps() == [0]
+    train_flow(run_dir=str(run_dir))
+    assert episode_ids(run_dir) == episode_ids(uninterrupted)
+    resumed, reference = final_adapter(run_dir), final_adapter(uninterrupted)
+    assert resumed["step"] == reference["step"] == 1
+    assert resumed["weights"].keys() == reference["weights"].keys()
+    for name, tensor in reference["weights"].items():
+        assert resumed["weights"][name].equal(tensor), f"{name} differs after resume"
+    tracker = RunTracker.open(run_dir)
+    assert [s for s, _ in tracker.metric_history("optim/loss")] == [0, 1]
+
+
+def test_a_half_written_file_is_discarded_on_resume(tiny_config_path: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    handle = open_run(tiny_config_path, run_dir)
+    leftover = handle.folder.step_dir(0) / ".scores.parquet.tmp-1234"
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(b"PAR1 half a file")
+    open_run(None, run_dir)
+    assert not leftover.exists()
+
+
+def test_resume_needs_a_run_folder(tmp_path: Path) -> None:
+    with pytest.raises(RunSetupError, match="not a run folder"):
+        open_run(None, tmp_path)
+
+
+def test_a_changed_config_cannot_reuse_a_run_folder(tiny_config_path: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    open_run(tiny_config_path, run_dir)
+    tiny_config_path.write_text(tiny_config_path.read_text().replace("num_steps = 2", "num_steps = 3"))
+    with pytest.raises(Exception, match="frozen"):
+        open_run(tiny_config_path, run_dir)
+
+
+def test_async_collection_is_refused_with_a_clear_message(tiny_config_path: Path, tmp_path: Path) -> None:
+    text = tiny_config_path.read_text().replace("[rollout]\n", "[rollout]\nmax_steps_off_policy = 1\n")
+    tiny_config_path.write_text(text)
+    with pytest.raises(ConfigError, match="max_steps_off_policy"):
+        open_run(tiny_config_path, tmp_path / "run")
