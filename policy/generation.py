@@ -7,7 +7,8 @@ actually sampled, and a deadline after which its output is discarded.
 
 Mechanics: contexts are left-padded into one (B, T) batch with an attention mask and
 explicit position ids; one prefill fills a KV cache, then every step feeds one token per
-row. A finished row (stop token, budget spent or deadline passed) is dropped from the
+row. Identical contexts (the members of a GRPO group on their first turn) are prefilled
+once and their cache rows copied: on a CPU the prefill is most of a short action's cost. A finished row (stop token, budget spent or deadline passed) is dropped from the
 batch and the cache, so long stragglers do not make every row pay for them.
 
 Simplifications, and why:
@@ -91,11 +92,7 @@ def generate_batch(
     with torch.inference_mode():
         cache = DynamicCache()
         cache_keyword = _cache_keyword(model)
-        input_ids_BT, attention_BT = (t.to(device) for t in _left_padded(requests, pad_token_id))
-        position_BT = (attention_BT.cumsum(dim=-1) - 1).clamp(min=0)
-        logits_BV = _last_logits(
-            model, input_ids_BT, attention_BT, position_BT, cache, cache_keyword
-        )
+        logits_BV, attention_BT = _prefill(model, requests, pad_token_id, cache, cache_keyword)
         live = list(range(len(rows)))  # indices into rows, in batch order
         while True:
             logprobs_BV = sampling_logprobs(logits_BV, temperature, top_p)
@@ -147,16 +144,39 @@ def _output(row: _Row) -> GenerationOutput:
     return GenerationOutput(tuple(row.token_ids), tuple(row.logprobs), row.stopped, False)
 
 
-def _left_padded(
-    requests: Sequence[GenerationRequest], pad_token_id: int
+def _prefill(
+    model: PreTrainedModel,
+    requests: Sequence[GenerationRequest],
+    pad_token_id: int,
+    cache: DynamicCache,
+    cache_keyword: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(request.context_ids) for request in requests)
-    input_ids_BT = torch.full((len(requests), width), pad_token_id, dtype=torch.long)
-    attention_BT = torch.zeros((len(requests), width), dtype=torch.long)  # 0 = padding
-    for b, request in enumerate(requests):
-        length = len(request.context_ids)
-        input_ids_BT[b, width - length :] = torch.tensor(request.context_ids, dtype=torch.long)
-        attention_BT[b, width - length :] = 1
+    """Fill ``cache`` with every context; returns the next-token logits and the mask.
+
+    Identical contexts (a GRPO group's first turn) are computed once and their cache
+    rows copied.
+    """
+    unique_index: dict[tuple[int, ...], int] = {}
+    row_to_unique = [unique_index.setdefault(r.context_ids, len(unique_index)) for r in requests]
+    input_ids_UT, attention_UT = _left_padded(list(unique_index), pad_token_id)
+    input_ids_UT, attention_UT = input_ids_UT.to(model.device), attention_UT.to(model.device)
+    position_UT = (attention_UT.cumsum(dim=-1) - 1).clamp(min=0)
+    logits_UV = _last_logits(model, input_ids_UT, attention_UT, position_UT, cache, cache_keyword)
+    expand_B = torch.tensor(row_to_unique, device=model.device)
+    if len(unique_index) < len(requests):
+        cache.batch_select_indices(expand_B)
+    return logits_UV[expand_B], attention_UT[expand_B]  # (B, V), (B, T)
+
+
+def _left_padded(
+    contexts: Sequence[tuple[int, ...]], pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(context) for context in contexts)
+    input_ids_BT = torch.full((len(contexts), width), pad_token_id, dtype=torch.long)
+    attention_BT = torch.zeros((len(contexts), width), dtype=torch.long)  # 0 = padding
+    for b, context in enumerate(contexts):
+        input_ids_BT[b, width - len(context) :] = torch.tensor(context, dtype=torch.long)
+        attention_BT[b, width - len(context) :] = 1
     return input_ids_BT, attention_BT
 
 

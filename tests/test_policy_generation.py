@@ -116,3 +116,27 @@ def test_requests_are_checked() -> None:
         GenerationRequest((), 5, 0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         GenerationRequest((1,), 0, 0)
+
+
+def test_identical_contexts_are_prefilled_once_and_sample_independently(
+    tiny: tuple[PreTrainedModel, PreTrainedTokenizerBase],
+) -> None:
+    model, tokenizer = tiny
+    context = tuple(tokenizer.encode("a GRPO group shares its prompt"))
+    group = [GenerationRequest(context, 10, seed) for seed in range(4)]
+    mixed = [*group, *requests_for(tokenizer, [7, 7, 7, 7])]
+    prefill_rows: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda _module, _args, kwargs: prefill_rows.append(kwargs["input_ids"].shape[0])
+        if kwargs["input_ids"].shape[1] > 1
+        else None,
+        with_kwargs=True,
+    )
+    try:
+        outputs = run(model, mixed)
+    finally:
+        hook.remove()
+    assert prefill_rows == [5]  # 1 shared context + 4 others
+    alone = [run(model, [request])[0] for request in mixed]
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in alone]
+    assert len({o.token_ids for o in outputs[:4]}) == 4  # same prompt, own seeds
