@@ -1,0 +1,82 @@
+"""The SFT flow: warm-start a policy on expert transcripts before GRPO (``rollflow sft``).
+
+One stage (``tasks/sft.py``) in a run folder of its own: the config is frozen as
+``config.toml``, the policy lands in ``<run_dir>/sft/policy/`` and MLflow gets ``sft/loss``
+per epoch. Running the flow again on the same folder returns the finished policy.
+
+What to put in the training config afterwards (``start_from``):
+- LoRA (``[train].use_lora = true``, the default): ``[model].adapter = "<policy folder>"``,
+  keeping the same ``[model].path``; GRPO then trains that adapter further.
+- Full weights: ``[model].path = "<policy folder>"`` (a Hugging Face folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from storage.runfolder import RunFolder
+from tasks.config import RunConfig, config_to_toml, load_config
+from tasks.metrics import finish_tracking, start_tracking
+from tasks.sft import log_sft_metrics, read_sft_result, sft_stage
+
+
+@task(name="sft", task_run_name="sft", cache_policy=NO_CACHE, persist_result=False)
+def supervised_finetune(config: RunConfig, run_dir: Path) -> Path:
+    return sft_stage(config, run_dir)
+
+
+def start_from(config: RunConfig, policy: Path) -> str:
+    """The TOML lines that make a training run start from ``policy``."""
+    where = str(policy.resolve())
+    if config.train.use_lora:
+        return f'[model]\nadapter = "{where}"  # with the same [model].path as the SFT config'
+    return f'[model]\npath = "{where}"'
+
+
+@flow(name="rollflow-sft")
+def sft_flow(config_path: str, run_dir: str | None = None) -> str:
+    """Run SFT from ``config_path`` into ``run_dir`` (default: a new folder under
+    ``[storage].runs_dir``); returns the policy folder."""
+    config = load_config(config_path)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    root = Path(run_dir) if run_dir else Path(config.storage.runs_dir) / f"sft-{Path(config_path).stem}-{stamp}"
+    folder = RunFolder(root)
+    folder.write_config(config_to_toml(config))
+    start_tracking(config, root)
+    succeeded = False
+    try:
+        policy = supervised_finetune(config, root)
+        log_sft_metrics(config, root, read_sft_result(policy))
+        succeeded = True
+    finally:
+        finish_tracking(config, root, succeeded)
+    get_run_logger().info("SFT policy in %s; to train from it:\n%s", policy, start_from(config, policy))
+    return str(policy)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def add_sft_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="a run config (TOML) with an [sft] section")
+    parser.add_argument("--run-dir", help="the run folder to write (default: a new one under [storage].runs_dir)")
+
+
+def run_sft_command(args: argparse.Namespace) -> str:
+    """Run ``sft_flow`` from parsed ``rollflow sft`` arguments; returns what to print."""
+    policy = Path(sft_flow(config_path=args.config, run_dir=args.run_dir))
+    result = read_sft_result(policy)
+    losses = " -> ".join(f"{loss:.4f}" for loss in result.epoch_losses)
+    config = load_config(policy.parent.parent / "config.toml")
+    return (
+        f"sft policy {policy}\n"
+        f"  rows {result.rows} (skipped as too long: {result.skipped_too_long}), "
+        f"trained tokens {result.trained_tokens} of {result.tokens}\n"
+        f"  loss per epoch {losses}  ({result.optimizer_steps} steps, {result.seconds:.1f}s)\n"
+        f"to start GRPO from it, put in the training config:\n{start_from(config, policy)}\n"
+    )
