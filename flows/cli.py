@@ -207,7 +207,7 @@ register(Command("runs", "list runs with their status and last finished step", _
 
 
 # Subcommands kept in their own modules; each registers itself when imported.
-COMMAND_MODULES = ("flows.cli_train",)
+COMMAND_MODULES = ("flows.cli_train", "flows.cli_eval")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,7 +28,6 @@ Simplified, and why:
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from collections.abc import Mapping
@@ -221,29 +220,3 @@ def format_report(report: EvalReport, policy: str | None = None) -> str:
                 f"turns {w.turns}  tokens {w.tokens}  task {w.task_id}"
             )
     return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------- command line
-
-
-def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="a run config (TOML); default: the bundled model and game")
-    parser.add_argument("--env", help="the environment as module:function (replaces [env])")
-    parser.add_argument("--model", help="a Hugging Face model folder or a .gguf file")
-    parser.add_argument("--adapter", help="a LoRA adapter folder on top of the model (e.g. from rollflow sft)")
-    parser.add_argument("--base-url", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
-    parser.add_argument("--api-model", help="the model name that server expects")
-    parser.add_argument("--tasks", type=int, help="evaluate the first N validation tasks")
-    parser.add_argument("--run-dir", help="the run folder to write (default: a new one under [storage].runs_dir)")
-
-
-def run_eval_command(args: argparse.Namespace) -> str:
-    """Run ``eval_flow`` from parsed ``rollflow eval`` arguments; returns the report text."""
-    if args.tasks is not None and args.tasks < 1:
-        raise ConfigError(f"--tasks must be at least 1; got {args.tasks}")
-    root = eval_flow(
-        config_path=args.config, run_dir=args.run_dir, env=args.env, model=args.model,
-        adapter=args.adapter, base_url=args.base_url, api_model=args.api_model, num_tasks=args.tasks,
-    )
-    config = load_config(Path(root) / "config.toml")
-    return format_report(eval_report(root), describe_policy(config))

@@ -12,7 +12,6 @@ What to put in the training config afterwards (``start_from``):
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
@@ -59,17 +58,8 @@ def sft_flow(config_path: str, run_dir: str | None = None) -> str:
     return str(policy)
 
 
-# ---------------------------------------------------------------- command line
-
-
-def add_sft_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="a run config (TOML) with an [sft] section")
-    parser.add_argument("--run-dir", help="the run folder to write (default: a new one under [storage].runs_dir)")
-
-
-def run_sft_command(args: argparse.Namespace) -> str:
-    """Run ``sft_flow`` from parsed ``rollflow sft`` arguments; returns what to print."""
-    policy = Path(sft_flow(config_path=args.config, run_dir=args.run_dir))
+def describe_sft(policy: Path) -> str:
+    """What ``rollflow sft`` prints: the rows, the losses, and how to train from the policy."""
     result = read_sft_result(policy)
     losses = " -> ".join(f"{loss:.4f}" for loss in result.epoch_losses)
     config = load_config(policy.parent.parent / "config.toml")

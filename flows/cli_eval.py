@@ -1,0 +1,80 @@
+"""``rollflow eval`` and ``rollflow sft``: score a policy, or warm-start one on transcripts.
+
+They register themselves in ``flows.cli``'s table when this module is imported. Prefect,
+torch and the flows are imported only when a command runs, so ``rollflow sql`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from flows.cli import Command, UserError, register
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from envs.runner import EnvironmentLoadError
+    from policy.models import ModelLoadError
+    from tasks.config import ConfigError
+    from tasks.sft_rows import SFTDataError
+
+    return (ConfigError, EnvironmentLoadError, ModelLoadError, SFTDataError, FileNotFoundError)
+
+
+def _eval_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="a run config (TOML); default: the bundled model on the bundled game")
+    parser.add_argument("--env", help="the environment as module:function (replaces [env])")
+    parser.add_argument("--model", help="a Hugging Face model folder or a .gguf file")
+    parser.add_argument("--adapter", help="a LoRA adapter folder on top of the model (e.g. from rollflow sft)")
+    parser.add_argument("--base-url", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
+    parser.add_argument("--api-model", help="the model name that server expects")
+    parser.add_argument("--tasks", type=int, help="evaluate the first N validation tasks")
+    parser.add_argument("--run-dir", help="the run folder (default: <runs_dir>/eval-<config name>-<time>)")
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """Play, score, write the run folder, then print the report to stdout."""
+    if args.tasks is not None and args.tasks < 1:
+        raise UserError(f"--tasks must be at least 1; got {args.tasks}")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    try:
+        from flows.eval import describe_policy, eval_flow, eval_report, format_report
+        from tasks.config import load_config
+
+        root = eval_flow(
+            config_path=args.config, run_dir=args.run_dir, env=args.env, model=args.model,
+            adapter=args.adapter, base_url=args.base_url, api_model=args.api_model, num_tasks=args.tasks,
+        )
+    except _user_errors() as exc:
+        raise UserError(str(exc)) from exc
+    config = load_config(Path(root) / "config.toml")
+    sys.stdout.write(format_report(eval_report(root), describe_policy(config)))
+    return 0
+
+
+def _sft_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="a run config (TOML) with an [sft] section")
+    parser.add_argument("--run-dir", help="the run folder (default: <runs_dir>/sft-<config name>-<time>)")
+
+
+def run_sft(args: argparse.Namespace) -> int:
+    """Train on the transcripts, then print the losses and how to start GRPO from the result."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    try:
+        from flows.sft import describe_sft, sft_flow
+        from tasks.config import load_config
+
+        load_config(args.config)  # a bad config fails in one line, before Prefect starts
+        policy = sft_flow(config_path=args.config, run_dir=args.run_dir)
+    except _user_errors() as exc:
+        raise UserError(str(exc)) from exc
+    sys.stdout.write(describe_sft(Path(policy)))
+    return 0
+
+
+register(Command("eval", "score a policy on the validation tasks without training; prints a report",
+                 _eval_arguments, run_eval))
+register(Command("sft", "supervised warm-start on expert transcripts; prints the policy folder",
+                 _sft_arguments, run_sft))
