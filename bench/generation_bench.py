@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from envs.agent import PolicyAction
 from envs.types import Message, ToolSpec
 from policy.models import ModelRef, build_tiny_model, load_causal_lm
@@ -54,7 +56,8 @@ class RunResult:
 
 def question(index: int) -> list[Message]:
     a, b = 17 + 3 * index, 5 + index
-    return [{"role": "user", "content": f"A depot holds {a} crates and receives {b} more. How many now?"}]
+    content = f"A depot holds {a} crates and receives {b} more. How many now?"
+    return [{"role": "user", "content": content}]
 
 
 async def one_action(policy: TransformersPolicy, index: int) -> PolicyAction:
@@ -73,7 +76,9 @@ async def one_at_a_time(policy: TransformersPolicy, episodes: int) -> list[Polic
     return [await one_action(policy, i) for i in range(episodes)]
 
 
-def measure(mode: str, policy: TransformersPolicy, episodes: int) -> tuple[RunResult, list[PolicyAction]]:
+def measure(
+    mode: str, policy: TransformersPolicy, episodes: int
+) -> tuple[RunResult, list[PolicyAction]]:
     runner = concurrently if mode == "batched" else one_at_a_time
     started = time.perf_counter()
     actions = asyncio.run(runner(policy, episodes))
@@ -87,7 +92,10 @@ def main() -> None:
     parser.add_argument("--episodes", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=48, help="max_completion_tokens")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer test model instead")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     if args.tiny:
         ref = ModelRef(path=str(build_tiny_model(Path(tempfile.mkdtemp(prefix="bench-tiny-")))))
@@ -95,15 +103,21 @@ def main() -> None:
         ref = ModelRef()
     started = time.perf_counter()
     model, tokenizer = load_causal_lm(ref)
-    print(f"model: {'tiny' if args.tiny else 'SmolLM2-135M-Instruct'}, loaded in {time.perf_counter() - started:.1f} s")
+    name = "tiny" if args.tiny else "SmolLM2-135M-Instruct"
+    load_s = time.perf_counter() - started
+    print(f"model: {name}, loaded in {load_s:.1f} s; torch threads: {torch.get_num_threads()}")
     settings = SamplingSettings(temperature=1.0, max_completion_tokens=args.tokens, seed=0)
 
     # warm-up: the first forward passes allocate and are slower than the rest
     asyncio.run(concurrently(TransformersPolicy(model, tokenizer, settings), 2))
 
-    batched, batched_actions = measure("batched", TransformersPolicy(model, tokenizer, settings), args.episodes)
-    single, single_actions = measure("one at a time", TransformersPolicy(model, tokenizer, settings), args.episodes)
-    same = sum(a.token_ids == b.token_ids for a, b in zip(batched_actions, single_actions, strict=True))
+    def fresh_policy() -> TransformersPolicy:  # same session ids, so the same seeds
+        return TransformersPolicy(model, tokenizer, settings)
+
+    batched, batched_actions = measure("batched", fresh_policy(), args.episodes)
+    single, single_actions = measure("one at a time", fresh_policy(), args.episodes)
+    pairs = zip(batched_actions, single_actions, strict=True)
+    same = sum(a.token_ids == b.token_ids for a, b in pairs)
 
     print(f"{args.episodes} episodes, one action each, max_completion_tokens={args.tokens}")
     for result in (batched, single):

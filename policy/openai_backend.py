@@ -35,7 +35,8 @@ Simplifications, and why:
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
+import json
 import os
 import re
 import time
@@ -49,7 +50,7 @@ from envs.agent import FinishReason, PolicyAction
 from envs.protocol import describe_tools, render_tool_calls
 from envs.types import Message, ToolCall, ToolSpec
 from policy.codec import with_tools_in_system_prompt
-from policy.sampling import SamplingSettings, request_seed
+from policy.sampling import EpisodeSeeds, SamplingSettings, request_seed
 
 _RETRIED_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _CONTEXT_ERROR = re.compile(r"context length|context window|maximum context|too long", re.I)
@@ -100,10 +101,15 @@ class OpenAIChatPolicy:
         self.version = version
         self.vllm_extensions = vllm_extensions
         self.tools_in_system_prompt = tools_in_system_prompt
-        self._session_ids = itertools.count()
+        self.episode_seeds = EpisodeSeeds()
 
     def open_session(self, tool_specs: Sequence[ToolSpec]) -> OpenAIChatSession:
-        return OpenAIChatSession(self, next(self._session_ids), tuple(tool_specs))
+        return OpenAIChatSession(self, tuple(tool_specs))
+
+    def reseed(self, seed: int) -> None:
+        """Ask the server for draws from ``seed`` from now on (servers may ignore seeds)."""
+        self.settings = dataclasses.replace(self.settings, seed=seed)
+        self.episode_seeds.reset()
 
     def headers(self) -> dict[str, str]:
         """The API key is read from the environment per request; none is sent if unset."""
@@ -137,9 +143,9 @@ class OpenAIChatPolicy:
 class OpenAIChatSession:
     """One episode against the server (a ``PolicySession``); owns one HTTP client."""
 
-    def __init__(self, policy: OpenAIChatPolicy, session_id: int, tool_specs: tuple[ToolSpec, ...]):
+    def __init__(self, policy: OpenAIChatPolicy, tool_specs: tuple[ToolSpec, ...]):
         self._policy = policy
-        self._session_id = session_id
+        self._episode: tuple[int, int] | None = None  # seed identity, from the first request
         self._tool_specs = tool_specs
         self._client: httpx.AsyncClient | None = None
         self._context: tuple[int, ...] | None = None  # last prompt + action, when known
@@ -182,10 +188,13 @@ class OpenAIChatSession:
 
     async def _complete(self, messages: Sequence[Message], turn: int) -> tuple[_Completion, int]:
         policy = self._policy
+        if self._episode is None:
+            opening = json.dumps([list(messages), list(self._tool_specs)], sort_keys=True)
+            self._episode = policy.episode_seeds.identity(opening)
         attempts = policy.settings.max_sampling_attempts
         last_error = ""
         for attempt in range(1, attempts + 1):
-            seed = request_seed(policy.settings.seed, self._session_id, turn, attempt) % 2**31
+            seed = request_seed(policy.settings.seed, *self._episode, turn, attempt) % 2**31
             body = policy.request_body(messages, self._tool_specs, seed)
             try:
                 response = await self._http().post(policy.url, json=body, headers=policy.headers())

@@ -12,7 +12,8 @@ Simplifications, and why:
 - Top-p keeps the smallest set of most likely tokens whose mass reaches ``top_p`` (the
   most likely token is always kept). Ties at the boundary fall by sort order.
 - Every request draws from its own ``torch.Generator`` seeded from the run seed and the
-  request's identity, so an episode's samples do not depend on which other episodes
+  request's identity (``EpisodeSeeds``: the episode's opening prompt and occurrence, then
+  turn and attempt), so an episode's samples do not depend on which other episodes
   happened to share its batch (up to float rounding of the batched forward pass).
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -91,6 +93,33 @@ def draw_tokens(logprobs_BV: torch.Tensor, generators_B: Sequence[torch.Generato
         last_drawable_B = torch.where(probs_BV > 0, positions_V, -1).max(dim=-1).values
         tokens_B = torch.where(stranded_B, last_drawable_B, tokens_B)
     return tokens_B
+
+
+class EpisodeSeeds:
+    """Seed identities for episodes that do not depend on the order episodes start in.
+
+    The runner opens sessions as each episode's set-up finishes, which varies from run to
+    run; so an episode is known by its opening prompt and by how many episodes with the
+    same opening were seen before it (since the last ``reset``). Episodes with different
+    openings never share draws; the members of a GRPO group (one opening) get distinct
+    draws, and at worst trade them among themselves when they race.
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def identity(self, opening: str) -> tuple[int, int]:
+        """(opening key, occurrence) for a new episode whose first prompt is ``opening``."""
+        key = int.from_bytes(hashlib.sha256(opening.encode()).digest()[:8], "big") >> 1
+        with self._lock:
+            occurrence = self._seen.get(key, 0)
+            self._seen[key] = occurrence + 1
+        return key, occurrence
+
+    def reset(self) -> None:
+        with self._lock:
+            self._seen.clear()
 
 
 def request_seed(run_seed: int, *identity: int) -> int:

@@ -14,6 +14,11 @@ Budgets, per the runner contract (envs/agent.py):
 - a generation that ends because the context budget ran out (not the per-action limit)
   is ``"context"`` too; when both limits coincide the context is spent, so ``"context"``.
 
+Seeds: each request draws from its own generator, seeded from the settings' seed, the
+episode's identity (its opening prompt and occurrence, ``policy.sampling.EpisodeSeeds``),
+the turn and the attempt; ``reseed`` starts over from a new seed, so a step replays the
+same samples whatever ran in the process before it.
+
 Deadlines: with ``generation_timeout_s`` set, a row still generating when its batch's
 deadline passes is discarded (its tokens never leave this module) and queued again, up
 to ``max_sampling_attempts`` attempts in all; then ``act`` raises ``GenerationTimeoutError``
@@ -30,7 +35,7 @@ Simplifications, and why:
 from __future__ import annotations
 
 import asyncio
-import itertools
+import dataclasses
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -45,7 +50,7 @@ from envs.types import Message, ToolSpec
 from policy.codec import ChatCodec, TokenState
 from policy.generation import GenerationOutput, GenerationRequest, generate_batch
 from policy.models import ModelRef, load_causal_lm
-from policy.sampling import SamplingSettings, request_seed
+from policy.sampling import EpisodeSeeds, SamplingSettings, request_seed
 
 _POLL_S = 0.002
 
@@ -58,7 +63,7 @@ class GenerationTimeoutError(RuntimeError):
 class _Pending:
     """One queued request and the future its session awaits."""
 
-    session_id: int
+    episode: tuple[int, int]  # EpisodeSeeds identity
     turn: int
     context_ids: tuple[int, ...]
     max_new_tokens: int
@@ -103,7 +108,7 @@ class TransformersPolicy:
         self.stats = _Stats()
         self._pending: list[_Pending] = []
         self._open_sessions = 0
-        self._session_ids = itertools.count()
+        self.episode_seeds = EpisodeSeeds()
         self._scheduler: asyncio.Task[None] | None = None
         self._model_lock = threading.Lock()
 
@@ -122,7 +127,12 @@ class TransformersPolicy:
 
     def open_session(self, tool_specs: Sequence[ToolSpec]) -> TransformersSession:
         self._open_sessions += 1
-        return TransformersSession(self, next(self._session_ids), tuple(tool_specs))
+        return TransformersSession(self, tuple(tool_specs))
+
+    def reseed(self, seed: int) -> None:
+        """Sample from ``seed`` from now on, as a fresh policy with that seed would."""
+        self.settings = dataclasses.replace(self.settings, seed=seed)
+        self.episode_seeds.reset()
 
     # ------------------------------------------------------------ new policy versions
 
@@ -156,14 +166,14 @@ class TransformersPolicy:
     # ------------------------------------------------------------ batching
 
     async def _generate(
-        self, session_id: int, turn: int, context_ids: tuple[int, ...], max_new_tokens: int
+        self, episode: tuple[int, int], turn: int, context_ids: tuple[int, ...], max_new_tokens: int
     ) -> tuple[GenerationOutput, int]:
         """Queue one request; resolves to (output, attempts used)."""
         loop = asyncio.get_running_loop()
         if self._scheduler is not None and not self._scheduler.done():
             if self._scheduler.get_loop() is not loop:
                 raise RuntimeError("a TransformersPolicy serves one event loop at a time")
-        pending = _Pending(session_id, turn, context_ids, max_new_tokens, loop.create_future())
+        pending = _Pending(episode, turn, context_ids, max_new_tokens, loop.create_future())
         self._pending.append(pending)
         if self._scheduler is None or self._scheduler.done():
             self._scheduler = loop.create_task(self._schedule())
@@ -199,7 +209,7 @@ class TransformersPolicy:
             GenerationRequest(
                 context_ids=p.context_ids,
                 max_new_tokens=p.max_new_tokens,
-                seed=request_seed(self.settings.seed, p.session_id, p.turn, p.attempt),
+                seed=request_seed(self.settings.seed, *p.episode, p.turn, p.attempt),
             )
             for p in batch
         ]
@@ -241,9 +251,9 @@ class TransformersPolicy:
 class TransformersSession:
     """One episode's view of a ``TransformersPolicy`` (a ``PolicySession``)."""
 
-    def __init__(self, policy: TransformersPolicy, session_id: int, tool_specs: tuple[ToolSpec, ...]):
+    def __init__(self, policy: TransformersPolicy, tool_specs: tuple[ToolSpec, ...]):
         self._policy = policy
-        self._session_id = session_id
+        self._episode: tuple[int, int] | None = None  # seed identity, from the first prompt
         self._tool_specs = tool_specs
         self._state: TokenState | None = None
         self._turn = 0
@@ -256,6 +266,8 @@ class TransformersSession:
         policy = self._policy
         state, delta, reset = policy.codec.next_prompt(self._state, messages, self._tool_specs)
         self._state = state
+        if self._episode is None:
+            self._episode = policy.episode_seeds.identity(state.text)
         budget = policy.settings.max_model_length - len(state)
         if budget <= 0:
             return PolicyAction(  # not even one token fits: the prompt is never cut
@@ -268,7 +280,7 @@ class TransformersSession:
             )
         max_new = min(policy.settings.max_completion_tokens, budget)
         turn, self._turn = self._turn, self._turn + 1
-        output, attempts = await policy._generate(self._session_id, turn, state.token_ids, max_new)
+        output, attempts = await policy._generate(self._episode, turn, state.token_ids, max_new)
         self._state = policy.codec.record_action(state, output.token_ids)
         return PolicyAction(
             text=policy.codec.action_text(output.token_ids),

@@ -200,15 +200,21 @@ def test_transient_failures_are_retried_then_reported(server: CannedServer) -> N
     settings = SamplingSettings(max_sampling_attempts=2, generation_timeout_s=0.3)
     server.answer({"error": {"message": "overloaded"}}, status=503)
     server.answer(completion("Done."))
-    server.answer(completion("late"), delay_s=0.6)
-    server.answer(completion("late"), delay_s=0.6)
     policy = OpenAIChatPolicy(server.base_url, "m", settings=settings)
     [action] = asyncio.run(act_all(policy, [QUESTION], []))
     assert action.text == "Done." and action.sampling_attempts == 2
     seeds = [body["seed"] for _, _, body in server.requests]
     assert seeds[0] != seeds[1]  # a retry is a fresh draw
+
+    server.answer(completion("late"), delay_s=0.6)
+    server.answer(completion("late"), delay_s=0.6)
     with pytest.raises(OpenAIPolicyError, match="all 2 attempts failed.*generation_timeout_s=0.3"):
         asyncio.run(act_all(policy, [QUESTION], []))
+    assert server.requests[2][2]["seed"] not in seeds  # the same question again: a new episode
+    policy.reseed(0)
+    server.answer(completion("Again."))
+    asyncio.run(act_all(policy, [QUESTION], []))
+    assert server.requests[-1][2]["seed"] == seeds[0]  # reseeded: it starts over
 
 
 def test_client_errors_are_not_retried_and_name_the_reason(server: CannedServer) -> None:

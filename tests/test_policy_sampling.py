@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from policy.sampling import SamplingSettings, draw_tokens, request_seed, sampling_logprobs
+from policy.sampling import (
+    EpisodeSeeds,
+    SamplingSettings,
+    draw_tokens,
+    request_seed,
+    sampling_logprobs,
+)
 
 
 def test_plain_sampling_is_the_model_distribution() -> None:
@@ -53,6 +59,15 @@ def test_each_row_draws_from_its_own_generator() -> None:
     alone = draw_tokens(logprobs_BV[:1], [torch.Generator().manual_seed(5)])
     paired = draw_tokens(logprobs_BV, [torch.Generator().manual_seed(9), torch.Generator().manual_seed(5)])
     assert paired[1] == alone[0]
+
+
+def test_episode_identity_is_the_opening_and_its_occurrence() -> None:
+    seeds = EpisodeSeeds()
+    assert [seeds.identity("task A")[1] for _ in range(3)] == [0, 1, 2]
+    assert seeds.identity("task B")[1] == 0
+    assert seeds.identity("task A")[0] != seeds.identity("task B")[0]
+    seeds.reset()
+    assert seeds.identity("task A") == EpisodeSeeds().identity("task A")
 
 
 def test_request_seeds_are_stable_and_distinct() -> None:

@@ -91,12 +91,44 @@ def test_context_is_the_exact_prompt_plus_sampled_tokens_and_logprobs_match_a_fo
 
 
 def test_same_seed_same_episodes_other_seed_other_episodes(tiny_model_dir: Path) -> None:
-    def tokens(seed: int) -> list[tuple[int, ...]]:
-        played = asyncio.run(play(make_policy(tiny_model_dir, seed=seed), episodes=3, turns=2))
+    def tokens(policy: TransformersPolicy) -> list[tuple[int, ...]]:
+        played = asyncio.run(play(policy, episodes=3, turns=2))
         return [action.token_ids for actions in played for action in actions]
 
-    assert tokens(5) == tokens(5)
-    assert tokens(5) != tokens(6)
+    policy = make_policy(tiny_model_dir, seed=5)
+    first = tokens(policy)
+    assert tokens(policy) != first  # the same prompts again are new episodes: new draws
+    policy.reseed(5)
+    assert tokens(policy) == first == tokens(make_policy(tiny_model_dir, seed=5))
+    assert tokens(make_policy(tiny_model_dir, seed=6)) != first
+
+
+def test_samples_do_not_depend_on_the_order_episodes_start_in(tiny_model_dir: Path) -> None:
+    async def one_episode(policy: TransformersPolicy, index: int) -> tuple[int, ...]:
+        session = policy.open_session([LOOKUP])
+        action = await session.act(opening(index))
+        await session.close()
+        return action.token_ids
+
+    async def forwards(policy: TransformersPolicy) -> list[tuple[int, ...]]:
+        return list(await asyncio.gather(*(one_episode(policy, i) for i in range(4))))
+
+    async def backwards_one_at_a_time(policy: TransformersPolicy) -> list[tuple[int, ...]]:
+        return [await one_episode(policy, i) for i in reversed(range(4))][::-1]
+
+    batched = asyncio.run(forwards(make_policy(tiny_model_dir)))
+    assert asyncio.run(backwards_one_at_a_time(make_policy(tiny_model_dir))) == batched
+
+
+def test_a_group_sharing_one_prompt_gets_distinct_samples(tiny_model_dir: Path) -> None:
+    policy = make_policy(tiny_model_dir)
+
+    async def group() -> list[tuple[int, ...]]:
+        sessions = [policy.open_session([LOOKUP]) for _ in range(4)]
+        actions = await asyncio.gather(*(s.act(opening(0)) for s in sessions))
+        return [action.token_ids for action in actions]
+
+    assert len(set(asyncio.run(group()))) == 4
 
 
 def test_a_prompt_that_does_not_fit_returns_context_without_tokens(tiny_model_dir: Path) -> None:
