@@ -6,7 +6,6 @@ not the SQL the report uses), so a wrong query or a wrong join would show.
 
 from __future__ import annotations
 
-import argparse
 import json
 import threading
 from collections.abc import Iterator
@@ -18,15 +17,8 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from flows.eval import (
-    EvalOverrides,
-    add_eval_arguments,
-    eval_config,
-    eval_flow,
-    eval_report,
-    format_report,
-    run_eval_command,
-)
+from flows.cli import main
+from flows.eval import EvalOverrides, eval_config, eval_flow, eval_report, format_report
 from storage.runfolder import RunFolder
 from storage.schemas import table_to_episode_records
 from tasks.config import ConfigError, RunConfig, load_config
@@ -143,21 +135,20 @@ def test_report_text_names_every_figure_and_the_show_command(tiny_eval: Path) ->
     assert all(w.episode_id in text for w in report.worst)
 
 
-def test_command_line_arguments_reach_the_flow(
-    tiny_model_dir: Path, tmp_path: Path, prefect_harness: object
+def test_rollflow_eval_prints_the_report(
+    tiny_model_dir: Path, tmp_path: Path, prefect_harness: object, capsys: pytest.CaptureFixture[str]
 ) -> None:
     repo = Path(__file__).resolve().parent.parent
-    parser = argparse.ArgumentParser()
-    add_eval_arguments(parser)
-    args = parser.parse_args([
-        "--config", str(repo / "configs" / "tiny.toml"), "--model", str(tiny_model_dir),
+    status = main([
+        "eval", "--config", str(repo / "configs" / "tiny.toml"), "--model", str(tiny_model_dir),
         "--tasks", "1", "--run-dir", str(tmp_path / "cli"),
     ])
-    text = run_eval_command(args)
-    assert text.startswith(f"evaluation {tmp_path / 'cli'}") and "episodes      1 " in text
+    text = capsys.readouterr().out
+    assert status == 0 and text.startswith(f"evaluation {tmp_path / 'cli'}") and "episodes      1 " in text
     assert f"policy        {tiny_model_dir}" in text
-    with pytest.raises(ConfigError, match="--tasks must be at least 1"):
-        run_eval_command(parser.parse_args(["--tasks", "0"]))
+    assert main(["eval", "--tasks", "0"]) == 1
+    assert main(["eval", "--model", str(tmp_path / "missing"), "--run-dir", str(tmp_path / "x")]) == 1
+    assert "is not a Hugging Face model folder" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- an OpenAI-compatible server
