@@ -317,12 +317,12 @@ def test_full_weight_sft_is_a_folder_grpo_loads_as_its_model(tiny_model_dir: Pat
 
 
 @pytest.mark.slow
-def test_sft_flow_then_a_train_run_starts_from_its_adapter(
-    tiny_model_dir: Path, tmp_path: Path, prefect_harness: object
+def test_rollflow_sft_then_a_train_run_starts_from_its_adapter(
+    tiny_model_dir: Path, tmp_path: Path, prefect_harness: object, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from safetensors.torch import load_file
 
-    from flows.sft import sft_flow, start_from
+    from flows.cli import main
     from flows.train import train_flow
     from storage.runfolder import RunFolder
     from storage.tracking import RunTracker
@@ -332,9 +332,11 @@ def test_sft_flow_then_a_train_run_starts_from_its_adapter(
                      tracking=RunConfig().tracking)
     config_path = tmp_path / "sft.toml"
     config_path.write_text(config_to_toml(config))
-    policy = Path(sft_flow(str(config_path), str(tmp_path / "sft-run")))
+    assert main(["sft", str(config_path), "--run-dir", str(tmp_path / "sft-run")]) == 0
+    policy = tmp_path / "sft-run" / "sft" / "policy"
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"sft policy {policy}") and f'adapter = "{policy.resolve()}"' in printed
     assert [s for s, _ in RunTracker.open(tmp_path / "sft-run").metric_history("sft/loss")] == [0, 1, 2]
-    assert f'adapter = "{policy.resolve()}"' in start_from(config, policy)
     train = replace(config, model=replace(config.model, adapter=str(policy)),
                     train=replace(config.train, num_steps=1, learning_rate=1e-7),
                     validation=replace(config.validation, validation_interval=0))
