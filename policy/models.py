@@ -181,6 +181,15 @@ def build_tiny_model(
     return dest
 
 
+def generation_stop_ids(model: PreTrainedModel) -> list[int]:
+    """The end tokens the model's generation config declares (Qwen-style models have two)."""
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(token) for token in (eos if isinstance(eos, list) else [eos])]
+
+
 # ---------------------------------------------------------------- resolving a ModelRef
 
 

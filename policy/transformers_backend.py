@@ -49,7 +49,7 @@ from envs.agent import FinishReason, PolicyAction
 from envs.types import Message, ToolSpec
 from policy.codec import ChatCodec, TokenState
 from policy.generation import GenerationOutput, GenerationRequest, generate_batch
-from policy.models import ModelRef, load_causal_lm
+from policy.models import ModelRef, generation_stop_ids, load_causal_lm
 from policy.sampling import EpisodeSeeds, SamplingSettings, request_seed
 
 _POLL_S = 0.002
@@ -101,7 +101,7 @@ class TransformersPolicy:
             )
         self.model = model
         self.tokenizer = tokenizer
-        self.codec = ChatCodec(tokenizer, stop_token_ids=_generation_stop_ids(model))
+        self.codec = ChatCodec(tokenizer, stop_token_ids=generation_stop_ids(model))
         self.version = version
         self.batch_window_s = batch_window_s
         self.max_batch_size = max_batch_size
@@ -304,15 +304,6 @@ def _finish_reason(output: GenerationOutput, max_new: int, budget: int) -> Finis
         return "stop"
     assert len(output.token_ids) == max_new, "a generation without a stop token spent its budget"
     return "context" if max_new == budget else "length"
-
-
-def _generation_stop_ids(model: PreTrainedModel) -> list[int]:
-    """The end tokens the model's generation config declares (Qwen-style models have two)."""
-    config = getattr(model, "generation_config", None)
-    eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return [int(token) for token in (eos if isinstance(eos, list) else [eos])]
 
 
 def _check_model_length(model: PreTrainedModel, settings: SamplingSettings) -> None:

@@ -172,3 +172,14 @@ def test_cached_copy_of_the_bundled_model_matches_the_gguf_and_loads_fast() -> N
     ids_BT = torch.tensor([tokenizer.encode("The capital of France is")])
     with torch.no_grad():
         assert torch.equal(model(ids_BT).logits, direct(ids_BT).logits)
+
+
+def test_generation_stop_ids_read_the_generation_config(tiny_model_dir: Path) -> None:
+    from policy.models import generation_stop_ids
+
+    model, tokenizer = load_causal_lm(ModelRef(path=str(tiny_model_dir)))
+    assert generation_stop_ids(model) == [tokenizer.eos_token_id]
+    model.generation_config.eos_token_id = [2, 0]
+    assert generation_stop_ids(model) == [2, 0]
+    model.generation_config.eos_token_id = None
+    assert generation_stop_ids(model) == []
