@@ -75,7 +75,10 @@ def test_the_expert_plays_every_training_task_perfectly() -> None:
     ]
     assert all(group[0].terminated and group[0].turns == 4 for group in groups)
     assert {(s.reward, s.error) for s in scores} == {(1.0, None)}
-    assert all(s.components == {"correct": 1.0, "lookups": 1.0, "calculator": 1.0} for s in scores)
+    assert all(
+        s.components == {"correct": 1.0, "lookups": 1.0, "calculator": 1.0, "tool_call_ok": 1.0}
+        for s in scores
+    )
     assert policy.opened_tool_specs[0] == tuple(ToolUseGame.tool_specs(handle.env, items[0].payload))  # type: ignore[attr-defined]
 
 
@@ -139,7 +142,7 @@ def test_bad_tool_calls_become_tool_errors_and_the_episode_goes_on() -> None:
         "tool_errors": 4,
     }
     [score] = asyncio.run(handle.score(item, [rollout]))
-    assert score.components == {"correct": 1.0, "lookups": 0.0, "calculator": 0.0}
+    assert score.components == {"correct": 1.0, "lookups": 0.0, "calculator": 0.0, "tool_call_ok": 0.0}
 
 
 def test_endings_of_the_game() -> None:
@@ -159,8 +162,13 @@ def test_endings_of_the_game() -> None:
     assert rollouts["terminated"].terminated
     scores = asyncio.run(handle.score(item, list(rollouts.values())))
     looked_up_share = 1 / len(task.needed_keys)
-    assert scores[0].components == {"correct": 0.0, "lookups": looked_up_share, "calculator": 0.0}
-    assert scores[0].reward == pytest.approx(WEIGHTS["lookups"] * looked_up_share)
+    assert scores[0].components == {
+        "correct": 0.0,
+        "lookups": looked_up_share,
+        "calculator": 0.0,
+        "tool_call_ok": 1.0,
+    }
+    assert scores[0].reward == pytest.approx(WEIGHTS["lookups"] * looked_up_share + WEIGHTS["tool_call_ok"])
     assert scores[2].reward == pytest.approx(WEIGHTS["correct"]) and scores[2].threshold == WEIGHTS["correct"]
 
 
@@ -182,11 +190,12 @@ def test_reward_credits_well_formed_calls_of_the_right_tools() -> None:
         make_tool_call("calculator", {"expression": "1 +"}, 2),
     ]
     messages = [
-        {"role": "assistant", "content": render_tool_calls(calls)}
-    ]  # no tool_calls key: parsed from text
+        {"role": "assistant", "content": render_tool_calls(calls)},  # no tool_calls key: parsed from text
+        {"role": "tool", "content": "tool_error: no fact named 'zzz'", "tool_call_id": "call_1"},
+    ]
     result = score_game(["a", "b"], 5, messages, "4")  # type: ignore[arg-type]
-    assert result.components == {"correct": 0.0, "lookups": 0.5, "calculator": 0.0}
-    assert result.score == pytest.approx(0.075)
+    assert result.components == {"correct": 0.0, "lookups": 0.5, "calculator": 0.0, "tool_call_ok": 0.0}
+    assert result.score == pytest.approx(0.05)
     good_calculator = [
         {
             "role": "assistant",
@@ -194,6 +203,8 @@ def test_reward_credits_well_formed_calls_of_the_right_tools() -> None:
         }
     ]
     assert score_game(["a"], 5, good_calculator, "5").score == pytest.approx(0.85)  # type: ignore[arg-type]
+    answered = [*good_calculator, {"role": "tool", "content": "5", "tool_call_id": "call_0"}]
+    assert score_game(["a"], 5, answered, "5").score == pytest.approx(0.9)  # type: ignore[arg-type]
 
 
 def test_protocol_checks_off_sends_unreadable_calls_back_as_a_user_message() -> None:

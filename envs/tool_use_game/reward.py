@@ -1,14 +1,19 @@
 """The game's reward: behaviours, not a script (as the hook-style reference advises).
 
-Three components, each in [0, 1] and each reported:
+Four components, each in [0, 1] and each reported:
 
 - ``correct`` (weight 0.8): the final reply (a reply with no tool call) ends with the
   answer. We read the *last* number in it, so "The answer is 23." counts and listing
   guesses does not help: only the last one is read.
-- ``lookups`` (0.15): the share of the needed facts fetched with well-formed ``lookup``
+- ``lookups`` (0.1): the share of the needed facts fetched with well-formed ``lookup``
   calls naming the exact key.
 - ``calculator`` (0.05): at least one well-formed ``calculator`` call whose expression
   evaluates.
+- ``tool_call_ok`` (0.05): at least one tool call ran without a ``tool_error`` (a known
+  tool, arguments that fit its schema). The first rung: measured on this game's prompt,
+  the bundled SmolLM2-135M wrote 2 well-formed calls in 32 first actions even with the
+  worked example, and both hit a tool_error; this credit makes such a call worth more
+  than prose, so a group has reward variance before any answer is right.
 
 The score is the weighted sum; the threshold is the ``correct`` weight, so an episode
 passes exactly when its answer is right. The tool credits are small on purpose: a
@@ -25,9 +30,10 @@ from typing import Any
 
 from envs.arithmetic import ExpressionError, last_number, safe_eval
 from envs.protocol import parse_action
+from envs.tools import is_tool_error
 from envs.types import Message, RewardResult
 
-WEIGHTS = {"correct": 0.8, "lookups": 0.15, "calculator": 0.05}
+WEIGHTS = {"correct": 0.8, "lookups": 0.1, "calculator": 0.05, "tool_call_ok": 0.05}
 ANSWER_TOLERANCE = 1e-6
 
 
@@ -44,6 +50,7 @@ def score_game(
         "calculator": float(
             any(name == "calculator" and _evaluates(args.get("expression")) for name, args in calls)
         ),
+        "tool_call_ok": float(any(m.get("role") == "tool" and not is_tool_error(m) for m in messages)),
     }
     score = sum(WEIGHTS[name] * value for name, value in components.items())
     return RewardResult(score=round(score, 9), threshold=WEIGHTS["correct"], components=components)
