@@ -41,6 +41,7 @@ from envs.handle import (
 from envs.hooks import (
     EnvironmentMultiTurn,
     call_hook,
+    call_setup_hook,
     check_split,
     checked_messages,
     example_prompt_text,
@@ -88,10 +89,10 @@ class HookEnvironmentHandle:
     ) -> EpisodeRollout:
         example = _example(item)
         trace.stage = "start_episode"
-        opening = await call_hook(self.env.start_episode, example, example_prompt_text(example))
+        opening = await call_setup_hook(self.env.start_episode, example, example_prompt_text(example))
         trace.messages = checked_messages(opening, "start_episode")
         trace.stage = "max_episode_turns"
-        max_turns = _turn_limit(await call_hook(self.env.max_episode_turns, example), limits)
+        max_turns = _turn_limit(await call_setup_hook(self.env.max_episode_turns, example), limits)
         trace.stage = "tool_specs"
         tool_specs = list(self.env.tool_specs(example))
         trace.stage = "Policy.open_session"

@@ -216,6 +216,20 @@ async def call_hook(hook: Callable[..., Any], *args: Any) -> Any:
     return result
 
 
+async def call_setup_hook(hook: Callable[..., Any], *args: Any) -> Any:
+    """Call a cheap set-up hook (``start_episode``, ``max_episode_turns``) in the event loop.
+
+    Unlike ``call_hook`` it does not hop to a worker thread, so every episode of a batch
+    reaches the policy in the order it was started: the first generation batch holds them
+    all, in the same order on every run (a replayed rollout samples the same tokens with
+    bit-identical logprobs). A set-up hook that blocks for long delays the others.
+    """
+    result = hook(*args)
+    if inspect.isawaitable(result):
+        result = await result
+    return result
+
+
 def overrides(env: object, name: str) -> bool:
     """Whether ``env``'s class replaces the base ``EnvironmentMultiTurn`` hook ``name``."""
     return getattr(type(env), name) is not getattr(EnvironmentMultiTurn, name)

@@ -183,6 +183,9 @@ class TransformersPolicy:
         """Run batches until the queue is empty, then end (a new request starts a new task)."""
         while self._pending:
             await self._wait_for_batch()
+            # Members and row order by episode identity, not arrival: a batch's padded shape
+            # changes floating-point sums, so a replay must batch the same rows the same way.
+            self._pending.sort(key=lambda p: p.episode)
             batch = [p for p in self._pending[: self.max_batch_size] if not p.future.done()]
             del self._pending[: self.max_batch_size]
             if not batch:
