@@ -75,10 +75,12 @@ SELECT
     count(DISTINCT group_id)                                AS num_groups,
     count_if(terminated) / count(*)                         AS terminated_ratio,
     count_if(truncated) / count(*)                          AS truncated_ratio,
-    count_if(truncation_cause = 'context_overflow') / count(*) AS context_overflow_ratio,
-    count_if(truncation_cause = 'max_turns') / count(*)     AS max_turns_ratio,
-    count_if(truncation_cause = 'env') / count(*)           AS env_truncated_ratio,
-    count_if(truncation_cause = 'parse_failure') / count(*) AS parse_failure_ratio,
+    -- IS NOT DISTINCT FROM: a step where nothing was truncated has only NULL causes, and
+    -- count_if over NULLs alone is NULL, not 0
+    count_if(truncation_cause IS NOT DISTINCT FROM 'context_overflow') / count(*) AS context_overflow_ratio,
+    count_if(truncation_cause IS NOT DISTINCT FROM 'max_turns') / count(*)     AS max_turns_ratio,
+    count_if(truncation_cause IS NOT DISTINCT FROM 'env') / count(*)           AS env_truncated_ratio,
+    count_if(truncation_cause IS NOT DISTINCT FROM 'parse_failure') / count(*) AS parse_failure_ratio,
     count_if(error IS NOT NULL) / count(*)                  AS error_ratio,
     avg(turns)                                              AS turns_mean,
     avg(total_tokens)                                       AS tokens_mean

@@ -213,6 +213,8 @@ def test_eval_against_an_openai_compatible_server(
     report = eval_report(root)
     assert report.metrics["num_episodes"] == 2 and report.metrics["terminated_ratio"] == 1.0
     assert report.metrics["turns_mean"] == 1.0 and report.metrics["tokens_mean"] == 0.0  # text only
+    for cause in ("max_turns", "context_overflow", "parse_failure", "env_truncated"):
+        assert report.metrics[f"{cause}_ratio"] == 0.0  # nothing truncated: 0, not NaN
     assert report.metrics["reward_mean"] == pytest.approx(expected["reward_mean"])
     assert report.metrics["pass_rate"] == pytest.approx(expected["pass_rate"])
     episodes = table_to_episode_records(RunFolder(root).read_stage(0, "episodes", "validation"))
