@@ -164,7 +164,9 @@ def test_nightly_training_deployment_runs_on_a_real_server(
     config_path.write_text(config_to_toml(config))
 
     prefect(prefect_server, "work-pool", "create", POOL, "--type", "process")
-    prefect(prefect_server, "deploy", "--no-prompt", "--name", "nightly-train")
+    prefect(prefect_server, "deploy", "--no-prompt", "--all")
+    evaluate = httpx.get(f"{prefect_server.api_url}/deployments/name/rollflow-eval/evaluate", timeout=30).json()
+    assert evaluate["entrypoint"] == "flows/eval.py:eval_flow" and evaluate["schedules"] == []
     deployment = httpx.get(f"{prefect_server.api_url}/deployments/name/{DEPLOYMENT}", timeout=30).json()
     assert deployment["entrypoint"] == "flows/train.py:train_flow"
     assert deployment["parameters"] == {"config_path": "configs/default.toml"}
