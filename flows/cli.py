@@ -239,4 +239,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m flows.cli`: subcommand modules register into flows.cli, not __main__.
+    from flows.cli import main as registered_main
+
+    sys.exit(registered_main())

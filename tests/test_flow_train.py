@@ -148,3 +148,40 @@ def test_async_collection_is_refused_with_a_clear_message(tiny_config_path: Path
     tiny_config_path.write_text(text)
     with pytest.raises(ConfigError, match="max_steps_off_policy"):
         open_run(tiny_config_path, tmp_path / "run")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_when", ["steps/step=000001/episodes", "checkpoints/step=000001"])
+def test_sigkill_mid_run_then_resume_equals_the_uninterrupted_run(
+    kill_when: str, tiny_config_path: Path, tmp_path: Path, uninterrupted: Path
+) -> None:
+    """A real `rollflow train` process, SIGKILLed as soon as ``kill_when`` appears."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run_dir = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    env.pop("PREFECT_API_URL", None)  # the child starts its own temporary server
+    child = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "train", str(tiny_config_path), "--run-dir", str(run_dir)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / kill_when).exists():
+            assert child.poll() is None, "the run ended before it could be killed"
+            assert time.monotonic() < deadline, f"{kill_when} never appeared"
+            time.sleep(0.02)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait(timeout=60)
+    assert not (RunFolder(run_dir).step_dir(1) / "metrics.json").exists()
+    train_flow(run_dir=str(run_dir))
+    assert episode_ids(run_dir) == episode_ids(uninterrupted)
+    resumed, reference = final_adapter(run_dir), final_adapter(uninterrupted)
+    for name, tensor in reference["weights"].items():
+        assert resumed["weights"][name].equal(tensor), f"{name} differs after resume"
