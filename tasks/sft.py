@@ -40,6 +40,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from policy.codec import ChatCodec
+from policy.models import generation_stop_ids
 from storage.parquet import temporary_path
 from storage.runfolder import RunFolder
 from tasks.checkpoints import load_policy_for_training, seed_everything
@@ -172,7 +173,7 @@ def sft_stage(config: RunConfig, run_dir: Path) -> Path:
     started = time.perf_counter()
     seed_everything(config.train.seed)
     model, tokenizer = load_policy_for_training(config, None)
-    rows, skipped = sft_rows(config, ChatCodec(tokenizer, stop_token_ids=_generation_stop_ids(model)))
+    rows, skipped = sft_rows(config, ChatCodec(tokenizer, stop_token_ids=generation_stop_ids(model)))
     losses, steps = train_epochs(config, model, rows, tokenizer.pad_token_id or 0, started)
     result = SFTResult(
         rows=len(rows), skipped_too_long=skipped, tokens=sum(len(r.input_ids) for r in rows),
@@ -222,12 +223,6 @@ def log_sft_metrics(config: RunConfig, run_dir: Path, result: SFTResult) -> None
         "sft/rows": float(result.rows), "sft/trained_tokens": float(result.trained_tokens),
         "sft/skipped_too_long": float(result.skipped_too_long), "time/sft": result.seconds,
     })
-
-
-def _generation_stop_ids(model: PreTrainedModel) -> list[int]:
-    """The end tokens the model's generation config declares, as the sampler stops on them."""
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    return [] if eos is None else [int(t) for t in (eos if isinstance(eos, list) else [eos])]
 
 
 def _commit_policy(
