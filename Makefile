@@ -9,9 +9,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PREFECT_HOME ?= $(CURDIR)/.rollflow/prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
-export PREFECT_LOGGING_LEVEL ?= WARNING
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo quick test test-fast clean
 
 setup: $(STAMP)
 
@@ -27,6 +26,13 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: setup
 	$(BIN)/rollflow train configs/default.toml
+
+# Two GRPO steps on a tiny random model (about a minute): a quick check of the pipeline.
+quick: setup .rollflow/tiny-model/config.json
+	$(BIN)/rollflow train configs/tiny.toml
+
+.rollflow/tiny-model/config.json: | $(STAMP)
+	$(BIN)/python -c "from pathlib import Path; from policy.models import build_tiny_model; build_tiny_model(Path('.rollflow/tiny-model'))"
 
 test: setup
 	$(BIN)/python -m pytest

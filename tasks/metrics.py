@@ -7,22 +7,27 @@ The dict is written to ``metrics.json`` in the step folder last of all, after ML
 it: that file existing is what marks a step finished. A replay after a crash logs no
 duplicate point (``RunTracker.log_step`` skips steps already logged).
 
-Validation passes get the same episode and reward numbers under ``val/``.
+Validation passes get the same episode and reward numbers under ``val/``, and the text
+of their best and worst episodes as an artifact.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from storage.query import open_run_sql, step_metrics
+from storage.parquet import write_bytes_atomic
+from storage.query import open_run_sql, run_query, step_metrics
 from storage.records import TrainResult
 from storage.runfolder import RunFolder
+from storage.transcript import render_episode
 from tasks.config import RunConfig, flatten_config
 
 METRICS_JSON = "metrics.json"
 REWARD_CURVE = "reward_curve.png"
+TRANSCRIPTS_TXT = "transcripts.txt"
+SAMPLE_TRANSCRIPTS = 2  # best and worst validation episodes each logged as text
 
 # query name -> logged key
 _EPISODE_KEYS = {
@@ -90,13 +95,33 @@ def metrics_stage(
 
 
 def validation_metrics_stage(config: RunConfig, run_dir: Path, step: int) -> Path:
+    """Log the validation pass of ``step`` and a few of its transcripts (best and worst)."""
     folder = RunFolder(run_dir)
     path = folder.step_dir(step, "validation") / METRICS_JSON
     if path.exists():
         return path
     metrics = {f"val/{key}": value for key, value in rollout_metrics(run_dir, step, "validation").items()}
-    _log(config, folder, step, metrics)
+    transcripts = write_sample_transcripts(folder, step)
+    _log(config, folder, step, metrics, artifacts=[transcripts])
     return folder.write_json_atomic(path, _json_safe(metrics))
+
+
+def write_sample_transcripts(folder: RunFolder, step: int, count: int = SAMPLE_TRANSCRIPTS) -> Path:
+    """The ``count`` best- and worst-rewarded validation episodes of ``step``, as text."""
+    con = open_run_sql([folder.root])
+    try:
+        _, rows = run_query(
+            con,
+            f"SELECT episode_id, final_reward FROM scores WHERE split = 'validation' AND step = {int(step)} "
+            "ORDER BY final_reward DESC, episode_id",
+        )
+    finally:
+        con.close()
+    chosen = list(dict.fromkeys([r[0] for r in rows[:count]] + [r[0] for r in rows[-count:]]))
+    text = "\n\n".join(render_episode(folder.root, episode_id) for episode_id in chosen)
+    path = folder.step_dir(step, "validation") / TRANSCRIPTS_TXT
+    write_bytes_atomic(text.encode(), path)
+    return path
 
 
 def start_tracking(config: RunConfig, run_dir: Path) -> str | None:
@@ -132,13 +157,17 @@ def finish_tracking(config: RunConfig, run_dir: Path, succeeded: bool) -> Path |
     return curve
 
 
-def _log(config: RunConfig, folder: RunFolder, step: int, metrics: Mapping[str, float]) -> None:
+def _log(
+    config: RunConfig, folder: RunFolder, step: int, metrics: Mapping[str, float], artifacts: Sequence[Path] = ()
+) -> None:
     if not config.tracking.enabled:
         return
     from storage.tracking import RunTracker
 
     tracker = RunTracker.open(folder, experiment=config.tracking.experiment, tracking_uri=config.tracking.tracking_uri)
     tracker.log_step(step, metrics)
+    for artifact in artifacts:
+        tracker.log_artifact(artifact, f"validation/step={step:06d}")
 
 
 def _json_safe(metrics: Mapping[str, float]) -> dict[str, float | None]:

@@ -74,6 +74,8 @@ def test_tiny_run_writes_every_stage_and_logs_each_step_once(uninterrupted: Path
     assert [s for s, _ in tracker.metric_history("episodes/count")] == [0, 1]
     assert [s for s, _ in tracker.metric_history("val/reward/mean")] == [0, 2]
     assert (uninterrupted / "reward_curve.png").stat().st_size > 0
+    transcripts = (folder.step_dir(2, "validation") / "transcripts.txt").read_text()
+    assert "validation/2/0/0" in transcripts and "validation/2/1/0" in transcripts
 
 
 def test_rerunning_a_finished_run_changes_nothing(uninterrupted: Path) -> None:
