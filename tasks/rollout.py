@@ -30,7 +30,15 @@ from pathlib import Path
 
 from envs.agent import Policy
 from envs.episode import EpisodeRollout
-from envs.runner import EpisodeLimits, TaskItem, load_environment_handle, play_groups
+from envs.runner import (
+    EnvironmentHandle,
+    EpisodeLimits,
+    EpisodeScore,
+    TaskItem,
+    load_environment_handle,
+    play_groups,
+)
+from envs.types import Split
 from storage.parquet import part_index
 from storage.records import EpisodeRecord
 from storage.runfolder import RunFolder
@@ -39,6 +47,7 @@ from tasks.config import RunConfig
 from tasks.policy_io import open_policy
 
 VALIDATION_GROUP_SIZE = 1  # validation measures the policy, it needs no group baseline
+PROGRESS_EVERY_S = 15.0
 
 
 def derive_seed(*parts: object) -> int:
@@ -92,8 +101,9 @@ def rollout_stage(
                 continue
             first_group = index * groups_per_chunk
             acting.reseed(derive_seed(config.train.seed, split, step, index))
+            label = f"rollout {split} step {step} chunk {index + 1}/{len(chunks)}"
             rollouts_GE = asyncio.run(
-                play_groups(handle, chunk, group_size, acting.policy, limits, concurrency)
+                play_with_progress(handle, chunk, group_size, acting.policy, limits, concurrency, label)
             )
             records = [
                 _record(folder.run_id, step, split, first_group + g, item, e, rollout)
@@ -103,6 +113,52 @@ def rollout_stage(
             folder.write_stage_part(episode_records_to_table(records), step, "episodes", index, split)
             _progress(split, step, index + 1, len(chunks), started)
     return folder.seal_stage(step, "episodes", split)
+
+
+class _CountingHandle:
+    """The environment handle, counting finished episodes for the progress line."""
+
+    def __init__(self, inner: EnvironmentHandle) -> None:
+        self.inner = inner
+        self.style = inner.style
+        self.finished = 0
+
+    def tasks(self, split: Split) -> list[TaskItem]:
+        return self.inner.tasks(split)
+
+    async def play(self, item: TaskItem, policy: Policy, limits: EpisodeLimits) -> EpisodeRollout:
+        rollout = await self.inner.play(item, policy, limits)
+        self.finished += 1
+        return rollout
+
+    async def score(self, item: TaskItem, rollouts: Sequence[EpisodeRollout]) -> list[EpisodeScore]:
+        return await self.inner.score(item, rollouts)
+
+
+async def play_with_progress(
+    handle: EnvironmentHandle,
+    items: Sequence[TaskItem],
+    group_size: int,
+    policy: Policy,
+    limits: EpisodeLimits,
+    concurrency: int,
+    label: str,
+) -> list[list[EpisodeRollout]]:
+    """``play_groups``, printing how many episodes have finished every ``PROGRESS_EVERY_S``."""
+    counting = _CountingHandle(handle)
+    total, started = len(items) * group_size, time.perf_counter()
+
+    async def report() -> None:
+        while True:
+            await asyncio.sleep(PROGRESS_EVERY_S)
+            elapsed = time.perf_counter() - started
+            print(f"  {label}: {counting.finished}/{total} episodes ({elapsed:.0f}s)", file=sys.stderr, flush=True)
+
+    ticker = asyncio.create_task(report())
+    try:
+        return await play_groups(counting, items, group_size, policy, limits, concurrency)
+    finally:
+        ticker.cancel()
 
 
 def _record(
