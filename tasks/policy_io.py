@@ -64,7 +64,13 @@ def load_transformers_policy(config: RunConfig, folder: RunFolder | None, step: 
         )
     model, tokenizer = load_causal_lm(policy_model_ref(config, checkpoint), torch_dtype(config))
     version = 0 if checkpoint is None else checkpoint.policy_version
-    return TransformersPolicy(model, tokenizer, _sampling_settings(config), version=version)
+    # A batch forms once every open episode is waiting for its next action; the window
+    # only matters when an environment step is slow. Batches then have the same members
+    # on every run, so a replayed chunk reproduces its logprobs bit for bit (the padded
+    # shape of a batch changes the floating-point sums).
+    return TransformersPolicy(
+        model, tokenizer, _sampling_settings(config), version=version, batch_window_s=BATCH_WINDOW_S
+    )
 
 
 def _sampling_settings(config: RunConfig) -> SamplingSettings:
