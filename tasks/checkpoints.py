@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,9 @@ from storage.records import TrainResult
 from storage.runfolder import RunFolder
 from storage.schemas import train_result_from_json, train_result_to_json
 from tasks.config import RunConfig
+
+# peft calls a transformers method deprecated in 5.x on every LoRA load; not ours to fix.
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 VERSION_FILE = "version.json"
 RNG_FILE = "rng.json"
