@@ -1,0 +1,103 @@
+"""The learning figure and table of docs/results.md, from the run folders' own files.
+
+Reads ``validation/step=N/metrics.json`` (what the flows wrote and logged to MLflow as
+``val/...``) of the GRPO run, of the baseline evaluation (the untouched model) and,
+optionally, of more evaluations; plots validation pass rate and mean reward against the
+GRPO step with the baseline as a dashed line; and prints a Markdown table. Step 0 of the
+GRPO run is its validation before any update: the SFT policy.
+
+Nothing is recomputed or chosen here: every point is a validation pass that the pipeline
+ran, in step order.
+
+    .venv/bin/python scripts/learning_figure.py --run runs/learn/grpo \
+        --baseline runs/learn/baseline --out docs/learn_tool_use_game.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+PASS, REWARD = "val/reward/pass_rate", "val/reward/mean"
+
+
+@dataclass(frozen=True)
+class ValidationPoint:
+    step: int
+    pass_rate: float
+    reward_mean: float
+    episodes: int
+
+
+def validation_points(run_dir: Path) -> list[ValidationPoint]:
+    """Every finished validation pass of a run folder, in step order."""
+    paths = sorted((run_dir / "validation").glob("step=*/metrics.json"))
+    if not paths:
+        raise SystemExit(f"{run_dir}: no validation/step=*/metrics.json (has the run validated yet?)")
+    points = []
+    for path in paths:
+        metrics = json.loads(path.read_text())
+        step = int(path.parent.name.removeprefix("step="))
+        points.append(ValidationPoint(step, metrics[PASS], metrics[REWARD], int(metrics["val/episodes/count"])))
+    return points
+
+
+def train_rewards(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, mean training reward) of every finished step."""
+    rows = []
+    for path in sorted((run_dir / "steps").glob("step=*/metrics.json")):
+        rows.append((int(path.parent.name.removeprefix("step=")), json.loads(path.read_text())["reward/mean"]))
+    return rows
+
+
+def draw(run: list[ValidationPoint], baseline: ValidationPoint, train: list[tuple[int, float]], out: Path) -> None:
+    fig, (ax_pass, ax_reward) = plt.subplots(1, 2, figsize=(10, 3.8), constrained_layout=True)
+    steps = [p.step for p in run]
+    ax_pass.plot(steps, [p.pass_rate for p in run], "o-", label="GRPO run (step 0 = after SFT)")
+    ax_pass.axhline(baseline.pass_rate, color="grey", linestyle="--", label="untouched model")
+    ax_pass.set(xlabel="GRPO step", ylabel="pass rate", title="validation pass rate", ylim=(-0.02, 1.02))
+    ax_reward.plot(steps, [p.reward_mean for p in run], "o-", label="validation")
+    if train:
+        ax_reward.plot([s for s, _ in train], [r for _, r in train], ".:", alpha=0.7, label="training batch")
+    ax_reward.axhline(baseline.reward_mean, color="grey", linestyle="--", label="untouched model")
+    ax_reward.set(xlabel="GRPO step", ylabel="mean reward", title="mean reward", ylim=(-0.12, 1.02))
+    for ax in (ax_pass, ax_reward):
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def table(run: list[ValidationPoint], baseline: ValidationPoint) -> str:
+    lines = ["| policy | validation pass rate | mean reward | episodes |", "|---|---|---|---|"]
+    rows = [("untouched SmolLM2-135M", baseline)] + [
+        ("after SFT (GRPO step 0)" if p.step == 0 else f"GRPO after {p.step} steps", p) for p in run
+    ]
+    for name, p in rows:
+        lines.append(f"| {name} | {p.pass_rate:.3f} | {p.reward_mean:.3f} | {p.episodes} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run", type=Path, required=True, help="the GRPO run folder")
+    parser.add_argument("--baseline", type=Path, required=True, help="the untouched model's eval folder")
+    parser.add_argument("--out", type=Path, required=True, help="the PNG to write")
+    args = parser.parse_args()
+    run = validation_points(args.run)
+    baseline = validation_points(args.baseline)[0]
+    draw(run, baseline, train_rewards(args.run), args.out)
+    print(table(run, baseline))
+    print(f"\nfigure: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
