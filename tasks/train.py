@@ -51,8 +51,8 @@ from tasks.checkpoints import (
 )
 from tasks.config import RunConfig
 
-# (input_ids_BT, attention_mask_BT) -> reference logprobs of tokens 1..T-1, (B, T-1)
-RefLogprobsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (input_ids_BT, attention_mask_BT, wanted_BT) -> reference logprobs of tokens 1..T-1, (B, T-1)
+RefLogprobsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -116,22 +116,38 @@ def pack_microbatches(samples: Sequence[SampleRecord], max_tokens: int) -> list[
 
 def token_logprobs(
     model: PreTrainedModel, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
-    temperature: float,
+    temperature: float, wanted_BT: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """log p(token t | tokens < t) for t = 1..T-1 under ``log_softmax(logits / temperature)``."""
-    logits_BTV = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT).logits
-    logits_BTV = logits_BTV[:, :-1].float() / temperature  # position t-1 predicts token t
+    """log p(token t | tokens < t) for t = 1..T-1 under ``log_softmax(logits / temperature)``.
+
+    ``wanted_BT`` (bool, (B, T-1)) names the tokens whose logprob is needed (the action
+    tokens); the vocabulary projection then runs only at the positions predicting them, and
+    every other entry is 0. On an episode whose context is ten times its actions, that
+    skips most of the (T, 49k) float logits (400 MB per 2k tokens) and their softmax.
+    """
     targets_BT = input_ids_BT[:, 1:]
-    picked_BT = logits_BTV.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)
-    return picked_BT - torch.logsumexp(logits_BTV, dim=-1)  # (B, T-1)
+    if wanted_BT is None:
+        logits_BTV = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT).logits
+        logits_BTV = logits_BTV[:, :-1].float() / temperature  # position t-1 predicts token t
+        picked_BT = logits_BTV.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)
+        return picked_BT - torch.logsumexp(logits_BTV, dim=-1)  # (B, T-1)
+    keep_BT = torch.zeros_like(input_ids_BT, dtype=torch.bool)
+    keep_BT[:, :-1] = wanted_BT  # position t-1 predicts token t
+    logits_NV = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, logits_to_keep=keep_BT).logits
+    logits_NV = logits_NV.float() / temperature  # (N, V): one row per wanted token, row-major
+    picked_N = logits_NV.gather(-1, targets_BT[wanted_BT].unsqueeze(-1)).squeeze(-1)
+    logprobs_BT = torch.zeros(targets_BT.shape, dtype=logits_NV.dtype, device=logits_NV.device)
+    return logprobs_BT.masked_scatter(wanted_BT, picked_N - torch.logsumexp(logits_NV, dim=-1))
 
 
 def adapter_off_reference(model: PreTrainedModel, temperature: float) -> RefLogprobsFn:
     """The KL reference with LoRA: the same model, adapter disabled (no second copy)."""
 
-    def reference(input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
+    def reference(
+        input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, wanted_BT: torch.Tensor
+    ) -> torch.Tensor:
         with torch.no_grad(), model.disable_adapter():
-            return token_logprobs(model, input_ids_BT, attention_mask_BT, temperature)
+            return token_logprobs(model, input_ids_BT, attention_mask_BT, temperature, wanted_BT)
 
     return reference
 
@@ -141,9 +157,11 @@ def frozen_model_reference(reference_model: PreTrainedModel, temperature: float)
     reference_model.requires_grad_(False)
     reference_model.eval()
 
-    def reference(input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
+    def reference(
+        input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, wanted_BT: torch.Tensor
+    ) -> torch.Tensor:
         with torch.no_grad():
-            return token_logprobs(reference_model, input_ids_BT, attention_mask_BT, temperature)
+            return token_logprobs(reference_model, input_ids_BT, attention_mask_BT, temperature, wanted_BT)
 
     return reference
 
@@ -196,8 +214,9 @@ def grpo_update(
     batches = pack_microbatches(samples, settings.max_tokens_per_microbatch)
     for batch in batches:
         t = _microbatch_tensors(batch, settings.pad_token_id)
-        logprobs_BT = token_logprobs(model, t["input_ids"], t["attention_mask"], settings.temperature)
-        ref_BT = ref_logprobs_fn(t["input_ids"], t["attention_mask"]) if use_reference else None
+        wanted_BT = t["loss_mask"][:, 1:] > 0  # action tokens: the only logprobs the loss reads
+        logprobs_BT = token_logprobs(model, t["input_ids"], t["attention_mask"], settings.temperature, wanted_BT)
+        ref_BT = ref_logprobs_fn(t["input_ids"], t["attention_mask"], wanted_BT) if use_reference else None
         loss, batch_stats = grpo_loss(
             logprobs_BT, t["sampler_logprobs"][:, 1:], t["advantages"][:, 1:],
             t["loss_mask"][:, 1:], totals, settings.loss, ref_BT,

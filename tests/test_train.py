@@ -272,13 +272,27 @@ def test_lora_reference_is_the_adapter_switched_off(tiny_model_dir: Path) -> Non
             torch.nn.init.normal_(param, std=0.5)  # make the adapter matter
     ids = torch.tensor([[1, 17, 300, 301, 302]])
     mask = torch.ones_like(ids)
+    wanted = torch.tensor([[False, True, True, False]])
     with torch.no_grad():
-        policy = token_logprobs(model, ids, mask, 1.0)
-    reference = adapter_off_reference(model, 1.0)(ids, mask)
+        policy = token_logprobs(model, ids, mask, 1.0, wanted)
+    reference = adapter_off_reference(model, 1.0)(ids, mask, wanted)
     with model.disable_adapter(), torch.no_grad():
-        plain = token_logprobs(model, ids, mask, 1.0)
+        plain = token_logprobs(model, ids, mask, 1.0, wanted)
     assert torch.equal(reference, plain)
     assert not torch.allclose(reference, policy)
+
+
+def test_logprobs_of_wanted_tokens_only_match_the_full_computation(tiny_model_dir: Path) -> None:
+    config = tiny_config(tiny_model_dir)
+    model, _ = load_policy_for_training(config, None)
+    ids = torch.tensor([[1, 17, 300, 301, 302, 5], [1, 18, 40, 41, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    wanted = torch.tensor([[False, True, True, False, True], [False, False, True, False, False]])
+    with torch.no_grad():
+        full = token_logprobs(model, ids, mask, 0.7)
+        sparse = token_logprobs(model, ids, mask, 0.7, wanted)
+    assert torch.allclose(sparse[wanted], full[wanted], atol=1e-5)
+    assert torch.all(sparse[~wanted] == 0)
 
 
 @pytest.mark.parametrize("use_lora", [True, False])
