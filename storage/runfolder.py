@@ -88,7 +88,9 @@ class RunFolder:
     """The files of one run under ``root`` (``runs/<run_id>``)."""
 
     def __init__(self, root: Path | str) -> None:
-        self.root = Path(root)
+        # Absolute, so that a path this folder hands out (``stage_path``, ``step_dir``) can
+        # come back to it (``write_json_atomic``) without the relative prefix applied twice.
+        self.root = Path(root).absolute()
 
     def __repr__(self) -> str:
         return f"RunFolder({str(self.root)!r})"

@@ -183,3 +183,12 @@ def test_age_text() -> None:
     assert age_text(100.0, now=142.0) == "42s ago"
     assert age_text(0.0, now=2 * 86400 + 5) == "2d ago"
     assert age_text(os.path.getmtime(__file__)).endswith("ago")
+
+
+def test_a_relative_run_folder_writes_where_its_paths_point(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Paths handed out by the folder come back to it: no runs/x/runs/x/ doubling."""
+    monkeypatch.chdir(tmp_path)
+    folder = RunFolder(Path("runs") / "relative")
+    written = folder.write_json_atomic(folder.step_dir(0) / "metrics.json", {"a": 1})
+    assert written == tmp_path / "runs" / "relative" / "steps" / "step=000000" / "metrics.json"
+    assert written.exists() and not (tmp_path / "runs" / "relative" / "runs").exists()
