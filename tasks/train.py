@@ -181,6 +181,17 @@ def _microbatch_tensors(batch: Sequence[SampleRecord], pad_token_id: int) -> dic
     }
 
 
+def _has_signal(sample: SampleRecord) -> bool:
+    return any(a != 0 for a, m in zip(sample.advantages, sample.loss_mask, strict=True) if m)
+
+
+def _zero_grads(optimizer: torch.optim.Optimizer) -> None:
+    """Zero (not None) gradients: Adam skips a parameter whose grad is None entirely."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = torch.zeros_like(param)
+
+
 def batch_totals(samples: Sequence[SampleRecord], normaliser: float) -> BatchTotals | None:
     """Whole-batch counts over trainable positions (token 0 has nothing to predict it)."""
     action_counts = [sum(s.loss_mask[1:]) for s in samples]
@@ -210,8 +221,14 @@ def grpo_update(
     use_reference = ref_logprobs_fn is not None and settings.loss.kl_coef > 0
     model.train()
     optimizer.zero_grad(set_to_none=True)
+    _zero_grads(optimizer)
     loss_total, stats = 0.0, LossStats()
-    batches = pack_microbatches(samples, settings.max_tokens_per_microbatch)
+    # Without a KL term a sample whose advantages are all 0 (a zero-variance group) adds
+    # exactly 0 to the loss and its gradient, so its forward and backward are skipped;
+    # ``totals`` still count it, so the loss of the others is unchanged. The optimizer
+    # steps even when nothing is left (Adam's momentum moves on, as with a zero gradient).
+    trained = samples if use_reference else [s for s in samples if _has_signal(s)]
+    batches = pack_microbatches(trained, settings.max_tokens_per_microbatch) if trained else []
     for batch in batches:
         t = _microbatch_tensors(batch, settings.pad_token_id)
         wanted_BT = t["loss_mask"][:, 1:] > 0  # action tokens: the only logprobs the loss reads

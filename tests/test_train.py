@@ -367,3 +367,27 @@ def test_step_with_nothing_to_train_still_makes_a_version(tiny_model_dir: Path, 
     write_samples(tmp_path, 1)  # the next step resumes from the untrained version fine
     train_stage(config, tmp_path, 1)
     assert RunFolder(tmp_path).read_train_result(1).policy_version == 2
+
+
+def test_zero_advantage_samples_add_nothing_and_are_not_computed() -> None:
+    """A zero-variance group's samples only count in the normaliser: their tokens, however
+    different, leave the update unchanged, and they cost no forward pass."""
+    base = micro_model()
+    signal = on_policy(base, sample("s#0", [1, 5, 6, 7], [0, 1, 1, 1], 1.0))
+    flat_a = sample("a#0", [1, 8, 9, 10, 11], [0, 1, 1, 0, 1], 0.0)
+    flat_b = sample("b#0", [1, 20, 21, 22, 23], [0, 1, 1, 0, 1], 0.0)  # same shape, other tokens
+    results = []
+    for flat in (flat_a, flat_b):
+        model = copy.deepcopy(base)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+        stats = grpo_update(model, None, optimizer, [signal, flat], UpdateSettings(normaliser=16.0))
+        assert stats.num_microbatches == 1 and stats.num_samples == 2 and stats.num_action_tokens == 6
+        results.append(dict(model.named_parameters()))
+    for name, param in results[0].items():
+        assert torch.equal(param, results[1][name]), name
+    model = copy.deepcopy(base)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    stats = grpo_update(model, None, optimizer, [flat_a], UpdateSettings(normaliser=16.0))
+    assert stats.num_microbatches == 0 and stats.grad_norm == 0.0
+    for name, param in model.named_parameters():
+        assert torch.equal(param, dict(base.named_parameters())[name]), f"{name} moved on a zero gradient"
