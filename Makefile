@@ -25,10 +25,12 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: setup
+	mkdir -p $(PREFECT_HOME)
 	$(BIN)/rollflow train configs/default.toml
 
 # Two GRPO steps on a tiny random model (about a minute): a quick check of the pipeline.
 quick: setup .rollflow/tiny-model/config.json
+	mkdir -p $(PREFECT_HOME)
 	$(BIN)/rollflow train configs/tiny.toml
 
 .rollflow/tiny-model/config.json: | $(STAMP)

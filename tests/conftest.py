@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 _SESSION_HOME = tempfile.mkdtemp(prefix="rollflow-tests-")
-os.environ.setdefault("PREFECT_HOME", os.path.join(_SESSION_HOME, "prefect"))
+os.environ["PREFECT_HOME"] = os.path.join(_SESSION_HOME, "prefect")  # never the user's or the Makefile's
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{_SESSION_HOME}/mlflow.db")
