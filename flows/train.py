@@ -90,12 +90,15 @@ def train_flow(config_path: str | None = None, run_dir: str | None = None) -> st
     handle = open_run(config_path, run_dir)
     handle.report(f"run folder {handle.root}")
     start_tracking(handle.config, handle.root)
-    succeeded = False
     try:
         run_training(handle)
-        succeeded = True
-    finally:
-        finish_tracking(handle.config, handle.root, succeeded)
+    except BaseException:
+        try:  # mark the MLflow run FAILED, but never hide why the run failed
+            finish_tracking(handle.config, handle.root, succeeded=False)
+        except Exception as tracking_error:  # noqa: BLE001 - reported, the original propagates
+            handle.report(f"could not close the MLflow run: {tracking_error}")
+        raise
+    finish_tracking(handle.config, handle.root, succeeded=True)
     return str(handle.root)
 
 
