@@ -67,10 +67,10 @@ def draw(run: list[ValidationPoint], baseline: ValidationPoint, train: list[tupl
     if train:
         ax_reward.plot([s for s, _ in train], [r for _, r in train], ".:", alpha=0.7, label="training batch")
     ax_reward.axhline(baseline.reward_mean, color="grey", linestyle="--", label="untouched model")
-    ax_reward.set(xlabel="GRPO step", ylabel="mean reward", title="mean reward", ylim=(-0.12, 1.02))
+    ax_reward.set(xlabel="GRPO step", ylabel="mean reward", title="mean reward (max 1.0)")
     for ax in (ax_pass, ax_reward):
         ax.grid(alpha=0.3)
-        ax.legend(loc="lower right", fontsize=8)
+        ax.legend(loc="best", fontsize=8)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
