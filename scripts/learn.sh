@@ -8,8 +8,10 @@
 # Every stage is resumable: run the script again and finished work is skipped (the eval
 # and SFT folders are reused as they are; the GRPO run resumes from its last step).
 #
-#   scripts/learn.sh            about 1.5 hours on 2 free CPU cores
-#   OUT=runs/learn2 scripts/learn.sh   into other folders (configs read runs/learn/sft: see below)
+#   scripts/learn.sh                   about 70 minutes here (measured on the shared 2-core
+#                                      machine: baseline 6, SFT 42, GRPO 21 minutes)
+#   OUT=runs/learn2 scripts/learn.sh   into other folders (the GRPO config is rewritten to
+#                                      read that folder's SFT adapter)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
