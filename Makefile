@@ -9,6 +9,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PREFECT_HOME ?= $(CURDIR)/.rollflow/prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+# Prefect's local server can take longer than its default 20 s to start on a busy 2-core box.
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
 .PHONY: setup demo quick test test-fast clean
 
