@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 import flows.train as train_module
 from flows.runs import RunSetupError, open_run
 from flows.train import train_flow
+from storage.errors import ConfigMismatchError
 from storage.query import open_run_sql, run_query
 from storage.runfolder import RunFolder
 from storage.tracking import RunTracker
@@ -141,7 +142,7 @@ def test_a_changed_config_cannot_reuse_a_run_folder(tiny_config_path: Path, tmp_
     run_dir = tmp_path / "run"
     open_run(tiny_config_path, run_dir)
     tiny_config_path.write_text(tiny_config_path.read_text().replace("num_steps = 2", "num_steps = 3"))
-    with pytest.raises(Exception, match="frozen"):
+    with pytest.raises(ConfigMismatchError, match="frozen"):
         open_run(tiny_config_path, run_dir)
 
 
