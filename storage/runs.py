@@ -5,6 +5,12 @@ going and one that crashed look the same; the status says "in progress or failed
 when the run last wrote something. The planned step count is ``[train] num_steps`` of the
 run's frozen ``config.toml`` when it has one.
 
+Evaluation (``rollflow eval``) and SFT (``rollflow sft``) folders are runs too, of another
+kind: the flows that make them write ``run_kind`` (``eval`` or ``sft``) at the top. An
+evaluation is complete when its one validation pass has ``metrics.json``; an SFT run when
+its policy has ``sft.json``. A folder with no marker is a training run, or an SFT run
+when it holds ``sft/`` (folders written before the marker existed).
+
 Simplified: a run is complete when it has that many finished training steps; a
 validation pass that was still pending does not count against it.
 """
@@ -17,7 +23,13 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from storage.parquet import write_bytes_atomic
 from storage.runfolder import SPLIT_DIRS, RunFolder
+
+KIND_FILE = "run_kind"
+RUN_KINDS = ("train", "eval", "sft")
+SFT_RESULT = Path("sft/policy/sft.json")  # tasks.sft.RESULT_FILE in the SFT flow's policy
+EVAL_METRICS = Path("validation/step=000000/metrics.json")  # the eval flow's one pass
 
 
 @dataclass(frozen=True)
@@ -33,12 +45,20 @@ class RunStatus:
     temporaries: int  # half-written leftovers a resume would discard
     updated: float  # newest modification time in the folder, seconds since the epoch
     config_problem: str | None = None
+    kind: str = "train"  # RUN_KINDS
 
     @property
     def complete(self) -> bool:
+        if self.kind == "sft":
+            return (self.path / SFT_RESULT).exists()
+        if self.kind == "eval":
+            return (self.path / EVAL_METRICS).exists()
         return self.num_steps is not None and self.finished_steps >= self.num_steps
 
     def describe(self) -> str:
+        if self.kind != "train":
+            what = "evaluation" if self.kind == "eval" else "sft"
+            return f"{what} {'complete' if self.complete else 'in progress or failed'}"
         if self.complete:
             return f"complete ({self.finished_steps} steps)"
         planned = f" of {self.num_steps}" if self.num_steps is not None else ""
@@ -68,6 +88,22 @@ def _newest_mtime(root: Path) -> float:
     return newest
 
 
+def mark_run_kind(root: Path | str, kind: str) -> None:
+    """Say what made the run folder at ``root`` (``eval`` or ``sft``), for ``run_status``."""
+    if kind not in RUN_KINDS:
+        raise ValueError(f"run kind must be one of {RUN_KINDS}, got {kind!r}")
+    write_bytes_atomic(kind.encode(), Path(root) / KIND_FILE)
+
+
+def run_kind(root: Path | str) -> str:
+    root = Path(root)
+    try:
+        kind = (root / KIND_FILE).read_text().strip()
+    except FileNotFoundError:
+        return "sft" if (root / "sft").is_dir() else "train"
+    return kind if kind in RUN_KINDS else "train"
+
+
 def run_status(root: Path | str) -> RunStatus:
     folder = RunFolder(root)
     done = folder.completed_steps()
@@ -86,11 +122,12 @@ def run_status(root: Path | str) -> RunStatus:
         temporaries=len(folder.temporaries()),
         updated=_newest_mtime(folder.root),
         config_problem=problem,
+        kind=run_kind(folder.root),
     )
 
 
 def looks_like_run(path: Path) -> bool:
-    markers = ["config.toml", *SPLIT_DIRS.values(), "checkpoints"]
+    markers = ["config.toml", KIND_FILE, *SPLIT_DIRS.values(), "checkpoints"]
     return path.is_dir() and any((path / m).exists() for m in markers)
 
 

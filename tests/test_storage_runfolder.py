@@ -11,7 +11,7 @@ from storage.errors import ConfigMismatchError, SchemaMismatchError, StageExists
 from storage.parquet import temporary_path
 from storage.records import TrainResult
 from storage.runfolder import RunFolder
-from storage.runs import age_text, list_runs, run_status
+from storage.runs import age_text, list_runs, mark_run_kind, run_status
 from storage.schemas import episode_records_to_table, score_records_to_table, table_to_episode_records
 from storage.synthetic import synthetic_episode, synthetic_score
 
@@ -177,6 +177,33 @@ def test_run_status_without_a_readable_config(tmp_path: Path) -> None:
     status = run_status(folder.root)
     assert status.num_steps is None and "unreadable" in (status.config_problem or "")
     assert status.describe() == "in progress or failed at step 1, stage episodes"
+
+
+def test_run_status_of_evaluation_and_sft_folders(tmp_path: Path) -> None:
+    # An evaluation is one validation pass and an SFT run has no steps at all: neither
+    # is "in progress at step 0" once it has finished.
+    evaluation = RunFolder(tmp_path / "runs/eval-a")
+    evaluation.write_config("[validation]\nnum_tasks = 2\n")
+    mark_run_kind(evaluation.root, "eval")
+    sft = RunFolder(tmp_path / "runs/sft-b")
+    sft.write_config("[sft]\nepochs = 1\n")
+    mark_run_kind(sft.root, "sft")
+    old_sft = RunFolder(tmp_path / "runs/sft-c")  # written before the marker existed
+    old_sft.write_config("[sft]\nepochs = 1\n")
+    (old_sft.root / "sft/policy").mkdir(parents=True)
+
+    before = {s.run_id: s.describe() for s in list_runs(tmp_path / "runs")}
+    assert before == {"eval-a": "evaluation in progress or failed",
+                      "sft-b": "sft in progress or failed", "sft-c": "sft in progress or failed"}
+
+    evaluation.write_json_atomic("validation/step=000000/metrics.json", {"val/reward": 0.5})
+    for folder in (sft, old_sft):
+        folder.write_json_atomic("sft/policy/sft.json", {"rows": 1})
+    after = {s.run_id: (s.kind, s.complete, s.describe()) for s in list_runs(tmp_path / "runs")}
+    assert after == {"eval-a": ("eval", True, "evaluation complete"),
+                     "sft-b": ("sft", True, "sft complete"), "sft-c": ("sft", True, "sft complete")}
+    with pytest.raises(ValueError, match="run kind"):
+        mark_run_kind(evaluation.root, "evaluation")
 
 
 def test_age_text() -> None:
