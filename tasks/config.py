@@ -127,6 +127,10 @@ class TrainConfig:
     kl_coef: float = 0.0  # DAPO and Dr. GRPO drop the KL term; > 0 costs a reference pass
     max_tokens_per_microbatch: int = 4096  # padded tokens per forward pass (memory bound)
     max_grad_norm: float = 1.0
+    # Optimizer steps per training step: the batch is dealt into this many minibatches
+    # (each a share of every group), one step each, PPO-style. The same forward and
+    # backward compute as 1; later steps lean on the ratio clip to stay near the sampler.
+    minibatches: int = 1
     scale_advantages_by_std: bool = True  # GRPO as published; Dr. GRPO sets False
     dynamic_sampling: bool = False  # True: zero-variance groups are not trained
     failed_parse_reward: float = -0.1  # reference default
@@ -141,7 +145,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check_types(self, "train")
-        for key in ("num_steps", "lora_rank", "max_tokens_per_microbatch",
+        for key in ("num_steps", "lora_rank", "max_tokens_per_microbatch", "minibatches",
                     "keep_checkpoints", "overlong_buffer_tokens"):
             _at_least(self, "train", key, 1)
         _at_least(self, "train", "seed", 0)

@@ -17,7 +17,9 @@ fresh LoRA seeded by ``[train].seed``; read ``samples.parquet``; update; commit
 model with the adapter switched off; with full weights it is a second, frozen copy of the
 base model (loaded only when ``kl_coef > 0``).
 
-Simplified on purpose: one optimizer step per batch (no PPO epochs over the same data),
+One optimizer step per batch by default; ``[train].minibatches = K`` splits the batch into
+K minibatches with a step each (PPO-style: more learning per rolled-out episode, for the
+same forward and backward compute). Simplified on purpose: no PPO epochs over the same data,
 AdamW with a constant learning rate and no weight decay, no sequence packing inside a row.
 On CPU with a fixed seed the same inputs give bit-identical weights.
 """
@@ -63,6 +65,7 @@ class UpdateSettings:
     temperature: float = 1.0  # the rollout's sampling temperature
     normaliser: float = 2048.0  # dr_grpo's constant: max_model_length
     pad_token_id: int = 0
+    minibatches: int = 1  # optimizer steps per batch
 
     @classmethod
     def from_config(cls, config: RunConfig, pad_token_id: int) -> UpdateSettings:
@@ -74,6 +77,7 @@ class UpdateSettings:
             temperature=config.rollout.temperature,
             normaliser=float(config.rollout.max_model_length),
             pad_token_id=pad_token_id,
+            minibatches=train.minibatches,
         )
 
 
@@ -89,6 +93,7 @@ class UpdateStats:
     num_action_tokens: int
     num_microbatches: int
     seconds: float
+    optimizer_steps: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -204,6 +209,17 @@ def batch_totals(samples: Sequence[SampleRecord], normaliser: float) -> BatchTot
     )
 
 
+def split_minibatches(samples: Sequence[SampleRecord], count: int) -> list[list[SampleRecord]]:
+    """``samples`` dealt round-robin into ``count`` minibatches (fewer when there are fewer).
+
+    Samples arrive group by group, so dealing them out gives every minibatch a share of
+    every group: its advantages then still compare episodes of one task with each other,
+    positive next to negative, rather than one minibatch holding only some tasks.
+    """
+    count = max(1, min(count, len(samples)))
+    return [list(samples[i::count]) for i in range(count)]
+
+
 def grpo_update(
     model: PreTrainedModel,
     ref_logprobs_fn: RefLogprobsFn | None,
@@ -211,15 +227,54 @@ def grpo_update(
     samples: Sequence[SampleRecord],
     settings: UpdateSettings,
 ) -> UpdateStats:
-    """One optimizer step on ``samples``; with no action token at all, no step is taken."""
+    """``settings.minibatches`` optimizer steps on ``samples``, one per minibatch.
+
+    A minibatch with no action token at all takes no step. With one minibatch (the
+    default) this is one step on the whole batch. Later minibatches are scored by a policy
+    that earlier ones already moved: the importance ratio against the sampler's logprobs
+    (and its clip) is what keeps those steps on-policy enough, as in PPO.
+    """
     start = time.perf_counter()
-    totals = batch_totals(samples, settings.normaliser)
     num_tokens = sum(len(s.input_ids) for s in samples)
-    if totals is None:
+    minibatches = [
+        (chunk, totals)
+        for chunk in split_minibatches(samples, settings.minibatches)
+        if (totals := batch_totals(chunk, settings.normaliser)) is not None
+    ]
+    if not minibatches:
         return UpdateStats(0.0, None, 0.0, 0.0, 0.0, len(samples), num_tokens, 0, 0,
                            time.perf_counter() - start)
     use_reference = ref_logprobs_fn is not None and settings.loss.kl_coef > 0
     model.train()
+    losses, grad_norms, stats, num_microbatches = [], [], LossStats(), 0
+    for chunk, totals in minibatches:
+        loss, grad_norm, chunk_stats, count = _optimizer_step(
+            model, ref_logprobs_fn if use_reference else None, optimizer, chunk, totals, settings
+        )
+        losses.append(loss)
+        grad_norms.append(grad_norm)
+        stats = stats + chunk_stats
+        num_microbatches += count
+    model.eval()
+    return UpdateStats(
+        loss=sum(losses) / len(losses), kl=stats.kl_mean if use_reference else None,
+        clip_fraction=stats.clip_fraction, ratio_mean=stats.ratio_mean,
+        grad_norm=sum(grad_norms) / len(grad_norms), num_samples=len(samples),
+        num_tokens=num_tokens, num_action_tokens=sum(t.num_action_tokens for _, t in minibatches),
+        num_microbatches=num_microbatches, seconds=time.perf_counter() - start,
+        optimizer_steps=len(minibatches),
+    )
+
+
+def _optimizer_step(
+    model: PreTrainedModel,
+    ref_logprobs_fn: RefLogprobsFn | None,
+    optimizer: torch.optim.Optimizer,
+    samples: Sequence[SampleRecord],
+    totals: BatchTotals,
+    settings: UpdateSettings,
+) -> tuple[float, float, LossStats, int]:
+    """One optimizer step on ``samples``: (loss, grad norm before clipping, stats, micro-batches)."""
     optimizer.zero_grad(set_to_none=True)
     _zero_grads(optimizer)
     loss_total, stats = 0.0, LossStats()
@@ -227,13 +282,13 @@ def grpo_update(
     # exactly 0 to the loss and its gradient, so its forward and backward are skipped;
     # ``totals`` still count it, so the loss of the others is unchanged. The optimizer
     # steps even when nothing is left (Adam's momentum moves on, as with a zero gradient).
-    trained = samples if use_reference else [s for s in samples if _has_signal(s)]
+    trained = samples if ref_logprobs_fn is not None else [s for s in samples if _has_signal(s)]
     batches = pack_microbatches(trained, settings.max_tokens_per_microbatch) if trained else []
     for batch in batches:
         t = _microbatch_tensors(batch, settings.pad_token_id)
         wanted_BT = t["loss_mask"][:, 1:] > 0  # action tokens: the only logprobs the loss reads
         logprobs_BT = token_logprobs(model, t["input_ids"], t["attention_mask"], settings.temperature, wanted_BT)
-        ref_BT = ref_logprobs_fn(t["input_ids"], t["attention_mask"], wanted_BT) if use_reference else None
+        ref_BT = ref_logprobs_fn(t["input_ids"], t["attention_mask"], wanted_BT) if ref_logprobs_fn else None
         loss, batch_stats = grpo_loss(
             logprobs_BT, t["sampler_logprobs"][:, 1:], t["advantages"][:, 1:],
             t["loss_mask"][:, 1:], totals, settings.loss, ref_BT,
@@ -245,14 +300,7 @@ def grpo_update(
     grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    model.eval()
-    return UpdateStats(
-        loss=loss_total, kl=stats.kl_mean if use_reference else None,
-        clip_fraction=stats.clip_fraction, ratio_mean=stats.ratio_mean,
-        grad_norm=float(grad_norm), num_samples=len(samples), num_tokens=num_tokens,
-        num_action_tokens=totals.num_action_tokens, num_microbatches=len(batches),
-        seconds=time.perf_counter() - start,
-    )
+    return loss_total, float(grad_norm), stats, len(batches)
 
 
 def make_optimizer(model: PreTrainedModel, learning_rate: float) -> torch.optim.Optimizer:

@@ -34,6 +34,7 @@ from tasks.train import (
     grpo_update,
     make_optimizer,
     pack_microbatches,
+    split_minibatches,
     token_logprobs,
     train_stage,
 )
@@ -115,6 +116,40 @@ def test_micro_batch_split_does_not_change_the_update() -> None:
         assert stats.num_microbatches == (1 if budget > 100 else 4)
     assert torch.allclose(weights[0], weights[1], atol=1e-6)
     assert not torch.equal(weights[0], torch.cat([p.flatten() for p in base.parameters()]))
+
+
+def test_minibatches_take_one_step_each_on_a_share_of_every_group() -> None:
+    samples = batch(micro_model())
+    assert [[s.sample_id for s in m] for m in split_minibatches(samples, 2)] == [
+        ["e0#0", "e2#0"], ["e1#0", "e3#0"]]
+    assert len(split_minibatches(samples, 9)) == 4  # never an empty minibatch
+
+    base = micro_model()
+    samples = batch(base)
+    results = {}
+    for count in (1, 2):
+        model = copy.deepcopy(base)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+        stats = grpo_update(model, None, optimizer, samples, UpdateSettings(minibatches=count))
+        steps = {int(state["step"]) for state in optimizer.state.values()}
+        results[count] = (stats, steps, torch.cat([p.detach().flatten() for p in model.parameters()]))
+    assert results[1][0].optimizer_steps == 1 and results[1][1] == {1}
+    assert results[2][0].optimizer_steps == 2 and results[2][1] == {2}
+    assert results[2][0].num_action_tokens == results[1][0].num_action_tokens == 13
+    assert not torch.equal(results[1][2], results[2][2])
+    # The second step scores actions the first one moved: the ratio is no longer exactly 1.
+    assert results[2][0].ratio_mean != pytest.approx(1.0, abs=1e-7)
+
+
+def test_minibatches_still_raise_positive_and_lower_negative_actions() -> None:
+    model = micro_model()
+    samples = batch(model)
+    before = [action_logprob(model, s) for s in samples]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    grpo_update(model, None, optimizer, samples, UpdateSettings(normaliser=16.0, minibatches=2))
+    after = [action_logprob(model, s) for s in samples]
+    assert after[0] > before[0] and after[2] > before[2]
+    assert after[1] < before[1] and after[3] < before[3]
 
 
 def test_values_at_masked_positions_do_not_matter() -> None:
