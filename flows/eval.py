@@ -36,11 +36,12 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
+from flows.runs import freeze_config
 from flows.train import validate
 from storage.query import open_run_sql, step_metrics
 from storage.runfolder import RunFolder
 from storage.runs import mark_run_kind
-from tasks.config import ConfigError, EnvConfig, ModelConfig, RunConfig, config_to_toml, load_config
+from tasks.config import ConfigError, EnvConfig, ModelConfig, RunConfig, load_config
 from tasks.metrics import finish_tracking, start_tracking
 
 EVAL_STEP = 0  # an evaluation is one validation pass, stored as step 0
@@ -109,7 +110,7 @@ def open_eval_run(config: RunConfig, run_dir: str | Path | None, name: str = "ev
     stamp = time.strftime("%Y%m%d-%H%M%S")
     root = Path(run_dir) if run_dir is not None else Path(config.storage.runs_dir) / f"{name}-{stamp}"
     folder = RunFolder(root)
-    folder.write_config(config_to_toml(config))
+    freeze_config(folder, config)
     mark_run_kind(folder.root, "eval")
     folder.discard_temporaries()
     return folder

@@ -3,6 +3,10 @@
 A new run freezes its config as ``config.toml`` in a fresh folder; resuming reads that
 frozen copy back, so a resumed run can never silently train with other settings. Either
 way, whatever a killed process left half-written is discarded before any stage runs.
+
+Giving a config again for an existing folder is allowed when it means the same run: the
+two are compared as parsed configs, not as text, so a setting that rollflow added since
+the folder was made (frozen copies lack it; it takes its default) is no mismatch.
 """
 
 from __future__ import annotations
@@ -12,8 +16,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from storage.errors import ConfigMismatchError
 from storage.runfolder import RunFolder
-from tasks.config import ConfigError, RunConfig, config_to_toml, load_config
+from tasks.config import ConfigError, RunConfig, config_to_toml, flatten_config, load_config
 from tasks.metrics import METRICS_JSON  # written last in a step: the step is finished
 
 
@@ -55,7 +60,7 @@ def open_run(config_path: str | Path | None, run_dir: str | Path | None) -> RunH
         config = load_config(config_path)
         root = Path(run_dir) if run_dir is not None else new_run_dir(config, Path(config_path))
         folder = RunFolder(root)
-        folder.write_config(config_to_toml(config))
+        freeze_config(folder, config)
     else:
         folder = RunFolder(Path(str(run_dir)))
         if not folder.config_path.exists():
@@ -67,6 +72,27 @@ def open_run(config_path: str | Path | None, run_dir: str | Path | None) -> RunH
     if discarded:
         handle.report(f"discarded {len(discarded)} half-written file(s) from an interrupted run")
     return handle
+
+
+def freeze_config(folder: RunFolder, config: RunConfig) -> None:
+    """Write ``config.toml``, or check that the one already frozen there means ``config``.
+
+    Raises ``ConfigMismatchError`` naming the settings that differ.
+    """
+    if not folder.config_path.exists():
+        folder.write_config(config_to_toml(config))
+        return
+    frozen = load_config(folder.config_path)
+    if frozen == config:
+        return
+    given, kept = flatten_config(config), flatten_config(frozen)
+    changed = sorted(k for k in given.keys() | kept.keys() if given.get(k) != kept.get(k))
+    shown = ", ".join(f"{k} ({kept.get(k, '-')} frozen, {given.get(k, '-')} given)" for k in changed[:5])
+    more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+    raise ConfigMismatchError(
+        f"{folder.config_path}: the run's config is frozen and differs from the one given in "
+        f"{shown}{more}; start a new run folder to change it"
+    )
 
 
 def check_supported(config: RunConfig) -> None:

@@ -18,9 +18,10 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from flows.runs import freeze_config
 from storage.runfolder import RunFolder
 from storage.runs import mark_run_kind
-from tasks.config import RunConfig, config_to_toml, load_config
+from tasks.config import RunConfig, load_config
 from tasks.metrics import finish_tracking, start_tracking
 from tasks.sft import log_sft_metrics, read_sft_result, sft_stage
 
@@ -46,7 +47,7 @@ def sft_flow(config_path: str, run_dir: str | None = None) -> str:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     root = Path(run_dir) if run_dir else Path(config.storage.runs_dir) / f"sft-{Path(config_path).stem}-{stamp}"
     folder = RunFolder(root)
-    folder.write_config(config_to_toml(config))
+    freeze_config(folder, config)
     mark_run_kind(root, "sft")
     start_tracking(config, root)
     succeeded = False
