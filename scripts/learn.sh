@@ -4,12 +4,13 @@
 #   2. SFT warm start on the game's expert transcripts (LoRA adapter)
 #   3. GRPO from that adapter through the training flow; its step-0 validation is the
 #      SFT-only policy, its last one the final policy (curves in MLflow and as PNGs)
-#   4. the figure and table of docs/results.md from the run folders
+#   4. the figure and table of docs/results.md, from the run folders, into the GRPO run
+#      folder (learn_tool_use_game.png)
 # Every stage is resumable: run the script again and finished work is skipped (the eval
 # and SFT folders are reused as they are; the GRPO run resumes from its last step).
 #
-#   scripts/learn.sh                   about 70 minutes here (measured on the shared 2-core
-#                                      machine: baseline 6, SFT 42, GRPO 21 minutes)
+#   scripts/learn.sh                   about 80 minutes on 2 free cores (measured: baseline
+#                                      1, SFT 12, GRPO ~65 minutes: 20 steps, 5 validations)
 #   OUT=runs/learn2 scripts/learn.sh   into other folders (the GRPO config is rewritten to
 #                                      read that folder's SFT adapter)
 set -euo pipefail
@@ -49,4 +50,4 @@ fi
 
 echo "== 4/4 figure and table"
 "$BIN/python" scripts/learning_figure.py --run "$OUT/grpo" --baseline "$OUT/baseline" \
-  --out "$OUT/learn_tool_use_game.png"
+  --out "$OUT/grpo/learn_tool_use_game.png"

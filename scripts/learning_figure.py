@@ -49,23 +49,29 @@ def validation_points(run_dir: Path) -> list[ValidationPoint]:
     return points
 
 
-def train_rewards(run_dir: Path) -> list[tuple[int, float]]:
-    """(step, mean training reward) of every finished step."""
+def train_batches(run_dir: Path) -> list[tuple[int, float, float]]:
+    """(step, pass rate, mean reward) of every finished step's training batch."""
     rows = []
     for path in sorted((run_dir / "steps").glob("step=*/metrics.json")):
-        rows.append((int(path.parent.name.removeprefix("step=")), json.loads(path.read_text())["reward/mean"]))
+        metrics = json.loads(path.read_text())
+        step = int(path.parent.name.removeprefix("step="))
+        rows.append((step, metrics["reward/pass_rate"], metrics["reward/mean"]))
     return rows
 
 
-def draw(run: list[ValidationPoint], baseline: ValidationPoint, train: list[tuple[int, float]], out: Path) -> None:
+def draw(run: list[ValidationPoint], baseline: ValidationPoint, train: list[tuple[int, float, float]],
+         out: Path) -> None:
     fig, (ax_pass, ax_reward) = plt.subplots(1, 2, figsize=(10, 3.8), constrained_layout=True)
     steps = [p.step for p in run]
-    ax_pass.plot(steps, [p.pass_rate for p in run], "o-", label="GRPO run (step 0 = after SFT)")
+    ax_pass.plot(steps, [p.pass_rate for p in run], "o-", label="validation (step 0 = after SFT)")
+    if train:
+        ax_pass.plot([s for s, _, _ in train], [p for _, p, _ in train], ".:", alpha=0.7,
+                     label="training batch (4 new tasks a step)")
     ax_pass.axhline(baseline.pass_rate, color="grey", linestyle="--", label="untouched model")
     ax_pass.set(xlabel="GRPO step", ylabel="pass rate", title="validation pass rate", ylim=(-0.02, 1.02))
     ax_reward.plot(steps, [p.reward_mean for p in run], "o-", label="validation")
     if train:
-        ax_reward.plot([s for s, _ in train], [r for _, r in train], ".:", alpha=0.7, label="training batch")
+        ax_reward.plot([s for s, _, _ in train], [r for _, _, r in train], ".:", alpha=0.7, label="training batch")
     ax_reward.axhline(baseline.reward_mean, color="grey", linestyle="--", label="untouched model")
     ax_reward.set(xlabel="GRPO step", ylabel="mean reward", title="mean reward (max 1.0)")
     for ax in (ax_pass, ax_reward):
@@ -94,7 +100,7 @@ def main() -> None:
     args = parser.parse_args()
     run = validation_points(args.run)
     baseline = validation_points(args.baseline)[0]
-    draw(run, baseline, train_rewards(args.run), args.out)
+    draw(run, baseline, train_batches(args.run), args.out)
     print(table(run, baseline))
     print(f"\nfigure: {args.out}")
 
