@@ -18,9 +18,7 @@ import csv
 import importlib
 import json
 import math
-import signal
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,27 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
-
-
-def exit_on_sigterm() -> None:
-    """Make SIGTERM (``kill``, a scheduler's cancel) exit the way Ctrl-C does.
-
-    Python's default SIGTERM ends the process on the spot: no ``finally``, no ``atexit``,
-    so Prefect's temporary API server (a child process, stopped by ``atexit``) outlived
-    every killed run, and MLflow never heard the run ended. Raising ``SystemExit`` instead
-    unwinds the stack; a half-written stage file is discarded on resume, as after SIGKILL.
-    """
-
-    def _exit(signum: int, frame: object) -> None:
-        raise SystemExit(SIGTERM_EXIT_CODE)
-
-    if threading.current_thread() is threading.main_thread():  # signal.signal's rule
-        signal.signal(signal.SIGTERM, _exit)
-
-
 def main(argv: list[str] | None = None) -> int:
-    exit_on_sigterm()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

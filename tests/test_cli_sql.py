@@ -137,20 +137,3 @@ def test_console_script_entry_point(runs: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[2].strip() == "4"
-
-
-def test_sigterm_unwinds_so_exit_handlers_run() -> None:
-    # Prefect stops its temporary API server from an atexit handler: a killed run must
-    # still run those, or every `kill` leaves a server process behind.
-    script = (
-        "import atexit, os, signal, time\n"
-        "from flows.cli import exit_on_sigterm\n"
-        "exit_on_sigterm()\n"
-        "atexit.register(lambda: print('exit handlers ran', flush=True))\n"
-        "os.kill(os.getpid(), signal.SIGTERM)\n"
-        "time.sleep(30)\n"
-    )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                          cwd=Path(__file__).resolve().parent.parent)
-    assert done.returncode == 143, done.stderr
-    assert "exit handlers ran" in done.stdout
