@@ -9,8 +9,8 @@
 # Every stage is resumable: run the script again and finished work is skipped (the eval
 # and SFT folders are reused as they are; the GRPO run resumes from its last step).
 #
-#   scripts/learn.sh                   about 80 minutes on 2 free cores (measured: baseline
-#                                      1, SFT 12, GRPO ~65 minutes: 20 steps, 5 validations)
+#   scripts/learn.sh                   about 90 minutes on 2 free cores (measured: baseline
+#                                      1, SFT 12, GRPO 59 for 15 steps and 4 validations)
 #   OUT=runs/learn2 scripts/learn.sh   into other folders (the GRPO config is rewritten to
 #                                      read that folder's SFT adapter)
 set -euo pipefail
