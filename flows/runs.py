@@ -82,7 +82,13 @@ def freeze_config(folder: RunFolder, config: RunConfig) -> None:
     if not folder.config_path.exists():
         folder.write_config(config_to_toml(config))
         return
-    frozen = load_config(folder.config_path)
+    try:
+        frozen = load_config(folder.config_path)
+    except ConfigError as exc:
+        raise ConfigMismatchError(
+            f"{folder.config_path}: the run's frozen config does not read with this rollflow "
+            f"({exc}); start a new run folder"
+        ) from None
     if frozen == config:
         return
     given, kept = flatten_config(config), flatten_config(frozen)

@@ -157,6 +157,9 @@ def test_a_setting_added_since_the_folder_was_made_is_no_mismatch(
     lines = [line for line in frozen.read_text().splitlines() if not line.startswith("minibatches")]
     frozen.write_text("\n".join(lines) + "\n")
     assert open_run(tiny_config_path, run_dir).config.train.minibatches == 1
+    frozen.write_text(frozen.read_text().replace("[train]\n", "[train]\nretired_setting = 1\n"))
+    with pytest.raises(ConfigMismatchError, match=r"does not read with this rollflow .*retired_setting"):
+        open_run(tiny_config_path, run_dir)
 
 
 def test_async_collection_is_refused_with_a_clear_message(tiny_config_path: Path, tmp_path: Path) -> None:
