@@ -29,7 +29,6 @@ from storage.runfolder import SPLIT_DIRS, RunFolder
 KIND_FILE = "run_kind"
 RUN_KINDS = ("train", "eval", "sft")
 SFT_RESULT = Path("sft/policy/sft.json")  # tasks.sft.RESULT_FILE in the SFT flow's policy
-EVAL_METRICS = Path("validation/step=000000/metrics.json")  # the eval flow's one pass
 
 
 @dataclass(frozen=True)
@@ -51,8 +50,8 @@ class RunStatus:
     def complete(self) -> bool:
         if self.kind == "sft":
             return (self.path / SFT_RESULT).exists()
-        if self.kind == "eval":
-            return (self.path / EVAL_METRICS).exists()
+        if self.kind == "eval":  # its one validation pass, step 0, has written metrics.json
+            return (RunFolder(self.path).step_dir(0, "validation") / "metrics.json").exists()
         return self.num_steps is not None and self.finished_steps >= self.num_steps
 
     def describe(self) -> str:

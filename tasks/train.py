@@ -93,7 +93,6 @@ class UpdateStats:
     num_action_tokens: int
     num_microbatches: int
     seconds: float
-    optimizer_steps: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -262,7 +261,6 @@ def grpo_update(
         grad_norm=sum(grad_norms) / len(grad_norms), num_samples=len(samples),
         num_tokens=num_tokens, num_action_tokens=sum(t.num_action_tokens for _, t in minibatches),
         num_microbatches=num_microbatches, seconds=time.perf_counter() - start,
-        optimizer_steps=len(minibatches),
     )
 
 
@@ -275,7 +273,6 @@ def _optimizer_step(
     settings: UpdateSettings,
 ) -> tuple[float, float, LossStats, int]:
     """One optimizer step on ``samples``: (loss, grad norm before clipping, stats, micro-batches)."""
-    optimizer.zero_grad(set_to_none=True)
     _zero_grads(optimizer)
     loss_total, stats = 0.0, LossStats()
     # Without a KL term a sample whose advantages are all 0 (a zero-variance group) adds
