@@ -17,8 +17,8 @@ Command-line overrides (``EvalOverrides``) are applied to the config before the 
 folder freezes it, so ``config.toml`` says exactly what was evaluated.
 
 Simplified, and why:
-- One pass over the validation tasks (``[validation].num_tasks`` or ``--tasks``), one
-  episode each, sampled at ``[rollout].temperature`` like training's validation: the
+- One pass over the validation tasks (``[validation].num_tasks`` or ``--tasks``),
+  ``[validation].episodes_per_task`` episodes each (1 by default), sampled at ``[rollout].temperature`` like training's validation: the
   numbers then mean the same thing as ``val/`` in a training run. (Greedy decoding is
   not offered: ``[rollout].temperature`` must be > 0 because training samples with it.)
 - ``--env`` names another environment with no keyword arguments unless it is the
@@ -203,7 +203,7 @@ def format_report(report: EvalReport, policy: str | None = None) -> str:
     lines = [
         f"evaluation {report.run_dir}",
         *([f"  policy        {policy}"] if policy else []),
-        f"  episodes      {int(m['num_episodes'])} (validation tasks, one episode each)",
+        f"  episodes      {int(m['num_episodes'])} (validation tasks x [validation].episodes_per_task)",
         f"  pass rate     {_number(m['pass_rate'])}",
         f"  reward        mean {_number(m['reward_mean'])}  std {_number(m['reward_std'])}  "
         f"min {_number(m['reward_min'])}  max {_number(m['reward_max'])}",

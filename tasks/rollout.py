@@ -3,7 +3,8 @@
 Training step ``s`` draws ``batch_size`` tasks and plays ``episodes_per_task`` episodes of
 each (the GRPO group) with policy version ``s`` (the base model at step 0, then the
 checkpoint written by training step ``s - 1``). Validation plays every validation task (or
-the first ``num_tasks``) once, one at a time when ``sequential_validation`` is set.
+the first ``num_tasks``) ``[validation].episodes_per_task`` times (once by default), one
+episode at a time when ``sequential_validation`` is set.
 
 Output: ``episodes`` for the step, written as part files, one per chunk of groups, then
 sealed. A killed rollout keeps its finished parts; the resumed one replays only the
@@ -46,7 +47,6 @@ from storage.schemas import episode_records_to_table
 from tasks.config import RunConfig
 from tasks.policy_io import open_policy
 
-VALIDATION_GROUP_SIZE = 1  # validation measures the policy, it needs no group baseline
 PROGRESS_EVERY_S = 15.0
 
 
@@ -88,7 +88,7 @@ def rollout_stage(
         limits = EpisodeLimits(max_turns=config.rollout.max_turns)
     else:
         items = select_validation_tasks(handle.tasks("validation"), config.validation.num_tasks)
-        group_size = VALIDATION_GROUP_SIZE
+        group_size = config.validation.episodes_per_task  # a repeated measure, not a baseline
         concurrency = 1 if config.validation.sequential_validation else config.rollout.concurrency
         limits = EpisodeLimits(max_turns=config.val_max_turns)
     groups_per_chunk = max(1, concurrency // group_size)

@@ -76,6 +76,7 @@ def test_alias_and_canonical_name_disagreeing_is_an_error() -> None:
         ({"rollout": {"max_completion_tokens": 4096}}, r"must be below \[rollout\]\.max_model_length"),
         ({"storage": {"compression": "xz"}}, r"\[storage\]\.compression must be one of"),
         ({"train": 3}, r"\[train\] must be a table"),
+        ({"validation": {"episodes_per_task": 0}}, r"\[validation\]\.episodes_per_task must be at least 1"),
     ],
 )
 def test_bad_config_errors_name_the_key(document: dict, pattern: str) -> None:

@@ -219,3 +219,21 @@ def test_eval_against_an_openai_compatible_server(
     assert report.metrics["pass_rate"] == pytest.approx(expected["pass_rate"])
     episodes = table_to_episode_records(RunFolder(root).read_stage(0, "episodes", "validation"))
     assert all(e.rollout.response_text == "17" for e in episodes)
+
+
+def test_validation_plays_each_task_episodes_per_task_times(
+    chat_server: ChatServer, tmp_path: Path, prefect_harness: object
+) -> None:
+    config = tmp_path / "repeated.toml"
+    config.write_text('[tracking]\nenabled = false\n[validation]\nnum_tasks = 2\nepisodes_per_task = 3\n')
+    root = Path(eval_flow(
+        config_path=str(config), run_dir=str(tmp_path / "run"), base_url=chat_server.base_url, api_model="smol",
+    ))
+    assert len(chat_server.bodies) == 6
+    episodes = table_to_episode_records(RunFolder(root).read_stage(0, "episodes", "validation"))
+    by_group: dict[str, list[str]] = {}
+    for e in episodes:
+        by_group.setdefault(e.group_id, []).append(e.task_id)
+    assert len(by_group) == 2 and all(len(ids) == 3 and len(set(ids)) == 1 for ids in by_group.values())
+    assert len({ids[0] for ids in by_group.values()}) == 2  # two different tasks
+    assert eval_report(root).metrics["num_episodes"] == 6
