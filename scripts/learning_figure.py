@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,19 +60,37 @@ def train_batches(run_dir: Path) -> list[tuple[int, float, float]]:
     return rows
 
 
+def tasks_per_step(run_dir: Path) -> int:
+    """``[rollout].batch_size`` of the run's frozen config (the tasks a training batch holds)."""
+    frozen = tomllib.loads((run_dir / "config.toml").read_text())
+    return int(frozen.get("rollout", {}).get("batch_size", 0))
+
+
+def moving_mean(values: list[float], width: int) -> list[float]:
+    """Mean of each value and the up to ``width - 1`` before it."""
+    return [sum(values[max(0, i - width + 1) : i + 1]) / len(values[max(0, i - width + 1) : i + 1])
+            for i in range(len(values))]
+
+
 def draw(run: list[ValidationPoint], baseline: ValidationPoint, train: list[tuple[int, float, float]],
-         out: Path) -> None:
+         out: Path, batch_tasks: int) -> None:
     fig, (ax_pass, ax_reward) = plt.subplots(1, 2, figsize=(10, 3.8), constrained_layout=True)
     steps = [p.step for p in run]
     ax_pass.plot(steps, [p.pass_rate for p in run], "o-", label="validation (step 0 = after SFT)")
     if train:
-        ax_pass.plot([s for s, _, _ in train], [p for _, p, _ in train], ".:", alpha=0.7,
-                     label="training batch (4 new tasks a step)")
+        train_steps, train_pass = [s for s, _, _ in train], [p for _, p, _ in train]
+        ax_pass.plot(train_steps, train_pass, ".", alpha=0.5,
+                     label=f"training batch ({batch_tasks} new tasks a step)")
+        ax_pass.plot(train_steps, moving_mean(train_pass, 5), "-", alpha=0.7, color="C1",
+                     label="training batch, mean of the last 5 steps")
     ax_pass.axhline(baseline.pass_rate, color="grey", linestyle="--", label="untouched model")
     ax_pass.set(xlabel="GRPO step", ylabel="pass rate", title="validation pass rate", ylim=(-0.02, 1.02))
     ax_reward.plot(steps, [p.reward_mean for p in run], "o-", label="validation")
     if train:
-        ax_reward.plot([s for s, _, _ in train], [r for _, _, r in train], ".:", alpha=0.7, label="training batch")
+        train_reward = [r for _, _, r in train]
+        ax_reward.plot(train_steps, train_reward, ".", alpha=0.5, label="training batch")
+        ax_reward.plot(train_steps, moving_mean(train_reward, 5), "-", alpha=0.7, color="C1",
+                       label="training batch, mean of the last 5 steps")
     ax_reward.axhline(baseline.reward_mean, color="grey", linestyle="--", label="untouched model")
     ax_reward.set(xlabel="GRPO step", ylabel="mean reward", title="mean reward (max 1.0)")
     for ax in (ax_pass, ax_reward):
@@ -100,7 +119,7 @@ def main() -> None:
     args = parser.parse_args()
     run = validation_points(args.run)
     baseline = validation_points(args.baseline)[0]
-    draw(run, baseline, train_batches(args.run), args.out)
+    draw(run, baseline, train_batches(args.run), args.out, tasks_per_step(args.run))
     print(table(run, baseline))
     print(f"\nfigure: {args.out}")
 
