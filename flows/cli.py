@@ -26,6 +26,8 @@ from typing import Any
 
 import duckdb
 
+from policy.stopping import SIGTERM_EXIT_CODE, StopRequested, exit_on_sigterm
+
 from storage.errors import StorageError
 from storage.query import describe_views, open_run_sql, run_query
 from storage.runs import age_text, list_runs
@@ -223,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()  # `kill`: stop at the next decoding step, then run the exit handlers
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -233,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, StorageError) as exc:
         print(f"rollflow {args.command}: {exc}".splitlines()[0], file=sys.stderr)
         return 1
+    except StopRequested as stop:  # raised in a stage's thread, after SIGTERM
+        print(f"rollflow {args.command}: {stop}", file=sys.stderr)
+        return SIGTERM_EXIT_CODE
     except BrokenPipeError:  # `rollflow sql ... | head`
         sys.stderr.close()
         return 0

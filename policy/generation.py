@@ -29,6 +29,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from policy.sampling import draw_tokens, sampling_logprobs
+from policy.stopping import raise_if_stop_requested
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ def generate_batch(
     """Sample a continuation for every request in one batched, KV-cached decoding loop."""
     if not requests:
         return []
+    raise_if_stop_requested()
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     rows = [_new_row(request) for request in requests]
     device = model.device
@@ -95,6 +97,7 @@ def generate_batch(
         logits_BV, attention_BT = _prefill(model, requests, pad_token_id, cache, cache_keyword)
         live = list(range(len(rows)))  # indices into rows, in batch order
         while True:
+            raise_if_stop_requested()  # SIGTERM: drop the batch, within one decoding step
             logprobs_BV = sampling_logprobs(logits_BV, temperature, top_p)
             generators_B = [rows[i].generator for i in live]  # CPU generators: draw on CPU
             tokens_B = draw_tokens(logprobs_BV.cpu(), generators_B).to(device)

@@ -51,6 +51,7 @@ from envs.protocol import describe_tools, render_tool_calls
 from envs.types import Message, ToolCall, ToolSpec
 from policy.codec import with_tools_in_system_prompt
 from policy.sampling import EpisodeSeeds, SamplingSettings, request_seed
+from policy.stopping import raise_if_stop_requested
 
 _RETRIED_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _CONTEXT_ERROR = re.compile(r"context length|context window|maximum context|too long", re.I)
@@ -196,6 +197,7 @@ class OpenAIChatSession:
         for attempt in range(1, attempts + 1):
             seed = request_seed(policy.settings.seed, *self._episode, turn, attempt) % 2**31
             body = policy.request_body(messages, self._tool_specs, seed)
+            raise_if_stop_requested()
             try:
                 response = await self._http().post(policy.url, json=body, headers=policy.headers())
             except httpx.TimeoutException:

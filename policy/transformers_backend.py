@@ -51,6 +51,7 @@ from policy.codec import ChatCodec, TokenState
 from policy.generation import GenerationOutput, GenerationRequest, generate_batch
 from policy.models import ModelRef, generation_stop_ids, load_causal_lm
 from policy.sampling import EpisodeSeeds, SamplingSettings, request_seed
+from policy.stopping import StopRequested
 
 _POLL_S = 0.002
 
@@ -192,6 +193,12 @@ class TransformersPolicy:
                 continue
             try:
                 outputs = await asyncio.to_thread(self._run_batch, batch)
+            except StopRequested as stop:  # every waiting episode stops too, none is left hanging
+                for pending in [*batch, *self._pending]:
+                    if not pending.future.done():
+                        pending.future.set_exception(stop)
+                self._pending.clear()
+                raise
             except Exception as error:  # the model failed: every waiting episode learns why
                 for pending in batch:
                     if not pending.future.done():

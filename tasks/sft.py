@@ -41,6 +41,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from policy.codec import ChatCodec
 from policy.models import generation_stop_ids
+from policy.stopping import raise_if_stop_requested
 from storage.parquet import temporary_path
 from storage.runfolder import RunFolder
 from tasks.checkpoints import load_policy_for_training, seed_everything
@@ -150,6 +151,7 @@ def sft_update(
     optimizer.zero_grad(set_to_none=True)
     total = 0.0
     for batch in pack_rows(rows, max_tokens):
+        raise_if_stop_requested()  # SIGTERM: abandon the step; nothing of it is written
         loss = completion_nll(model, batch, pad_token_id) / trained  # its share of the batch mean
         loss.backward()
         total += loss.item()

@@ -35,6 +35,7 @@ import torch
 from transformers import PreTrainedModel
 
 from policy.loss import BatchTotals, LossSettings, LossStats, grpo_loss
+from policy.stopping import raise_if_stop_requested
 from storage.records import SampleRecord, TrainResult
 from storage.runfolder import RunFolder
 from storage.schemas import table_to_sample_records
@@ -282,6 +283,7 @@ def _optimizer_step(
     trained = samples if ref_logprobs_fn is not None else [s for s in samples if _has_signal(s)]
     batches = pack_microbatches(trained, settings.max_tokens_per_microbatch) if trained else []
     for batch in batches:
+        raise_if_stop_requested()  # SIGTERM: abandon the step; nothing of it is written
         t = _microbatch_tensors(batch, settings.pad_token_id)
         wanted_BT = t["loss_mask"][:, 1:] > 0  # action tokens: the only logprobs the loss reads
         logprobs_BT = token_logprobs(model, t["input_ids"], t["attention_mask"], settings.temperature, wanted_BT)

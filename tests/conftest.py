@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,6 +47,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # ---------------------------------------------------------------- Prefect
+
+
+@pytest.fixture(autouse=True)
+def _no_stop_request_leaks() -> Iterator[None]:
+    """A test that asks the process to stop (policy.stopping) must not stop the next one."""
+    from policy.stopping import clear_stop
+
+    yield
+    clear_stop()
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ from flows.train import train_flow
 from storage.errors import ConfigMismatchError
 from storage.query import open_run_sql, run_query
 from storage.runfolder import RunFolder
+from storage.schemas import table_to_episode_records
 from storage.tracking import RunTracker
 from tasks.config import ConfigError, load_config
 from tiny_run import tiny_config_at
@@ -123,6 +124,38 @@ def test_a_crash_in_any_stage_resumes_to_the_same_run(
     assert [s for s, _ in tracker.metric_history("optim/loss")] == [0, 1]
 
 
+def test_a_stop_request_mid_rollout_records_no_episode_and_the_rollout_replays(
+    tiny_config_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM's flag, raised mid-decoding: no episode is recorded as failed, nothing is written."""
+    import policy.generation as generation
+    from policy.stopping import StopRequested, clear_stop, request_stop
+    from tasks.rollout import rollout_stage
+
+    handle = open_run(tiny_config_path, tmp_path / "run")
+    draws = 0
+    real_draw = generation.draw_tokens
+
+    def draw_then_stop(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        nonlocal draws
+        draws += 1
+        if draws == 5:
+            request_stop()
+        return real_draw(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(generation, "draw_tokens", draw_then_stop)
+        with pytest.raises(StopRequested):
+            rollout_stage(handle.config, handle.root, 0)
+    assert draws == 5
+    assert handle.folder.part_paths(0, "episodes", "train") == []
+    assert not handle.folder.is_complete(0, "episodes", "train")
+    clear_stop()
+    rollout_stage(handle.config, handle.root, 0)
+    episodes = table_to_episode_records(handle.folder.read_stage(0, "episodes"))
+    assert len(episodes) == 4 and all(e.rollout.error is None for e in episodes)
+
+
 def test_a_half_written_file_is_discarded_on_resume(tiny_config_path: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     handle = open_run(tiny_config_path, run_dir)
@@ -198,6 +231,58 @@ def test_sigkill_mid_run_then_resume_equals_the_uninterrupted_run(
     finally:
         child.kill()
         child.wait(timeout=60)
+    assert not (RunFolder(run_dir).step_dir(1) / "metrics.json").exists()
+    train_flow(run_dir=str(run_dir))
+    assert episode_ids(run_dir) == episode_ids(uninterrupted)
+    resumed, reference = final_adapter(run_dir), final_adapter(uninterrupted)
+    for name, tensor in reference["weights"].items():
+        assert resumed["weights"][name].equal(tensor), f"{name} differs after resume"
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_run_and_its_prefect_server_then_resume_finishes_it(
+    tiny_config_path: Path, tmp_path: Path, uninterrupted: Path
+) -> None:
+    """`kill` (SIGTERM) on a real `rollflow train`: exit status 143, no process left behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run_dir = tmp_path / "terminated"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    env.pop("PREFECT_API_URL", None)  # the child starts its own temporary server, a child process
+    child = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "train", str(tiny_config_path), "--run-dir", str(run_dir)],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,  # its own process group: what is left of it can be found
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "checkpoints" / "step=000000").exists():
+            assert child.poll() is None, "the run ended before it could be stopped"
+            assert time.monotonic() < deadline, "step 0 never finished"
+            time.sleep(0.02)
+        child.send_signal(signal.SIGTERM)
+        _, stderr = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait(timeout=60)
+    assert child.returncode == 143, stderr[-2000:]
+    leftover = deadline = time.monotonic() + 10  # the server was told to stop; give it a moment
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(child.pid, 0)
+        except ProcessLookupError:
+            leftover = None
+            break
+        time.sleep(0.1)
+    if leftover is not None:
+        ps = subprocess.run(["ps", "-o", "pid,args", "-g", str(child.pid)], capture_output=True, text=True)
+        os.killpg(child.pid, signal.SIGKILL)
+        pytest.fail(f"processes of the stopped run outlived it:\n{ps.stdout}")
     assert not (RunFolder(run_dir).step_dir(1) / "metrics.json").exists()
     train_flow(run_dir=str(run_dir))
     assert episode_ids(run_dir) == episode_ids(uninterrupted)

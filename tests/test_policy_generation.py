@@ -140,3 +140,29 @@ def test_identical_contexts_are_prefilled_once_and_sample_independently(
     alone = [run(model, [request])[0] for request in mixed]
     assert [o.token_ids for o in outputs] == [o.token_ids for o in alone]
     assert len({o.token_ids for o in outputs[:4]}) == 4  # same prompt, own seeds
+
+
+def test_a_stop_request_ends_decoding_at_the_next_step(
+    tiny: tuple[PreTrainedModel, PreTrainedTokenizerBase], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import policy.generation as generation
+    from policy.stopping import StopRequested, request_stop
+
+    model, tokenizer = tiny
+    draws = 0
+    real_draw = generation.draw_tokens
+
+    def draw_then_stop(*args: Any, **kwargs: Any) -> torch.Tensor:
+        nonlocal draws
+        draws += 1
+        if draws == 3:
+            request_stop()  # as SIGTERM's handler does, from another thread
+        return real_draw(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "draw_tokens", draw_then_stop)
+    with pytest.raises(StopRequested, match="rollflow resume"):
+        run(model, requests_for(tokenizer, [50, 50, 50, 50]), stop_token_ids=set())
+    assert draws == 3  # the step that saw the request was the last
+    with pytest.raises(StopRequested):  # and a new batch does not start
+        run(model, requests_for(tokenizer, [5, 5, 5, 5]))
+    assert draws == 3

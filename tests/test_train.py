@@ -425,3 +425,18 @@ def test_zero_advantage_samples_add_nothing_and_are_not_computed() -> None:
     assert stats.num_microbatches == 0 and stats.grad_norm == 0.0
     for name, param in model.named_parameters():
         assert torch.equal(param, dict(base.named_parameters())[name]), f"{name} moved on a zero gradient"
+
+
+def test_a_stop_request_abandons_the_step_and_writes_no_checkpoint(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from policy.stopping import StopRequested, clear_stop, request_stop
+
+    config = tiny_config(tiny_model_dir)
+    write_samples(tmp_path, 0)
+    request_stop()
+    with pytest.raises(StopRequested):
+        train_stage(config, tmp_path, 0)
+    folder = RunFolder(tmp_path)
+    assert not folder.is_complete(0, "train") and folder.checkpoints() == []
+    clear_stop()
+    train_stage(config, tmp_path, 0)  # the step is simply redone
+    assert folder.is_complete(0, "train") and len(folder.checkpoints()) == 1
