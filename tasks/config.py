@@ -316,21 +316,20 @@ def _canonical_key(section: str, key: str, known: list[str]) -> str:
     alias = ALIASES.get(key)
     if alias is not None and alias[0] == section:
         return alias[1]
-    home = _home_section(key)
-    if home is not None:
-        raise ConfigError(f"[{section}].{key} belongs in [{home}], not [{section}]")
+    homes = _home_sections(key)
+    if homes:
+        where = " or ".join(f"[{home}]" for home in homes)
+        raise ConfigError(f"[{section}].{key} belongs in {where}, not [{section}]")
     section_aliases = [a for a, (s, _) in ALIASES.items() if s == section]
     hint = _suggest(key, known + section_aliases)
     raise ConfigError(f"unknown key [{section}].{key}{hint}; known keys: {', '.join(known)}")
 
 
-def _home_section(key: str) -> str | None:
+def _home_sections(key: str) -> list[str]:
+    """The sections that have ``key`` (``episodes_per_task``: rollout and validation)."""
     if key in ALIASES:
-        return ALIASES[key][0]
-    for name, cls in SECTIONS.items():
-        if key in {f.name for f in dataclasses.fields(cls)}:
-            return name
-    return None
+        return [ALIASES[key][0]]
+    return [name for name, cls in SECTIONS.items() if key in {f.name for f in dataclasses.fields(cls)}]
 
 
 def _suggest(word: str, candidates: list[str]) -> str:

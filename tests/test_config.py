@@ -77,6 +77,7 @@ def test_alias_and_canonical_name_disagreeing_is_an_error() -> None:
         ({"storage": {"compression": "xz"}}, r"\[storage\]\.compression must be one of"),
         ({"train": 3}, r"\[train\] must be a table"),
         ({"validation": {"episodes_per_task": 0}}, r"\[validation\]\.episodes_per_task must be at least 1"),
+        ({"train": {"episodes_per_task": 2}}, r"belongs in \[rollout\] or \[validation\], not \[train\]"),
     ],
 )
 def test_bad_config_errors_name_the_key(document: dict, pattern: str) -> None:
