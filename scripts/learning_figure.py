@@ -4,7 +4,9 @@ Reads ``validation/step=N/metrics.json`` (what the flows wrote and logged to MLf
 ``val/...``) of the GRPO run, of the baseline evaluation (the untouched model) and,
 optionally, of more evaluations; plots validation pass rate and mean reward against the
 GRPO step with the baseline as a dashed line; and prints a Markdown table. Step 0 of the
-GRPO run is its validation before any update: the SFT policy.
+GRPO run is its validation before any update: the SFT policy. The table gives each later
+pass rate's change from step 0 with a standard error paired by task (every pass plays the
+same tasks), so a change can be told from sampling noise.
 
 Nothing is recomputed or chosen here: every point is a validation pass that the pipeline
 ran, in step order.
@@ -17,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
+import pyarrow.parquet as pq
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -101,13 +105,41 @@ def draw(run: list[ValidationPoint], baseline: ValidationPoint, train: list[tupl
     plt.close(fig)
 
 
-def table(run: list[ValidationPoint], baseline: ValidationPoint) -> str:
-    lines = ["| policy | validation pass rate | mean reward | episodes |", "|---|---|---|---|"]
-    rows = [("untouched SmolLM2-135M", baseline)] + [
-        ("after SFT (GRPO step 0)" if p.step == 0 else f"GRPO after {p.step} steps", p) for p in run
-    ]
-    for name, p in rows:
-        lines.append(f"| {name} | {p.pass_rate:.3f} | {p.reward_mean:.3f} | {p.episodes} |")
+def pass_rate_by_task(run_dir: Path, step: int) -> dict[str, float]:
+    """Each validation task's share of passed episodes at ``step`` (from ``scores.parquet``)."""
+    rows = pq.read_table(run_dir / "validation" / f"step={step:06d}" / "scores.parquet",
+                         columns=["task_id", "passed"]).to_pylist()
+    by_task: dict[str, list[bool]] = {}
+    for row in rows:
+        by_task.setdefault(row["task_id"], []).append(bool(row["passed"]))
+    return {task: sum(passed) / len(passed) for task, passed in by_task.items()}
+
+
+def paired_change(run_dir: Path, step: int, reference_step: int = 0) -> tuple[float, float]:
+    """Pass-rate change from ``reference_step`` and its standard error, paired by task.
+
+    The same tasks are validated at every step, so the per-task differences carry the
+    change and their spread its sampling noise: SE = sd(differences) / sqrt(tasks).
+    """
+    now, before = pass_rate_by_task(run_dir, step), pass_rate_by_task(run_dir, reference_step)
+    diffs = [now[task] - before[task] for task in before if task in now]
+    mean = sum(diffs) / len(diffs)
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)) if len(diffs) > 1 else math.nan
+    return mean, sd / math.sqrt(len(diffs))
+
+
+def table(run: list[ValidationPoint], baseline: ValidationPoint, run_dir: Path) -> str:
+    lines = ["| policy | validation pass rate | change vs step 0 (+- SE, paired by task) | mean reward | episodes |",
+             "|---|---|---|---|---|"]
+    lines.append(f"| untouched SmolLM2-135M | {baseline.pass_rate:.3f} | | {baseline.reward_mean:.3f} "
+                 f"| {baseline.episodes} |")
+    for p in run:
+        name = "after SFT (GRPO step 0)" if p.step == 0 else f"GRPO after {p.step} steps"
+        change = ""
+        if p.step != 0:
+            mean, se = paired_change(run_dir, p.step)
+            change = f"{mean:+.3f} +- {se:.3f}"
+        lines.append(f"| {name} | {p.pass_rate:.3f} | {change} | {p.reward_mean:.3f} | {p.episodes} |")
     return "\n".join(lines)
 
 
@@ -120,7 +152,7 @@ def main() -> None:
     run = validation_points(args.run)
     baseline = validation_points(args.baseline)[0]
     draw(run, baseline, train_batches(args.run), args.out, tasks_per_step(args.run))
-    print(table(run, baseline))
+    print(table(run, baseline, args.run))
     print(f"\nfigure: {args.out}")
 
 
