@@ -2,7 +2,8 @@
 
 Reads ``validation/step=N/metrics.json`` (what the flows wrote and logged to MLflow as
 ``val/...``) of the GRPO run, of the baseline evaluation (the untouched model) and,
-optionally, of more evaluations; plots validation pass rate and mean reward against the
+optionally, of `rollflow eval` passes over the run's checkpoints (``--checkpoint-eval``,
+for a run stopped between its validations); plots validation pass rate and mean reward against the
 GRPO step with the baseline as a dashed line; and prints a Markdown table. Step 0 of the
 GRPO run is its validation before any update: the SFT policy. The table gives each later
 pass rate's change from step 0 with a standard error paired by task (every pass plays the
@@ -35,10 +36,11 @@ PASS, REWARD = "val/reward/pass_rate", "val/reward/mean"
 
 @dataclass(frozen=True)
 class ValidationPoint:
-    step: int
+    step: int  # GRPO updates behind the policy
     pass_rate: float
     reward_mean: float
     episodes: int
+    scores: Path  # the pass's scores.parquet
 
 
 def validation_points(run_dir: Path) -> list[ValidationPoint]:
@@ -50,8 +52,18 @@ def validation_points(run_dir: Path) -> list[ValidationPoint]:
     for path in paths:
         metrics = json.loads(path.read_text())
         step = int(path.parent.name.removeprefix("step="))
-        points.append(ValidationPoint(step, metrics[PASS], metrics[REWARD], int(metrics["val/episodes/count"])))
+        points.append(ValidationPoint(step, metrics[PASS], metrics[REWARD], int(metrics["val/episodes/count"]),
+                                      path.parent / "scores.parquet"))
     return points
+
+
+def checkpoint_eval(spec: str) -> ValidationPoint:
+    """``STEPS:FOLDER``: a `rollflow eval` of the checkpoint after STEPS updates, as a point."""
+    steps, _, folder = spec.partition(":")
+    if not steps.isdigit() or not folder:
+        raise SystemExit(f"--checkpoint-eval {spec!r}: expected STEPS:FOLDER, e.g. 16:runs/learn/grpo-after-16-steps")
+    point = validation_points(Path(folder))[0]
+    return ValidationPoint(int(steps), point.pass_rate, point.reward_mean, point.episodes, point.scores)
 
 
 def train_batches(run_dir: Path) -> list[tuple[int, float, float]]:
@@ -105,30 +117,29 @@ def draw(run: list[ValidationPoint], baseline: ValidationPoint, train: list[tupl
     plt.close(fig)
 
 
-def pass_rate_by_task(run_dir: Path, step: int) -> dict[str, float]:
-    """Each validation task's share of passed episodes at ``step`` (from ``scores.parquet``)."""
-    rows = pq.read_table(run_dir / "validation" / f"step={step:06d}" / "scores.parquet",
-                         columns=["task_id", "passed"]).to_pylist()
+def pass_rate_by_task(scores: Path) -> dict[str, float]:
+    """Each validation task's share of passed episodes in a pass's ``scores.parquet``."""
+    rows = pq.read_table(scores, columns=["task_id", "passed"]).to_pylist()
     by_task: dict[str, list[bool]] = {}
     for row in rows:
         by_task.setdefault(row["task_id"], []).append(bool(row["passed"]))
     return {task: sum(passed) / len(passed) for task, passed in by_task.items()}
 
 
-def paired_change(run_dir: Path, step: int, reference_step: int = 0) -> tuple[float, float]:
-    """Pass-rate change from ``reference_step`` and its standard error, paired by task.
+def paired_change(point: ValidationPoint, reference: ValidationPoint) -> tuple[float, float]:
+    """Pass-rate change from ``reference`` and its standard error, paired by task.
 
     The same tasks are validated at every step, so the per-task differences carry the
     change and their spread its sampling noise: SE = sd(differences) / sqrt(tasks).
     """
-    now, before = pass_rate_by_task(run_dir, step), pass_rate_by_task(run_dir, reference_step)
+    now, before = pass_rate_by_task(point.scores), pass_rate_by_task(reference.scores)
     diffs = [now[task] - before[task] for task in before if task in now]
     mean = sum(diffs) / len(diffs)
     sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)) if len(diffs) > 1 else math.nan
     return mean, sd / math.sqrt(len(diffs))
 
 
-def table(run: list[ValidationPoint], baseline: ValidationPoint, run_dir: Path) -> str:
+def table(run: list[ValidationPoint], baseline: ValidationPoint) -> str:
     lines = ["| policy | validation pass rate | change vs step 0 (+- SE, paired by task) | mean reward | episodes |",
              "|---|---|---|---|---|"]
     lines.append(f"| untouched SmolLM2-135M | {baseline.pass_rate:.3f} | | {baseline.reward_mean:.3f} "
@@ -137,7 +148,7 @@ def table(run: list[ValidationPoint], baseline: ValidationPoint, run_dir: Path) 
         name = "after SFT (GRPO step 0)" if p.step == 0 else f"GRPO after {p.step} steps"
         change = ""
         if p.step != 0:
-            mean, se = paired_change(run_dir, p.step)
+            mean, se = paired_change(p, run[0])
             change = f"{mean:+.3f} +- {se:.3f}"
         lines.append(f"| {name} | {p.pass_rate:.3f} | {change} | {p.reward_mean:.3f} | {p.episodes} |")
     return "\n".join(lines)
@@ -148,11 +159,15 @@ def main() -> None:
     parser.add_argument("--run", type=Path, required=True, help="the GRPO run folder")
     parser.add_argument("--baseline", type=Path, required=True, help="the untouched model's eval folder")
     parser.add_argument("--out", type=Path, required=True, help="the PNG to write")
+    parser.add_argument("--checkpoint-eval", action="append", default=[], metavar="STEPS:FOLDER",
+                        help="a `rollflow eval` of the run's checkpoint after STEPS updates (a run "
+                             "stopped between its validations); repeatable")
     args = parser.parse_args()
-    run = validation_points(args.run)
+    run = validation_points(args.run) + [checkpoint_eval(spec) for spec in args.checkpoint_eval]
+    run.sort(key=lambda p: p.step)
     baseline = validation_points(args.baseline)[0]
     draw(run, baseline, train_batches(args.run), args.out, tasks_per_step(args.run))
-    print(table(run, baseline, args.run))
+    print(table(run, baseline))
     print(f"\nfigure: {args.out}")
 
 
