@@ -9,8 +9,9 @@
 # Every stage is resumable: run the script again and finished work is skipped (the eval
 # and SFT folders are reused as they are; the GRPO run resumes from its last step).
 #
-#   scripts/learn.sh                   about 90 minutes on 2 free cores (measured: baseline
-#                                      1, SFT 12, GRPO 59 for 15 steps and 4 validations)
+#   scripts/learn.sh                   about 2 h 15 min on 2 cores (measured: baseline 1 min,
+#                                      SFT 12 min, GRPO about 2 h for 16 steps and 3
+#                                      validation passes)
 #   OUT=runs/learn2 scripts/learn.sh   into other folders (the GRPO config is rewritten to
 #                                      read that folder's SFT adapter)
 set -euo pipefail
