@@ -1,4 +1,4 @@
-"""A process-wide stop request, so that ``kill`` (SIGTERM) ends a run in well under a second.
+"""A process-wide stop request, so that ``kill`` (SIGTERM) ends a run cleanly and soon.
 
 Python's default SIGTERM ends the process on the spot: no ``finally``, no ``atexit``. Prefect
 stops its temporary API server (a child process) from ``atexit``, so every killed run left
@@ -8,7 +8,9 @@ stage running in a worker thread (Prefect runs tasks there, the rollout decodes 
 ``atexit``: a killed GRPO run went on decoding for more than 15 s.
 
 So the handler also sets a flag that the long loops read: the decoding loop checks it every
-step, the trainer before every micro-batch, the OpenAI client before every request. They
+step, the trainer before every micro-batch, the OpenAI client before every request. (A
+batch's prefill is one forward pass and runs to its end: measured on the GRPO run of
+docs/results.md, 64 episodes of ~500 tokens, `kill` to exit took 42 s.) They
 raise ``StopRequested``, a ``BaseException`` like ``KeyboardInterrupt``: the handlers that
 turn failures into data (an episode's ``error``) let it through, so a stopped episode is
 never recorded as a failed one and the stage writes nothing for the work it abandons. The

@@ -220,6 +220,7 @@ def test_sigkill_mid_run_then_resume_equals_the_uninterrupted_run(
     child = subprocess.Popen(
         [sys.executable, "-m", "flows.cli", "train", str(tiny_config_path), "--run-dir", str(run_dir)],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,  # SIGKILL skips atexit: its Prefect server is killed with the group
     )
     try:
         deadline = time.monotonic() + 300
@@ -231,6 +232,10 @@ def test_sigkill_mid_run_then_resume_equals_the_uninterrupted_run(
     finally:
         child.kill()
         child.wait(timeout=60)
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     assert not (RunFolder(run_dir).step_dir(1) / "metrics.json").exists()
     train_flow(run_dir=str(run_dir))
     assert episode_ids(run_dir) == episode_ids(uninterrupted)
