@@ -27,7 +27,6 @@ from typing import Any
 import duckdb
 
 from policy.stopping import SIGTERM_EXIT_CODE, StopRequested, exit_on_sigterm
-
 from storage.errors import StorageError
 from storage.query import describe_views, open_run_sql, run_query
 from storage.runs import age_text, list_runs

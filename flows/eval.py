@@ -18,9 +18,10 @@ folder freezes it, so ``config.toml`` says exactly what was evaluated.
 
 Simplified, and why:
 - One pass over the validation tasks (``[validation].num_tasks`` or ``--tasks``),
-  ``[validation].episodes_per_task`` episodes each (1 by default), sampled at ``[rollout].temperature`` like training's validation: the
-  numbers then mean the same thing as ``val/`` in a training run. (Greedy decoding is
-  not offered: ``[rollout].temperature`` must be > 0 because training samples with it.)
+  ``[validation].episodes_per_task`` episodes each (1 by default), sampled at
+  ``[rollout].temperature`` like training's validation: the numbers then mean the same
+  thing as ``val/`` in a training run. (Greedy decoding is not offered:
+  ``[rollout].temperature`` must be > 0 because training samples with it.)
 - ``--env`` names another environment with no keyword arguments unless it is the
   config's own environment (whose ``[env.kwargs]`` are kept): arguments of one
   environment rarely fit another.

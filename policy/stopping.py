@@ -2,10 +2,10 @@
 
 Python's default SIGTERM ends the process on the spot: no ``finally``, no ``atexit``. Prefect
 stops its temporary API server (a child process) from ``atexit``, so every killed run left
-one running. Raising ``SystemExit`` from a handler instead unwinds the main thread, but a
-stage running in a worker thread (Prefect runs tasks there, the rollout decodes in
-``asyncio.to_thread``) keeps going, and the interpreter joins such threads before it runs
-``atexit``: a killed GRPO run went on decoding for more than 15 s.
+one running. Raising ``SystemExit`` from a handler instead unwinds the main thread, but
+work in another thread (the rollout decodes in ``asyncio.to_thread``) keeps going, and the
+interpreter waits for such threads before it runs ``atexit``: a killed GRPO run went on
+decoding for more than 15 s.
 
 So the handler also sets a flag that the long loops read: the decoding loop checks it every
 step, the trainer before every micro-batch, the OpenAI client before every request. (A
@@ -33,10 +33,6 @@ class StopRequested(BaseException):  # noqa: N818 (named for what happened, like
 
 def request_stop() -> None:
     _STOP.set()
-
-
-def stop_requested() -> bool:
-    return _STOP.is_set()
 
 
 def clear_stop() -> None:
