@@ -84,8 +84,8 @@ def tasks_per_step(run_dir: Path) -> int:
 
 def moving_mean(values: list[float], width: int) -> list[float]:
     """Mean of each value and the up to ``width - 1`` before it."""
-    return [sum(values[max(0, i - width + 1) : i + 1]) / len(values[max(0, i - width + 1) : i + 1])
-            for i in range(len(values))]
+    windows = [values[max(0, i - width + 1) : i + 1] for i in range(len(values))]
+    return [sum(window) / len(window) for window in windows]
 
 
 def draw(run: list[ValidationPoint], baseline: ValidationPoint, train: list[tuple[int, float, float]],

@@ -196,14 +196,19 @@ def chat_server() -> Iterator[ChatServer]:
     thread.join()
 
 
+def served_eval(chat_server: ChatServer, tmp_path: Path, validation: str) -> Path:
+    """`rollflow eval` against ``chat_server`` with ``validation`` as its [validation] table."""
+    config = tmp_path / "served.toml"
+    config.write_text(f"[tracking]\nenabled = false\n[validation]\n{validation}\n")
+    return Path(eval_flow(
+        config_path=str(config), run_dir=str(tmp_path / "run"), base_url=chat_server.base_url, api_model="smol",
+    ))
+
+
 def test_eval_against_an_openai_compatible_server(
     chat_server: ChatServer, tmp_path: Path, prefect_harness: object
 ) -> None:
-    config = tmp_path / "served.toml"
-    config.write_text('[tracking]\nenabled = false\n[validation]\nnum_tasks = 2\n')
-    root = Path(eval_flow(
-        config_path=str(config), run_dir=str(tmp_path / "run"), base_url=chat_server.base_url, api_model="smol",
-    ))
+    root = served_eval(chat_server, tmp_path, "num_tasks = 2")
     assert len(chat_server.bodies) == 2  # one answer ends each episode
     body = chat_server.bodies[0]
     assert body["path"] == "/v1/chat/completions" and body["model"] == "smol"
@@ -224,11 +229,7 @@ def test_eval_against_an_openai_compatible_server(
 def test_validation_plays_each_task_episodes_per_task_times(
     chat_server: ChatServer, tmp_path: Path, prefect_harness: object
 ) -> None:
-    config = tmp_path / "repeated.toml"
-    config.write_text('[tracking]\nenabled = false\n[validation]\nnum_tasks = 2\nepisodes_per_task = 3\n')
-    root = Path(eval_flow(
-        config_path=str(config), run_dir=str(tmp_path / "run"), base_url=chat_server.base_url, api_model="smol",
-    ))
+    root = served_eval(chat_server, tmp_path, "num_tasks = 2\nepisodes_per_task = 3")
     assert len(chat_server.bodies) == 6
     episodes = table_to_episode_records(RunFolder(root).read_stage(0, "episodes", "validation"))
     by_group: dict[str, list[str]] = {}

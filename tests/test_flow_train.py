@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -202,46 +207,70 @@ def test_async_collection_is_refused_with_a_clear_message(tiny_config_path: Path
         open_run(tiny_config_path, tmp_path / "run")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kill_when", ["steps/step=000001/episodes", "checkpoints/step=000001"])
-def test_sigkill_mid_run_then_resume_equals_the_uninterrupted_run(
-    kill_when: str, tiny_config_path: Path, tmp_path: Path, uninterrupted: Path
-) -> None:
-    """A real `rollflow train` process, SIGKILLed as soon as ``kill_when`` appears."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
+def start_train_process(config_path: Path, run_dir: Path, stderr: Path) -> subprocess.Popen[str]:
+    """A real `rollflow train` in its own process group (with the Prefect server it starts).
 
-    run_dir = tmp_path / "killed"
+    Its stderr goes to a file: a pipe nobody reads while the run goes on could fill and stall it.
+    """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    env.pop("PREFECT_API_URL", None)  # the child starts its own temporary server
-    child = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "train", str(tiny_config_path), "--run-dir", str(run_dir)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True,  # SIGKILL skips atexit: its Prefect server is killed with the group
-    )
+    env.pop("PREFECT_API_URL", None)  # the child starts its own temporary server, a child process
+    with stderr.open("w") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "train", str(config_path), "--run-dir", str(run_dir)],
+            env=env, stdout=subprocess.DEVNULL, stderr=log, text=True, start_new_session=True,
+        )
+
+
+def wait_for(child: subprocess.Popen[str], path: Path) -> None:
+    deadline = time.monotonic() + 300
+    while not path.exists():
+        assert child.poll() is None, f"the run ended before {path} appeared"
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+def kill_group(child: subprocess.Popen[str]) -> None:
+    """SIGKILL whatever is left of the child's process group, the child included."""
     try:
-        deadline = time.monotonic() + 300
-        while not (run_dir / kill_when).exists():
-            assert child.poll() is None, "the run ended before it could be killed"
-            assert time.monotonic() < deadline, f"{kill_when} never appeared"
-            time.sleep(0.02)
-        child.send_signal(signal.SIGKILL)
-    finally:
-        child.kill()
-        child.wait(timeout=60)
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    child.wait(timeout=60)
+
+
+def group_gone(pgid: int, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
         try:
-            os.killpg(child.pid, signal.SIGKILL)
+            os.killpg(pgid, 0)
         except ProcessLookupError:
-            pass
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def assert_resume_equals_uninterrupted(run_dir: Path, uninterrupted: Path) -> None:
     assert not (RunFolder(run_dir).step_dir(1) / "metrics.json").exists()
     train_flow(run_dir=str(run_dir))
     assert episode_ids(run_dir) == episode_ids(uninterrupted)
     resumed, reference = final_adapter(run_dir), final_adapter(uninterrupted)
     for name, tensor in reference["weights"].items():
         assert resumed["weights"][name].equal(tensor), f"{name} differs after resume"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_when", ["steps/step=000001/episodes", "checkpoints/step=000001"])
+def test_sigkill_mid_run_then_resume_equals_the_uninterrupted_run(
+    kill_when: str, tiny_config_path: Path, tmp_path: Path, uninterrupted: Path
+) -> None:
+    """A real `rollflow train` process, SIGKILLed as soon as ``kill_when`` appears."""
+    run_dir = tmp_path / "killed"
+    child = start_train_process(tiny_config_path, run_dir, tmp_path / "stderr.txt")
+    try:
+        wait_for(child, run_dir / kill_when)
+    finally:
+        kill_group(child)  # SIGKILL skips atexit: its Prefect server goes with the group
+    assert_resume_equals_uninterrupted(run_dir, uninterrupted)
 
 
 @pytest.mark.slow
@@ -249,48 +278,19 @@ def test_sigterm_stops_the_run_and_its_prefect_server_then_resume_finishes_it(
     tiny_config_path: Path, tmp_path: Path, uninterrupted: Path
 ) -> None:
     """`kill` (SIGTERM) on a real `rollflow train`: exit status 143, no process left behind."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     run_dir = tmp_path / "terminated"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    env.pop("PREFECT_API_URL", None)  # the child starts its own temporary server, a child process
-    child = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "train", str(tiny_config_path), "--run-dir", str(run_dir)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,  # its own process group: what is left of it can be found
-    )
+    stderr = tmp_path / "stderr.txt"
+    child = start_train_process(tiny_config_path, run_dir, stderr)
     try:
-        deadline = time.monotonic() + 300
-        while not (run_dir / "checkpoints" / "step=000000").exists():
-            assert child.poll() is None, "the run ended before it could be stopped"
-            assert time.monotonic() < deadline, "step 0 never finished"
-            time.sleep(0.02)
+        wait_for(child, run_dir / "checkpoints" / "step=000000")
         child.send_signal(signal.SIGTERM)
-        _, stderr = child.communicate(timeout=120)
+        child.wait(timeout=120)
     finally:
         if child.poll() is None:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait(timeout=60)
-    assert child.returncode == 143, stderr[-2000:]
-    leftover = deadline = time.monotonic() + 10  # the server was told to stop; give it a moment
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(child.pid, 0)
-        except ProcessLookupError:
-            leftover = None
-            break
-        time.sleep(0.1)
-    if leftover is not None:
+            kill_group(child)
+    assert child.returncode == 143, stderr.read_text()[-2000:]
+    if not group_gone(child.pid, within_s=10):  # the server was told to stop; give it a moment
         ps = subprocess.run(["ps", "-o", "pid,args", "-g", str(child.pid)], capture_output=True, text=True)
-        os.killpg(child.pid, signal.SIGKILL)
+        kill_group(child)
         pytest.fail(f"processes of the stopped run outlived it:\n{ps.stdout}")
-    assert not (RunFolder(run_dir).step_dir(1) / "metrics.json").exists()
-    train_flow(run_dir=str(run_dir))
-    assert episode_ids(run_dir) == episode_ids(uninterrupted)
-    resumed, reference = final_adapter(run_dir), final_adapter(uninterrupted)
-    for name, tensor in reference["weights"].items():
-        assert resumed["weights"][name].equal(tensor), f"{name} differs after resume"
+    assert_resume_equals_uninterrupted(run_dir, uninterrupted)
