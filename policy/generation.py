@@ -8,12 +8,20 @@ actually sampled, and a deadline after which its output is discarded.
 Mechanics: contexts are left-padded into one (B, T) batch with an attention mask and
 explicit position ids; one prefill fills a KV cache, then every step feeds one token per
 row. Identical contexts (the members of a GRPO group on their first turn) are prefilled
-once and their cache rows copied: on a CPU the prefill is most of a short action's cost. A finished row (stop token, budget spent or deadline passed) is dropped from the
-batch and the cache, so long stragglers do not make every row pay for them.
+once and their cache rows copied: on a CPU the prefill is most of a short action's cost.
+A finished row (stop token, budget spent or deadline passed) is dropped from the batch
+and the cache, so long stragglers do not make every row pay for them.
+
+The prefill runs in slices along the sequence, each a forward pass over at most
+``PREFILL_TOKENS_PER_PASS`` tokens (all rows x a slice of positions) that appends to the
+cache. Unsliced, a SIGTERM during a GRPO run here took 42 s to stop it, most of that one
+prefill pass over a batch of later turns (64 contexts of ~500 tokens on 2 CPU cores);
+sliced, a stop waits for one slice. Slicing also bounds the attention's scratch memory.
 
 Simplifications, and why:
-- The deadline is checked between decoding steps: one forward pass is never interrupted.
-  A pass takes tens of milliseconds here, far below any useful deadline.
+- One forward pass is never interrupted: stop requests are checked between passes, the
+  deadline between decoding steps. A decoding step takes tens of milliseconds here, a
+  prefill slice a few seconds.
 - Only the last position's logits are computed (``logits_to_keep=1``): full-sequence
   logits for a 16 x 1000 prefill over a 49k vocabulary would be 3 GB.
 """
@@ -30,6 +38,11 @@ from transformers import DynamicCache, PreTrainedModel
 
 from policy.sampling import draw_tokens, sampling_logprobs
 from policy.stopping import raise_if_stop_requested
+
+# Tokens (rows x positions) in one prefill forward pass. Large enough that a pass still
+# runs the matrix units at full width; small enough that a pass takes a few seconds on
+# 2 CPU cores (bench/prefill_bench.py).
+PREFILL_TOKENS_PER_PASS = 4096
 
 
 @dataclass(frozen=True)
@@ -157,14 +170,24 @@ def _prefill(
     """Fill ``cache`` with every context; returns the next-token logits and the mask.
 
     Identical contexts (a GRPO group's first turn) are computed once and their cache
-    rows copied.
+    rows copied. The positions go through in slices of at most ``PREFILL_TOKENS_PER_PASS``
+    tokens, each attending to the cache of the slices before it, with a stop check
+    between slices.
     """
     unique_index: dict[tuple[int, ...], int] = {}
     row_to_unique = [unique_index.setdefault(r.context_ids, len(unique_index)) for r in requests]
     input_ids_UT, attention_UT = _left_padded(list(unique_index), pad_token_id)
     input_ids_UT, attention_UT = input_ids_UT.to(model.device), attention_UT.to(model.device)
     position_UT = (attention_UT.cumsum(dim=-1) - 1).clamp(min=0)
-    logits_UV = _last_logits(model, input_ids_UT, attention_UT, position_UT, cache, cache_keyword)
+    width = input_ids_UT.shape[1]
+    slice_T = max(1, PREFILL_TOKENS_PER_PASS // len(unique_index))
+    for start in range(0, width, slice_T):
+        if start:
+            raise_if_stop_requested()
+        end = min(width, start + slice_T)
+        logits_UV = _last_logits(  # the mask covers the cached positions and this slice's
+            model, input_ids_UT[:, start:end], attention_UT[:, :end], position_UT[:, start:end], cache, cache_keyword
+        )
     expand_B = torch.tensor(row_to_unique, device=model.device)
     if len(unique_index) < len(requests):
         cache.batch_select_indices(expand_B)

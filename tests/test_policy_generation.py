@@ -166,3 +166,50 @@ def test_a_stop_request_ends_decoding_at_the_next_step(
     with pytest.raises(StopRequested):  # and a new batch does not start
         run(model, requests_for(tokenizer, [5, 5, 5, 5]))
     assert draws == 3
+
+
+def test_a_sliced_prefill_samples_what_one_pass_samples(
+    tiny: tuple[PreTrainedModel, PreTrainedTokenizerBase], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import policy.generation as generation
+
+    model, tokenizer = tiny
+    requests = requests_for(tokenizer, [12, 5, 20, 9])
+    one_pass = run(model, requests)
+    passes: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda _module, _args, kwargs: passes.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    monkeypatch.setattr(generation, "PREFILL_TOKENS_PER_PASS", 8)  # 4 rows x 2 positions a pass
+    try:
+        sliced = run(model, requests)
+    finally:
+        hook.remove()
+    width = max(len(r.context_ids) for r in requests)
+    assert passes[: math.ceil(width / 2)] == [2] * (width // 2) + [1] * (width % 2)
+    for a, b in zip(one_pass, sliced, strict=True):
+        assert a.token_ids == b.token_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
+def test_a_stop_request_during_the_prefill_ends_it_at_the_next_slice(
+    tiny: tuple[PreTrainedModel, PreTrainedTokenizerBase], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import policy.generation as generation
+    from policy.stopping import StopRequested, request_stop
+
+    model, tokenizer = tiny
+    monkeypatch.setattr(generation, "PREFILL_TOKENS_PER_PASS", 4)  # 1 position a pass
+    positions: list[int] = []  # of each forward pass
+
+    def count_and_stop(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
+        positions.append(kwargs["input_ids"].shape[1])
+        request_stop()  # arrives while the first slice runs
+
+    hook = model.register_forward_pre_hook(count_and_stop, with_kwargs=True)
+    try:
+        with pytest.raises(StopRequested):
+            run(model, requests_for(tokenizer, [5, 5, 5, 5]))
+    finally:
+        hook.remove()  # the stop flag is cleared after every test (conftest)
+    assert positions == [1]  # one slice of a prefill several positions wide, then nothing
