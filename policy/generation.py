@@ -12,11 +12,14 @@ once and their cache rows copied: on a CPU the prefill is most of a short action
 A finished row (stop token, budget spent or deadline passed) is dropped from the batch
 and the cache, so long stragglers do not make every row pay for them.
 
-The prefill runs in slices along the sequence, each a forward pass over at most
-``PREFILL_TOKENS_PER_PASS`` tokens (all rows x a slice of positions) that appends to the
-cache. Unsliced, a SIGTERM during a GRPO run here took 42 s to stop it, most of that one
-prefill pass over a batch of later turns (64 contexts of ~500 tokens on 2 CPU cores);
-sliced, a stop waits for one slice. Slicing also bounds the attention's scratch memory.
+The prefill runs in slices of rows, each a forward pass over at most
+``PREFILL_TOKENS_PER_PASS`` tokens (some rows x the batch's width). Unsliced, a SIGTERM
+during a GRPO run here took 42 s to stop it, most of that one prefill pass over a batch
+of later turns (64 contexts of ~500 tokens on 2 CPU cores); sliced, a stop waits for one
+slice. It is also faster: 17 s instead of 36 s for that batch at 4096 tokens a pass
+(bench/prefill_bench.py), as one pass's attention over 64 x 500 positions works on far
+more memory than the cache holds. Rows rather than positions: rows are independent, so
+no slice re-reads or re-copies a cache that grows by concatenation.
 
 Simplifications, and why:
 - One forward pass is never interrupted: stop requests are checked between passes, the
@@ -39,9 +42,9 @@ from transformers import DynamicCache, PreTrainedModel
 from policy.sampling import draw_tokens, sampling_logprobs
 from policy.stopping import raise_if_stop_requested
 
-# Tokens (rows x positions) in one prefill forward pass. Large enough that a pass still
-# runs the matrix units at full width; small enough that a pass takes a few seconds on
-# 2 CPU cores (bench/prefill_bench.py).
+# Tokens (rows x the batch's width) in one prefill forward pass: a pass of 8 rows x 500
+# positions takes about 2 s on 2 CPU cores, the longest a stop request waits in a prefill,
+# and the whole prefill is fastest about here (bench/prefill_bench.py).
 PREFILL_TOKENS_PER_PASS = 4096
 
 
@@ -170,24 +173,32 @@ def _prefill(
     """Fill ``cache`` with every context; returns the next-token logits and the mask.
 
     Identical contexts (a GRPO group's first turn) are computed once and their cache
-    rows copied. The positions go through in slices of at most ``PREFILL_TOKENS_PER_PASS``
-    tokens, each attending to the cache of the slices before it, with a stop check
-    between slices.
+    rows copied. The rows go through in slices of at most ``PREFILL_TOKENS_PER_PASS``
+    tokens (rows x the batch's width), each into its own cache, with a stop check between
+    slices; the slices' caches are then joined, rows in order.
     """
     unique_index: dict[tuple[int, ...], int] = {}
     row_to_unique = [unique_index.setdefault(r.context_ids, len(unique_index)) for r in requests]
     input_ids_UT, attention_UT = _left_padded(list(unique_index), pad_token_id)
     input_ids_UT, attention_UT = input_ids_UT.to(model.device), attention_UT.to(model.device)
     position_UT = (attention_UT.cumsum(dim=-1) - 1).clamp(min=0)
-    width = input_ids_UT.shape[1]
-    slice_T = max(1, PREFILL_TOKENS_PER_PASS // len(unique_index))
-    for start in range(0, width, slice_T):
-        if start:
-            raise_if_stop_requested()
-        end = min(width, start + slice_T)
-        logits_UV = _last_logits(  # the mask covers the cached positions and this slice's
-            model, input_ids_UT[:, start:end], attention_UT[:, :end], position_UT[:, start:end], cache, cache_keyword
-        )
+    rows_per_pass = max(1, PREFILL_TOKENS_PER_PASS // input_ids_UT.shape[1])
+    if rows_per_pass >= len(unique_index):
+        logits_UV = _last_logits(model, input_ids_UT, attention_UT, position_UT, cache, cache_keyword)
+    else:
+        logits, parts = [], []
+        for start in range(0, len(unique_index), rows_per_pass):
+            if start:
+                raise_if_stop_requested()
+            part, end = DynamicCache(), start + rows_per_pass
+            logits.append(_last_logits(
+                model, input_ids_UT[start:end], attention_UT[start:end], position_UT[start:end], part, cache_keyword
+            ))
+            parts.append(part)
+        for layer_index in range(len(parts[0].layers)):  # one cache, rows in order
+            cache.update(torch.cat([part.layers[layer_index].keys for part in parts]),
+                         torch.cat([part.layers[layer_index].values for part in parts]), layer_index)
+        logits_UV = torch.cat(logits)
     expand_B = torch.tensor(row_to_unique, device=model.device)
     if len(unique_index) < len(requests):
         cache.batch_select_indices(expand_B)

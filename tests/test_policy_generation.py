@@ -176,17 +176,17 @@ def test_a_sliced_prefill_samples_what_one_pass_samples(
     model, tokenizer = tiny
     requests = requests_for(tokenizer, [12, 5, 20, 9])
     one_pass = run(model, requests)
-    passes: list[int] = []
+    shapes: list[tuple[int, int]] = []  # (rows, positions) of each forward pass
     hook = model.register_forward_pre_hook(
-        lambda _module, _args, kwargs: passes.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+        lambda _module, _args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
     )
-    monkeypatch.setattr(generation, "PREFILL_TOKENS_PER_PASS", 8)  # 4 rows x 2 positions a pass
+    width = max(len(r.context_ids) for r in requests)
+    monkeypatch.setattr(generation, "PREFILL_TOKENS_PER_PASS", 2 * width)  # 2 rows a pass
     try:
         sliced = run(model, requests)
     finally:
         hook.remove()
-    width = max(len(r.context_ids) for r in requests)
-    assert passes[: math.ceil(width / 2)] == [2] * (width // 2) + [1] * (width % 2)
+    assert shapes[:3] == [(2, width), (2, width), (4, 1)]  # two prefill slices, then decoding
     for a, b in zip(one_pass, sliced, strict=True):
         assert a.token_ids == b.token_ids
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
@@ -199,11 +199,11 @@ def test_a_stop_request_during_the_prefill_ends_it_at_the_next_slice(
     from policy.stopping import StopRequested, request_stop
 
     model, tokenizer = tiny
-    monkeypatch.setattr(generation, "PREFILL_TOKENS_PER_PASS", 4)  # 1 position a pass
-    positions: list[int] = []  # of each forward pass
+    monkeypatch.setattr(generation, "PREFILL_TOKENS_PER_PASS", 1)  # 1 row a pass
+    rows: list[int] = []  # of each forward pass
 
     def count_and_stop(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
-        positions.append(kwargs["input_ids"].shape[1])
+        rows.append(kwargs["input_ids"].shape[0])
         request_stop()  # arrives while the first slice runs
 
     hook = model.register_forward_pre_hook(count_and_stop, with_kwargs=True)
@@ -212,4 +212,4 @@ def test_a_stop_request_during_the_prefill_ends_it_at_the_next_slice(
             run(model, requests_for(tokenizer, [5, 5, 5, 5]))
     finally:
         hook.remove()  # the stop flag is cleared after every test (conftest)
-    assert positions == [1]  # one slice of a prefill several positions wide, then nothing
+    assert rows == [1]  # one slice of the 4 rows' prefill, then nothing
