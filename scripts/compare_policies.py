@@ -134,8 +134,9 @@ def main() -> None:
     for label, field in (("pass rate", "passed"), ("mean reward", "final_reward")):
         change = paired_change(per_task(episodes["before"], field), per_task(episodes["after"], field))
         ratio = change.mean / change.se if change.se else math.inf
+        p_value = f"= {change.p_value:.4f}" if change.p_value >= 0.001 else "< 0.001"  # 20000 draws
         print(f"{label}: {change.mean:+.3f} +- {change.se:.3f} (paired by task; {ratio:.1f} SE), "
-              f"permutation p = {change.p_value:.4f}; tasks up {change.gained}, down {change.lost}")
+              f"permutation p {p_value}; tasks up {change.gained}, down {change.lost}")
 
 
 if __name__ == "__main__":
