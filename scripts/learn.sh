@@ -6,12 +6,14 @@
 #      SFT-only policy, its last one the final policy (curves in MLflow and as PNGs)
 #   4. the figure and table of docs/results.md, from the run folders, into the GRPO run
 #      folder (learn_tool_use_game.png)
+#   5. 6 more validation episodes a task of the SFT and of the final policy (`rollflow
+#      eval`, another seed), and the two compared on 8 episodes a task
 # Every stage is resumable: run the script again and finished work is skipped (the eval
 # and SFT folders are reused as they are; the GRPO run resumes from its last step).
 #
-#   scripts/learn.sh                   about 2 h 15 min on 2 cores (measured: baseline 1 min,
-#                                      SFT 12 min, GRPO about 2 h for 16 steps and 3
-#                                      validation passes)
+#   scripts/learn.sh                   about 3 h 50 min on 2 cores (measured: baseline
+#                                      1 min, SFT 12 min, GRPO 3 h 6 min for 30 steps and
+#                                      4 validation passes, the two evals 14 min each)
 #   OUT=runs/learn2 scripts/learn.sh   into other folders (the GRPO config is rewritten to
 #                                      read that folder's SFT adapter)
 set -euo pipefail
@@ -30,14 +32,14 @@ GRPO_CONFIG=configs/learn_tool_use_game.toml
 ADAPTER=$OUT/sft/sft/policy
 
 if [ ! -f "$OUT/baseline/validation/step=000000/metrics.json" ]; then
-  echo "== 1/4 baseline: the untouched model on the validation tasks"
+  echo "== 1/5 baseline: the untouched model on the validation tasks"
   "$BIN/rollflow" eval --config "$SFT_CONFIG" --run-dir "$OUT/baseline"
 fi
 
-echo "== 2/4 SFT warm start -> $ADAPTER"
+echo "== 2/5 SFT warm start -> $ADAPTER"
 "$BIN/rollflow" sft "$SFT_CONFIG" --run-dir "$OUT/sft"
 
-echo "== 3/4 GRPO from the SFT adapter"
+echo "== 3/5 GRPO from the SFT adapter"
 config=$GRPO_CONFIG
 if [ "$ADAPTER" != "runs/learn/sft/sft/policy" ]; then  # the config names the default place
   config=$OUT/grpo.toml
@@ -49,6 +51,28 @@ else
   "$BIN/rollflow" train "$config" --run-dir "$OUT/grpo"
 fi
 
-echo "== 4/4 figure and table"
+echo "== 4/5 figure and table"
 "$BIN/python" scripts/learning_figure.py --run "$OUT/grpo" --baseline "$OUT/baseline" \
   --out "$OUT/grpo/learn_tool_use_game.png"
+
+# Two validation episodes a task measure a pass rate to about +-0.05. Six more a task of
+# the SFT policy and of the final one, sampled under another seed (so they are new
+# episodes), pool with the run's own validation of each into 8 a task, 400 episodes a side.
+echo "== 5/5 the SFT and the final policy compared on 400 episodes each"
+EVAL_CONFIG=$OUT/eval-seed1.toml
+sed -e 's/^seed = 0$/seed = 1/' -e 's/^episodes_per_task = 2$/episodes_per_task = 6/' "$config" > "$EVAL_CONFIG"
+if [ "$(grep -cE '^(seed = 1|episodes_per_task = 6)$' "$EVAL_CONFIG")" != 2 ]; then
+  echo "scripts/learn.sh: could not set the seed and episodes_per_task in $EVAL_CONFIG" >&2
+  exit 1
+fi
+FINAL=$(ls -d "$OUT"/grpo/checkpoints/step=* | tail -n 1)
+for side in sft final; do
+  if [ ! -f "$OUT/eval-$side-seed1/validation/step=000000/metrics.json" ]; then
+    adapter=$ADAPTER
+    [ "$side" = final ] && adapter=$FINAL
+    "$BIN/rollflow" eval --config "$EVAL_CONFIG" --adapter "$adapter" --run-dir "$OUT/eval-$side-seed1"
+  fi
+done
+"$BIN/python" scripts/compare_policies.py \
+  --before "$OUT/grpo/validation/step=000000" "$OUT/eval-sft-seed1" \
+  --after "$(ls -d "$OUT"/grpo/validation/step=* | tail -n 1)" "$OUT/eval-final-seed1"
