@@ -16,10 +16,10 @@ The prefill runs in slices of rows, each a forward pass over at most
 ``PREFILL_TOKENS_PER_PASS`` tokens (some rows x the batch's width). Unsliced, a SIGTERM
 during a GRPO run here took 42 s to stop it, most of that one prefill pass over a batch
 of later turns (64 contexts of ~500 tokens on 2 CPU cores); sliced, a stop waits for one
-slice. It is also faster: 17 s instead of 36 s for that batch at 4096 tokens a pass
-(bench/prefill_bench.py), as one pass's attention over 64 x 500 positions works on far
-more memory than the cache holds. Rows rather than positions: rows are independent, so
-no slice re-reads or re-copies a cache that grows by concatenation.
+slice. It is also faster here: 17 s instead of 36 s for that batch at 4096 tokens a pass
+(bench/prefill_bench.py), presumably because a smaller pass's activations and attention
+scores stay in the CPU's caches. Rows rather than positions: rows are independent, so no
+slice re-reads or re-copies a cache that grows by concatenation.
 
 Simplifications, and why:
 - One forward pass is never interrupted: stop requests are checked between passes, the
