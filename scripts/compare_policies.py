@@ -68,11 +68,11 @@ def check_independent(side: str, passes: list[Pass]) -> None:
         seen[key] = p.folder
 
 
-def episodes_by_task(passes: list[Pass]) -> dict[str, list[dict]]:
-    """Every validation episode's score row of the passes, grouped by task."""
+def episodes_by_task(scores: list[Path]) -> dict[str, list[dict]]:
+    """Every validation episode's score row in these ``scores.parquet`` files, grouped by task."""
     by_task: dict[str, list[dict]] = {}
-    for p in passes:
-        table = pq.read_table(p.folder / "scores.parquet", columns=["task_id", "passed", "final_reward", "split"])
+    for path in scores:
+        table = pq.read_table(path, columns=["task_id", "passed", "final_reward", "split"])
         for row in table.to_pylist():
             if row["split"] == "validation":
                 by_task.setdefault(row["task_id"], []).append(row)
@@ -83,7 +83,7 @@ def episodes_by_task(passes: list[Pass]) -> dict[str, list[dict]]:
 class Change:
     mean: float
     se: float
-    p_value: float  # two-sided, sign-flip permutation
+    p_value: float  # two-sided, sign-flip permutation; nan when not drawn
     gained: int  # tasks whose pass rate rose
     lost: int
 
@@ -92,7 +92,8 @@ def paired_change(before: dict[str, float], after: dict[str, float], draws: int 
     """The mean per-task change from ``before`` to ``after``, its SE and a permutation p-value.
 
     Under "no change", each task's difference is as likely to have either sign, so the
-    p-value is the share of random sign flips whose mean is at least as far from zero.
+    p-value is the share of random sign flips whose mean is at least as far from zero
+    (``draws=0``: not computed, nan).
     """
     if set(before) != set(after):
         only = sorted(set(before) ^ set(after))
@@ -107,7 +108,8 @@ def paired_change(before: dict[str, float], after: dict[str, float], draws: int 
         abs(sum(d if rng.random() < 0.5 else -d for d in diffs)) / len(diffs) >= abs(mean) - 1e-12
         for _ in range(draws)
     )
-    return Change(mean, se, (extreme + 1) / (draws + 1), sum(d > 0 for d in diffs), sum(d < 0 for d in diffs))
+    p_value = (extreme + 1) / (draws + 1) if draws else math.nan
+    return Change(mean, se, p_value, sum(d > 0 for d in diffs), sum(d < 0 for d in diffs))
 
 
 def per_task(by_task: dict[str, list[dict]], field: str) -> dict[str, float]:
@@ -122,7 +124,7 @@ def main() -> None:
     sides = {"before": [find_pass(p) for p in args.before], "after": [find_pass(p) for p in args.after]}
     for side, passes in sides.items():
         check_independent(side, passes)
-    episodes = {side: episodes_by_task(passes) for side, passes in sides.items()}
+    episodes = {side: episodes_by_task([p.folder / "scores.parquet" for p in passes]) for side, passes in sides.items()}
     print("| policy | passes | tasks | episodes | pass rate | mean reward |")
     print("|---|---|---|---|---|---|")
     for side, by_task in episodes.items():

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
-import pyarrow.parquet as pq
+from compare_policies import episodes_by_task, paired_change, per_task  # scripts/, beside this one
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -119,24 +118,7 @@ def draw(run: list[ValidationPoint], baseline: ValidationPoint, train: list[tupl
 
 def pass_rate_by_task(scores: Path) -> dict[str, float]:
     """Each validation task's share of passed episodes in a pass's ``scores.parquet``."""
-    rows = pq.read_table(scores, columns=["task_id", "passed"]).to_pylist()
-    by_task: dict[str, list[bool]] = {}
-    for row in rows:
-        by_task.setdefault(row["task_id"], []).append(bool(row["passed"]))
-    return {task: sum(passed) / len(passed) for task, passed in by_task.items()}
-
-
-def paired_change(point: ValidationPoint, reference: ValidationPoint) -> tuple[float, float]:
-    """Pass-rate change from ``reference`` and its standard error, paired by task.
-
-    The same tasks are validated at every step, so the per-task differences carry the
-    change and their spread its sampling noise: SE = sd(differences) / sqrt(tasks).
-    """
-    now, before = pass_rate_by_task(point.scores), pass_rate_by_task(reference.scores)
-    diffs = [now[task] - before[task] for task in before if task in now]
-    mean = sum(diffs) / len(diffs)
-    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)) if len(diffs) > 1 else math.nan
-    return mean, sd / math.sqrt(len(diffs))
+    return per_task(episodes_by_task([scores]), "passed")
 
 
 def table(run: list[ValidationPoint], baseline: ValidationPoint) -> str:
@@ -148,8 +130,8 @@ def table(run: list[ValidationPoint], baseline: ValidationPoint) -> str:
         name = "after SFT (GRPO step 0)" if p.step == 0 else f"GRPO after {p.step} steps"
         change = ""
         if p.step != 0:
-            mean, se = paired_change(p, run[0])
-            change = f"{mean:+.3f} +- {se:.3f}"
+            paired = paired_change(pass_rate_by_task(run[0].scores), pass_rate_by_task(p.scores), draws=0)
+            change = f"{paired.mean:+.3f} +- {paired.se:.3f}"
         lines.append(f"| {name} | {p.pass_rate:.3f} | {change} | {p.reward_mean:.3f} | {p.episodes} |")
     return "\n".join(lines)
 

@@ -46,6 +46,7 @@ def test_paired_change_is_the_mean_per_task_difference_with_its_standard_error()
     # Two tasks up by 0.5, two unchanged: a flip is as far from zero only when both 0.5s
     # keep one sign (both + or both -, whatever the zeros do), half the flips.
     assert change.p_value == pytest.approx(0.5, abs=0.02)
+    assert math.isnan(compare.paired_change(before, after, draws=0).p_value)  # the figure's table draws none
 
 
 def test_a_large_consistent_change_has_a_small_p_value_and_no_change_a_large_one() -> None:
@@ -63,7 +64,7 @@ def test_passes_of_one_policy_pool_by_task(tmp_path: Path) -> None:
     passes = [compare.find_pass(run), compare.find_pass(tmp_path / "eval")]  # a run folder finds its one pass
     assert [p.folder for p in passes] == [run, evaluated]
     compare.check_independent("after", passes)
-    pooled = compare.per_task(compare.episodes_by_task(passes), "passed")
+    pooled = compare.per_task(compare.episodes_by_task([p.folder / "scores.parquet" for p in passes]), "passed")
     assert pooled == {"a": 0.75, "b": 0.25}
 
 
