@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import subprocess
 import sys
@@ -11,12 +10,10 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from repo_script import REPO, load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "compare_policies.py"
-spec = importlib.util.spec_from_file_location("compare_policies", SCRIPT)
-compare = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = compare  # dataclasses look their module up while the script loads
-spec.loader.exec_module(compare)
+compare = load_script("scripts/compare_policies.py")
+SCRIPT = REPO / "scripts" / "compare_policies.py"
 
 
 def write_pass(run_dir: Path, step: int, seed: int, passed: dict[str, list[bool]]) -> Path:

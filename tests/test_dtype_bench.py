@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
-
-_BENCH = Path(__file__).resolve().parents[1] / "bench" / "dtype_bench.py"
+from repo_script import load_script
 
 
 def test_dtype_bench_prints_a_line_per_dtype(capsys: pytest.CaptureFixture[str]) -> None:
-    spec = importlib.util.spec_from_file_location("dtype_bench", _BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench/dtype_bench.py")
     assert bench.main(["--tiny", "--repeats", "1", "--context", "16", "--length", "32"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == ["float32", "bfloat16"]

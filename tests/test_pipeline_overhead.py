@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -11,18 +9,11 @@ import pytest
 
 from storage.query import open_run_sql, run_query
 from storage.runfolder import RunFolder
+from repo_script import load_script
 from tasks.config import config_to_toml
 
-_BENCH = Path(__file__).resolve().parents[1] / "bench" / "pipeline_overhead.py"
-
-
 def _load_bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("pipeline_overhead", _BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/pipeline_overhead.py")
 
 
 def _episodes(run_dir: Path) -> list[tuple]:

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
-
-_BENCH = Path(__file__).resolve().parents[1] / "bench" / "prefill_bench.py"
+from repo_script import load_script
 
 
 def test_prefill_bench_prints_a_line_per_slice_size(capsys: pytest.CaptureFixture[str]) -> None:
-    spec = importlib.util.spec_from_file_location("prefill_bench", _BENCH)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench/prefill_bench.py")
     assert bench.main(["--tiny", "--rows", "8", "--context", "1024", "--dtype", "float32"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[1].rstrip(":") for line in lines] == ["whole", "16384", "8192", "4096", "2048"]

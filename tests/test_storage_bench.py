@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
+from repo_script import load_script
 from storage.runfolder import RunFolder
 
-_BENCH = Path(__file__).resolve().parents[1] / "bench" / "storage_bench.py"
-
-
 def _load_bench():
-    spec = importlib.util.spec_from_file_location("storage_bench", _BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/storage_bench.py")
 
 
 def test_bench_writes_a_run_and_times_the_queries(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
