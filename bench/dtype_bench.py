@@ -34,13 +34,14 @@ import time
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, get_peft_model
 from transformers import DynamicCache
 
 from policy.generation import _cache_keyword
-from policy.models import ModelRef, build_tiny_model, load_causal_lm
+from policy.models import build_tiny_model
+from tasks.checkpoints import load_policy_for_training
+from tasks.config import ModelConfig, RunConfig
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "bfloat16")
 
 
 def decode_step_ms(model: torch.nn.Module, batch: int, context: int, repeats: int) -> float:
@@ -78,16 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=600, help="tokens per sequence in the update")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        ref = ModelRef()
-        if args.tiny:
-            build_tiny_model(Path(tmp) / "tiny")
-            ref = ModelRef(path=str(Path(tmp) / "tiny"))
-        for name, dtype in DTYPES.items():
-            torch.manual_seed(0)
-            model, _ = load_causal_lm(ref, dtype=dtype)
-            lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                              task_type="CAUSAL_LM")
-            model = get_peft_model(model, lora)
+        path = str(build_tiny_model(Path(tmp) / "tiny")) if args.tiny else None
+        for name in DTYPES:
+            # as the training stage loads it: a fresh LoRA of the default [train] settings
+            model, _ = load_policy_for_training(RunConfig(model=ModelConfig(path=path, dtype=name)), None)
             steps = {b: decode_step_ms(model, b, args.context, args.repeats) for b in (32, 64)}
             rate = lora_update_tokens_per_s(model, 6, args.length, args.repeats)
             print(f"{name:9s} decoding step B=32 {steps[32]:5.0f} ms, B=64 {steps[64]:5.0f} ms; "

@@ -33,14 +33,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig, get_peft_model
 from transformers import DynamicCache
 
 import policy.generation as generation
 from policy.generation import GenerationRequest
-from policy.models import ModelRef, build_tiny_model, load_causal_lm
+from policy.models import build_tiny_model
+from tasks.checkpoints import load_policy_for_training
+from tasks.config import ModelConfig, RunConfig
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SLICES = (None, 16384, 8192, 4096, 2048)  # None: the whole batch in one pass
 
 
@@ -69,17 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="a 2-layer test model instead of the bundled one")
     parser.add_argument("--rows", type=int, default=64, help="distinct contexts in the batch")
     parser.add_argument("--context", type=int, default=500, help="tokens per context")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        ref = ModelRef()
-        if args.tiny:
-            build_tiny_model(Path(tmp) / "tiny")
-            ref = ModelRef(path=str(Path(tmp) / "tiny"))
-        model, _ = load_causal_lm(ref, dtype=DTYPES[args.dtype])
-        lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                          task_type="CAUSAL_LM")
-        model: Any = get_peft_model(model, lora)
+        path = str(build_tiny_model(Path(tmp) / "tiny")) if args.tiny else None
+        # as the training stage loads it: a fresh LoRA of the default [train] settings
+        model: Any = load_policy_for_training(RunConfig(model=ModelConfig(path=path, dtype=args.dtype)), None)[0]
         model.eval()
         generator = torch.Generator().manual_seed(0)
         vocab = model.config.vocab_size
