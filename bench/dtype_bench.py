@@ -36,10 +36,10 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from policy.generation import _cache_keyword
-from policy.models import build_tiny_model
-from tasks.checkpoints import load_policy_for_training
-from tasks.config import ModelConfig, RunConfig
+from rollflow.policy.generation import _cache_keyword
+from rollflow.policy.models import build_tiny_model
+from rollflow.tasks.checkpoints import load_policy_for_training
+from rollflow.tasks.config import ModelConfig, RunConfig
 
 DTYPES = ("float32", "bfloat16")
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from envs.episode import ActionTokens, EpisodeRollout
-from storage.records import EpisodeRecord, ScoreRecord
-from tasks.flatten import flatten_episode_to_samples
+from rollflow.envs.episode import ActionTokens, EpisodeRollout
+from rollflow.storage.records import EpisodeRecord, ScoreRecord
+from rollflow.tasks.flatten import flatten_episode_to_samples
 
 OPENING_TOKENS, DELTA_TOKENS, ACTION_TOKENS = 300, 60, 40
 

@@ -33,11 +33,11 @@ from pathlib import Path
 
 import torch
 
-from envs.agent import PolicyAction
-from envs.types import Message, ToolSpec
-from policy.models import ModelRef, build_tiny_model, load_causal_lm
-from policy.sampling import SamplingSettings
-from policy.transformers_backend import TransformersPolicy
+from rollflow.envs.agent import PolicyAction
+from rollflow.envs.types import Message, ToolSpec
+from rollflow.policy.models import ModelRef, build_tiny_model, load_causal_lm
+from rollflow.policy.sampling import SamplingSettings
+from rollflow.policy.transformers_backend import TransformersPolicy
 
 CALCULATOR: ToolSpec = {
     "type": "function",

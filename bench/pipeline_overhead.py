@@ -2,7 +2,7 @@
 
 Runs the same training twice in one process, into two fresh run folders:
 
-- **flow**: ``flows.train.train_flow`` (each stage a Prefect task run, the flow run and
+- **flow**: ``rollflow.flows.train.train_flow`` (each stage a Prefect task run, the flow run and
   its task runs recorded by Prefect's local server);
 - **plain**: the very stage functions of ``tasks/`` (``rollout_stage``, ``score_stage``,
   ``flatten_stage``, ``train_stage``, ``metrics_stage`` and the validation stages) called
@@ -19,7 +19,7 @@ Overhead = (flow - plain) / plain, over the whole run and per step; each mode ru
 
 Simplified, and why: MLflow tracking is off in both modes (it is tracking, not
 orchestration, and its sqlite writes would add the same noise to both); the default
-model is a tiny random one (``policy.models.build_tiny_model``) so the bench runs in
+model is a tiny random one (``rollflow.policy.models.build_tiny_model``) so the bench runs in
 about a minute, which makes the share an *upper bound*: Prefect's cost per step is
 roughly constant, and the bundled model's steps are minutes long. ``--bundled`` runs
 the default run size (``RunConfig()``'s rollout and train sizes) on SmolLM2-135M.
@@ -47,15 +47,15 @@ os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="rollflow-overhead
 
 from prefect import flow  # noqa: E402
 
-from flows.runs import open_run  # noqa: E402
-from flows.train import train_flow, validation_due  # noqa: E402
-from policy.models import build_tiny_model  # noqa: E402
-from tasks.config import RunConfig, TrackingConfig, config_to_toml  # noqa: E402
-from tasks.flatten import flatten_stage  # noqa: E402
-from tasks.metrics import metrics_stage, validation_metrics_stage  # noqa: E402
-from tasks.rollout import rollout_stage  # noqa: E402
-from tasks.scoring import score_stage  # noqa: E402
-from tasks.train import train_stage  # noqa: E402
+from rollflow.flows.runs import open_run  # noqa: E402
+from rollflow.flows.train import train_flow, validation_due  # noqa: E402
+from rollflow.policy.models import build_tiny_model  # noqa: E402
+from rollflow.tasks.config import RunConfig, TrackingConfig, config_to_toml  # noqa: E402
+from rollflow.tasks.flatten import flatten_stage  # noqa: E402
+from rollflow.tasks.metrics import metrics_stage, validation_metrics_stage  # noqa: E402
+from rollflow.tasks.rollout import rollout_stage  # noqa: E402
+from rollflow.tasks.scoring import score_stage  # noqa: E402
+from rollflow.tasks.train import train_stage  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def bench_config(workdir: Path, steps: int, bundled: bool) -> RunConfig:
 
 
 def plain_training(config_path: Path, run_dir: Path) -> None:
-    """``flows.train.run_training`` without Prefect: the stage functions in the same order."""
+    """``rollflow.flows.train.run_training`` without Prefect: the stage functions in the same order."""
     handle = open_run(config_path, run_dir)
     config, root = handle.config, handle.root
     for step in range(config.train.num_steps):

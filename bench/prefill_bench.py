@@ -35,11 +35,11 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-import policy.generation as generation
-from policy.generation import GenerationRequest
-from policy.models import build_tiny_model
-from tasks.checkpoints import load_policy_for_training
-from tasks.config import ModelConfig, RunConfig
+import rollflow.policy.generation as generation
+from rollflow.policy.generation import GenerationRequest
+from rollflow.policy.models import build_tiny_model
+from rollflow.tasks.checkpoints import load_policy_for_training
+from rollflow.tasks.config import ModelConfig, RunConfig
 
 SLICES = (None, 16384, 8192, 4096, 2048)  # None: the whole batch in one pass
 

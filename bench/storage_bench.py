@@ -3,7 +3,7 @@
     .venv/bin/python bench/storage_bench.py                       # 1,000,000 episodes
     .venv/bin/python bench/storage_bench.py --episodes 20000 --steps 10
 
-Episodes are the ``storage.synthetic`` tool-use transcripts (5 messages, one tool call,
+Episodes are the ``rollflow.storage.synthetic`` tool-use transcripts (5 messages, one tool call,
 2 actions) made less compressible: random token ids and float32 logprobs (``--tokens``
 context tokens per episode) and a user message of random words, so file sizes are not
 flattered by identical rows. They are written step by step through ``RunFolder``
@@ -11,7 +11,7 @@ exactly as the rollout and scoring stages write them: records -> Arrow table -> 
 zstd Parquet. The write time includes building the Python records and converting them,
 reported apart.
 
-The metric timings are for the SQL the pipeline runs (``storage.query``): one step's
+The metric timings are for the SQL the pipeline runs (``rollflow.storage.query``): one step's
 metrics (what the pipeline logs after each step), and every step at once over the whole
 run (what a dashboard would ask), each the median of several runs on a warm connection.
 
@@ -34,12 +34,12 @@ from pathlib import Path
 
 import numpy as np
 
-from envs.episode import ActionTokens
-from storage.query import metrics_by_step, open_run_sql, run_query, step_metrics
-from storage.runfolder import RunFolder
-from storage.records import EpisodeRecord
-from storage.schemas import episode_records_to_table, score_records_to_table
-from storage.synthetic import synthetic_episode, synthetic_score
+from rollflow.envs.episode import ActionTokens
+from rollflow.storage.query import metrics_by_step, open_run_sql, run_query, step_metrics
+from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.records import EpisodeRecord
+from rollflow.storage.schemas import episode_records_to_table, score_records_to_table
+from rollflow.storage.synthetic import synthetic_episode, synthetic_score
 
 
 def _median_seconds(action: Callable[[], object], repeats: int) -> float:

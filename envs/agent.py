@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from envs.types import Message, ToolSpec
+from rollflow.envs.types import Message, ToolSpec
 
 FinishReason = Literal["stop", "length", "context"]
 

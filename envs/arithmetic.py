@@ -11,7 +11,7 @@ is refused before it is computed. Booleans and complex numbers are not numbers h
 
 Every failure is an ``ExpressionError`` (a ``ValueError``), so a tool can turn it into
 ``tool_error: ...`` with one ``except``. ``CalculatorTool`` is that tool, shared by the
-bundled environments: it raises, and ``envs.tools.execute_tool_calls`` reports it.
+bundled environments: it raises, and ``rollflow.envs.tools.execute_tool_calls`` reports it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from envs.types import ToolResult
+from rollflow.envs.types import ToolResult
 
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 64

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from envs.agent import Policy
-from envs.env import AsyncEnvSuite
-from envs.episode import EpisodeRollout
-from envs.handle import (
+from rollflow.envs.agent import Policy
+from rollflow.envs.env import AsyncEnvSuite
+from rollflow.envs.episode import EpisodeRollout
+from rollflow.envs.handle import (
     UNSCORED_EPISODE,
     Cleanup,
     EpisodeLimits,
@@ -35,9 +35,9 @@ from envs.handle import (
     play_safely,
     task_id_for,
 )
-from envs.hooks import check_split, checked_messages
-from envs.protocol import parse_action
-from envs.types import Split, StepResult, Task, TruncationCause
+from rollflow.envs.hooks import check_split, checked_messages
+from rollflow.envs.protocol import parse_action
+from rollflow.envs.types import Split, StepResult, Task, TruncationCause
 
 
 class AsyncEnvironmentHandle:

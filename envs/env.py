@@ -21,7 +21,7 @@ import abc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from envs.types import Message, StepResult, Task, ToolSpec
+from rollflow.envs.types import Message, StepResult, Task, ToolSpec
 
 
 class Env(abc.ABC):

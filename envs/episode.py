@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from envs.agent import FinishReason
-from envs.types import Message, TruncationCause
+from rollflow.envs.agent import FinishReason
+from rollflow.envs.types import Message, TruncationCause
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The records and the interface the episode runner shares across both environment styles.
 
-``envs.runner`` re-exports everything public here; import from there. This module also
+``rollflow.envs.runner`` re-exports everything public here; import from there. This module also
 holds ``EpisodeTrace``, the private accumulator one ``play`` call fills as its episode
 runs, so both styles record actions, turns and endings the same way.
 
@@ -25,10 +25,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from envs.agent import Policy, PolicyAction, PolicySession
-from envs.checks import require_int
-from envs.episode import ActionTokens, EpisodeRollout
-from envs.types import Message, Split, Task, TaskExample, TruncationCause
+from rollflow.envs.agent import Policy, PolicyAction, PolicySession
+from rollflow.envs.checks import require_int
+from rollflow.envs.episode import ActionTokens, EpisodeRollout
+from rollflow.envs.types import Message, Split, Task, TaskExample, TruncationCause
 
 Style = Literal["hook", "async"]
 

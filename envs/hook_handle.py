@@ -21,9 +21,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from envs.agent import Policy
-from envs.episode import EpisodeRollout
-from envs.handle import (
+from rollflow.envs.agent import Policy
+from rollflow.envs.episode import EpisodeRollout
+from rollflow.envs.handle import (
     UNSCORED_EPISODE,
     Cleanup,
     EpisodeLimits,
@@ -38,7 +38,7 @@ from envs.handle import (
     play_safely,
     task_id_for,
 )
-from envs.hooks import (
+from rollflow.envs.hooks import (
     EnvironmentMultiTurn,
     call_hook,
     call_setup_hook,
@@ -48,8 +48,8 @@ from envs.hooks import (
     overrides,
     score_each,
 )
-from envs.protocol import parse_action
-from envs.types import (
+from rollflow.envs.protocol import parse_action
+from rollflow.envs.types import (
     EnvironmentEpisode,
     EnvironmentStepResult,
     EnvironmentTurn,

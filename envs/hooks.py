@@ -3,7 +3,7 @@
 Subclass ``EnvironmentMultiTurn`` and implement four hooks: ``start_episode`` (the opening
 messages), ``max_episode_turns``, ``step_episode`` (react to the action that was just
 appended to ``messages``) and ``score_episode`` (grade a finished transcript). The loop
-itself lives in ``envs.runner``; its semantics are the reference's exactly.
+itself lives in ``rollflow.envs.runner``; its semantics are the reference's exactly.
 
 Environments are stateless between calls: many episodes of one example run at the same
 time, so the transcript is the only episode state. That is also why hooks may run on
@@ -40,7 +40,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
-from envs.types import (
+from rollflow.envs.types import (
     EnvironmentEpisode,
     EnvironmentStepResult,
     Message,

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from envs.types import Message, ToolCall, ToolSpec
+from rollflow.envs.types import Message, ToolCall, ToolSpec
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"

@@ -2,7 +2,7 @@
 
 The Python API ``train_multi_turn(config, tasks, env_factory, val_tasks)`` receives live
 objects, but the pipeline's stages load their environment from the config by name. The
-API registers the objects here under a key and names ``envs.registry:registered_environment``
+API registers the objects here under a key and names ``rollflow.envs.registry:registered_environment``
 with that key in the config, so every stage goes through the same loading path.
 
 A registration lives as long as the process: a run started this way can be resumed only by
@@ -11,10 +11,10 @@ calling ``train_multi_turn`` again with the same objects (the error below says s
 
 from __future__ import annotations
 
-from envs.env import AsyncEnvSuite
-from envs.hooks import EnvironmentMultiTurn
+from rollflow.envs.env import AsyncEnvSuite
+from rollflow.envs.hooks import EnvironmentMultiTurn
 
-REGISTERED_SPEC = "envs.registry:registered_environment"
+REGISTERED_SPEC = "rollflow.envs.registry:registered_environment"
 _REGISTERED: dict[str, AsyncEnvSuite | EnvironmentMultiTurn] = {}
 
 

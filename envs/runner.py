@@ -15,32 +15,35 @@ is recorded on its own episode (``EpisodeRollout.error``, ``EpisodeScore.error``
 other episodes go on. Exceptions are kept for what is wrong before anything runs: a bad
 spec, bad arguments, an invalid limit (``EnvironmentLoadError``, ``ValueError``).
 
-The loops themselves live in ``envs.hook_handle`` and ``envs.async_handle``; what they
-share (records, the trace of one episode, the ending rules) in ``envs.handle``.
+The loops themselves live in ``rollflow.envs.hook_handle`` and ``rollflow.envs.async_handle``; what they
+share (records, the trace of one episode, the ending rules) in ``rollflow.envs.handle``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import importlib.util
 import inspect
+import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 
-from envs.agent import Policy
-from envs.async_handle import AsyncEnvironmentHandle
-from envs.checks import require_int
-from envs.env import AsyncEnvSuite, Env
-from envs.episode import EpisodeRollout
-from envs.handle import (
+from rollflow.envs.agent import Policy
+from rollflow.envs.async_handle import AsyncEnvironmentHandle
+from rollflow.envs.checks import require_int
+from rollflow.envs.env import AsyncEnvSuite, Env
+from rollflow.envs.episode import EpisodeRollout
+from rollflow.envs.handle import (
     EnvironmentHandle,
     EpisodeLimits,
     EpisodeScore,
     TaskItem,
     task_id_for,
 )
-from envs.hook_handle import HookEnvironmentHandle, to_environment_episode
-from envs.hooks import EnvironmentMultiTurn
-from envs.types import Task
+from rollflow.envs.hook_handle import HookEnvironmentHandle, to_environment_episode
+from rollflow.envs.hooks import EnvironmentMultiTurn
+from rollflow.envs.types import Task
 
 __all__ = [
     "AsyncEnvironmentHandle",
@@ -146,7 +149,7 @@ def _split_spec(spec: str) -> tuple[str, str]:
     parts = spec.split(":") if isinstance(spec, str) else []
     if len(parts) != 2 or not all(part.strip() for part in parts):
         raise EnvironmentLoadError(
-            f"environment spec {spec!r} must be 'module:function', e.g. 'envs.tool_use_game:load_environment'"
+            f"environment spec {spec!r} must be 'module:function', e.g. 'rollflow.envs.tool_use_game:load_environment'"
         )
     module_name, function_name = (part.strip() for part in parts)
     if not function_name.isidentifier():
@@ -154,7 +157,14 @@ def _split_spec(spec: str) -> tuple[str, str]:
     return module_name, function_name
 
 
+# The folders rollflow installs under its own name; a spec written before they moved
+# (``envs.tool_use_game:load_environment`` in an older run's frozen config) still loads.
+_OWN_FOLDERS = ("envs", "tasks", "flows", "storage", "policy")
+
+
 def _import(module_name: str, spec: str) -> object:
+    _working_directory_on_path()
+    module_name = _current_module_name(module_name)
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -164,6 +174,32 @@ def _import(module_name: str, spec: str) -> object:
         raise EnvironmentLoadError(f"importing {module_name!r} failed: {exc}") from exc
     except Exception as exc:
         raise EnvironmentLoadError(f"importing {module_name!r} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _working_directory_on_path() -> None:
+    """A user's environment module lives in their working directory, which the ``rollflow``
+    console script (unlike ``python -m``) does not put on ``sys.path``. It goes last, so it
+    never shadows an installed package."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+
+
+def _current_module_name(module_name: str) -> str:
+    """``envs.x`` -> ``rollflow.envs.x`` when rollflow has that module; else unchanged.
+
+    Checked first, not as a fallback: inside a checkout ``envs.x`` would also import from
+    the working directory, as a second copy whose classes are not rollflow's.
+    """
+    top = module_name.split(".", 1)[0]
+    if top not in _OWN_FOLDERS:
+        return module_name
+    candidate = f"rollflow.{module_name}"
+    try:
+        found = importlib.util.find_spec(candidate) is not None
+    except ModuleNotFoundError:
+        found = False
+    return candidate if found else module_name
 
 
 def _checked_kwargs(

@@ -17,8 +17,8 @@ import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from envs.agent import PolicyAction
-from envs.types import Message, ToolSpec
+from rollflow.envs.agent import PolicyAction
+from rollflow.envs.types import Message, ToolSpec
 
 ScriptFunction = Callable[[Sequence[Message], int], "str | PolicyAction"]
 

@@ -25,7 +25,7 @@ from jsonschema import Draft202012Validator, validators
 from jsonschema.exceptions import SchemaError, best_match
 from jsonschema.protocols import Validator
 
-from envs.types import Message, Tool, ToolCall, ToolResult
+from rollflow.envs.types import Message, Tool, ToolCall, ToolResult
 
 TOOL_ERROR_PREFIX = "tool_error: "
 

@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from envs.env import AsyncEnvSuite, Env
-from envs.registry import register_environment
-from envs.types import Task
-from tasks.config import EnvConfig, RunConfig, config_to_toml
-from tasks.grpo_config import GRPOConfig
+from rollflow.envs.env import AsyncEnvSuite, Env
+from rollflow.envs.registry import register_environment
+from rollflow.envs.types import Task
+from rollflow.tasks.config import EnvConfig, RunConfig, config_to_toml
+from rollflow.tasks.grpo_config import GRPOConfig
 
 
 def train_multi_turn(
@@ -35,7 +35,7 @@ def train_multi_turn(
     Without ``val_tasks`` the training tasks are validated on (as the reference recipe
     does). Returns the run folder; call again with the same ``run_dir`` to resume.
     """
-    from flows.train import train_flow
+    from rollflow.flows.train import train_flow
 
     run_config = config.to_run_config() if isinstance(config, GRPOConfig) else config
     suite = AsyncEnvSuite(

@@ -26,11 +26,11 @@ from typing import Any
 
 import duckdb
 
-from policy.stopping import SIGTERM_EXIT_CODE, StopRequested, exit_on_sigterm
-from storage.errors import StorageError
-from storage.query import describe_views, open_run_sql, run_query
-from storage.runs import age_text, list_runs
-from storage.transcript import render_episode
+from rollflow.policy.stopping import SIGTERM_EXIT_CODE, StopRequested, exit_on_sigterm
+from rollflow.storage.errors import StorageError
+from rollflow.storage.query import describe_views, open_run_sql, run_query
+from rollflow.storage.runs import age_text, list_runs
+from rollflow.storage.transcript import render_episode
 
 
 class UserError(Exception):
@@ -208,7 +208,7 @@ register(Command("runs", "list runs with their status and last finished step", _
 
 
 # Subcommands kept in their own modules; each registers itself when imported.
-COMMAND_MODULES = ("flows.cli_train", "flows.cli_eval")
+COMMAND_MODULES = ("rollflow.flows.cli_train", "rollflow.flows.cli_eval")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # `python -m flows.cli`: subcommand modules register into flows.cli, not __main__.
-    from flows.cli import main as registered_main
+    # `python -m rollflow.flows.cli`: subcommand modules register into flows.cli, not __main__.
+    from rollflow.flows.cli import main as registered_main
 
     sys.exit(registered_main())

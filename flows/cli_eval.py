@@ -1,6 +1,6 @@
 """``rollflow eval`` and ``rollflow sft``: score a policy, or warm-start one on transcripts.
 
-They register themselves in ``flows.cli``'s table when this module is imported. Prefect,
+They register themselves in ``rollflow.flows.cli``'s table when this module is imported. Prefect,
 torch and the flows are imported only when a command runs, so ``rollflow sql`` stays fast.
 """
 
@@ -11,14 +11,14 @@ import os
 import sys
 from pathlib import Path
 
-from flows.cli import Command, UserError, register
+from rollflow.flows.cli import Command, UserError, register
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from envs.runner import EnvironmentLoadError
-    from policy.models import ModelLoadError
-    from tasks.config import ConfigError
-    from tasks.sft_rows import SFTDataError
+    from rollflow.envs.runner import EnvironmentLoadError
+    from rollflow.policy.models import ModelLoadError
+    from rollflow.tasks.config import ConfigError
+    from rollflow.tasks.sft_rows import SFTDataError
 
     return (ConfigError, EnvironmentLoadError, ModelLoadError, SFTDataError, FileNotFoundError)
 
@@ -40,8 +40,8 @@ def run_eval(args: argparse.Namespace) -> int:
         raise UserError(f"--tasks must be at least 1; got {args.tasks}")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     try:
-        from flows.eval import describe_policy, eval_flow, eval_report, format_report
-        from tasks.config import load_config
+        from rollflow.flows.eval import describe_policy, eval_flow, eval_report, format_report
+        from rollflow.tasks.config import load_config
 
         root = eval_flow(
             config_path=args.config, run_dir=args.run_dir, env=args.env, model=args.model,
@@ -63,8 +63,8 @@ def run_sft(args: argparse.Namespace) -> int:
     """Train on the transcripts, then print the losses and how to start GRPO from the result."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     try:
-        from flows.sft import describe_sft, sft_flow
-        from tasks.config import load_config
+        from rollflow.flows.sft import describe_sft, sft_flow
+        from rollflow.tasks.config import load_config
 
         load_config(args.config)  # a bad config fails in one line, before Prefect starts
         policy = sft_flow(config_path=args.config, run_dir=args.run_dir)

@@ -1,6 +1,6 @@
 """``rollflow train``, ``resume`` and ``env new``: the subcommands that start work.
 
-They register themselves in ``flows.cli``'s table when this module is imported (the
+They register themselves in ``rollflow.flows.cli``'s table when this module is imported (the
 table's loader does that). Prefect is imported only when a flow actually runs, so
 ``rollflow sql`` stays fast.
 """
@@ -11,7 +11,7 @@ import argparse
 import os
 from pathlib import Path
 
-from flows.cli import Command, UserError, register
+from rollflow.flows.cli import Command, UserError, register
 
 
 def _quiet_prefect_defaults() -> None:
@@ -20,10 +20,10 @@ def _quiet_prefect_defaults() -> None:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from envs.runner import EnvironmentLoadError
-    from flows.runs import RunSetupError
-    from policy.models import ModelLoadError
-    from tasks.config import ConfigError
+    from rollflow.envs.runner import EnvironmentLoadError
+    from rollflow.flows.runs import RunSetupError
+    from rollflow.policy.models import ModelLoadError
+    from rollflow.tasks.config import ConfigError
 
     return (ConfigError, RunSetupError, EnvironmentLoadError, ModelLoadError, FileNotFoundError)
 
@@ -48,12 +48,12 @@ def run_resume(args: argparse.Namespace) -> int:
 def _run_flow(config_path: str | None, run_dir: str | None) -> int:
     _quiet_prefect_defaults()
     try:
-        from flows.runs import open_run
+        from rollflow.flows.runs import open_run
 
         # A bad config or folder fails here in one clear line, before Prefect starts; the
         # flow then runs on the frozen copy in the (new or existing) run folder.
         handle = open_run(config_path, run_dir)
-        from flows.train import train_flow
+        from rollflow.flows.train import train_flow
 
         folder = train_flow(run_dir=str(handle.root))
     except _user_errors() as exc:
@@ -75,7 +75,7 @@ def _env_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_env(args: argparse.Namespace) -> int:
-    from envs.scaffold import write_starter
+    from rollflow.envs.scaffold import write_starter
 
     try:
         written = write_starter(args.name, Path(args.dest), args.style or "hook")

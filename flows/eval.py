@@ -9,7 +9,7 @@ run's validation pass on its own: the same rollout and scoring stages with
 ``rollflow sql`` and ``rollflow show`` work on it and its numbers are comparable with a
 training run's ``val/`` curves.
 
-The report's numbers come from ``storage.query.step_metrics``, the very SQL the training
+The report's numbers come from ``rollflow.storage.query.step_metrics``, the very SQL the training
 flow logs; the worst episodes (errored first, then by final reward) are listed by id for
 ``rollflow show``.
 
@@ -37,13 +37,13 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from flows.runs import freeze_config
-from flows.train import validate
-from storage.query import open_run_sql, step_metrics
-from storage.runfolder import RunFolder
-from storage.runs import mark_run_kind
-from tasks.config import ConfigError, EnvConfig, ModelConfig, RunConfig, load_config
-from tasks.metrics import finish_tracking, start_tracking
+from rollflow.flows.runs import freeze_config
+from rollflow.flows.train import validate
+from rollflow.storage.query import open_run_sql, step_metrics
+from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.runs import mark_run_kind
+from rollflow.tasks.config import ConfigError, EnvConfig, ModelConfig, RunConfig, load_config
+from rollflow.tasks.metrics import finish_tracking, start_tracking
 
 EVAL_STEP = 0  # an evaluation is one validation pass, stored as step 0
 WORST_EPISODES = 5

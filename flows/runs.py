@@ -16,10 +16,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from storage.errors import ConfigMismatchError
-from storage.runfolder import RunFolder
-from tasks.config import ConfigError, RunConfig, config_to_toml, flatten_config, load_config
-from tasks.metrics import METRICS_JSON  # written last in a step: the step is finished
+from rollflow.storage.errors import ConfigMismatchError
+from rollflow.storage.runfolder import RunFolder
+from rollflow.tasks.config import ConfigError, RunConfig, config_to_toml, flatten_config, load_config
+from rollflow.tasks.metrics import METRICS_JSON  # written last in a step: the step is finished
 
 
 class RunSetupError(ValueError):

@@ -18,12 +18,12 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.runs import freeze_config
-from storage.runfolder import RunFolder
-from storage.runs import mark_run_kind
-from tasks.config import RunConfig, load_config
-from tasks.metrics import finish_tracking, start_tracking
-from tasks.sft import log_sft_metrics, read_sft_result, sft_stage
+from rollflow.flows.runs import freeze_config
+from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.runs import mark_run_kind
+from rollflow.tasks.config import RunConfig, load_config
+from rollflow.tasks.metrics import finish_tracking, start_tracking
+from rollflow.tasks.sft import log_sft_metrics, read_sft_result, sft_stage
 
 
 @task(name="sft", task_run_name="sft", cache_policy=NO_CACHE, persist_result=False)

@@ -26,13 +26,13 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.runs import RunHandle, open_run
-from tasks.config import RunConfig
-from tasks.flatten import flatten_stage
-from tasks.metrics import finish_tracking, metrics_stage, start_tracking, validation_metrics_stage
-from tasks.rollout import rollout_stage
-from tasks.scoring import score_stage
-from tasks.train import train_stage
+from rollflow.flows.runs import RunHandle, open_run
+from rollflow.tasks.config import RunConfig
+from rollflow.tasks.flatten import flatten_stage
+from rollflow.tasks.metrics import finish_tracking, metrics_stage, start_tracking, validation_metrics_stage
+from rollflow.tasks.rollout import rollout_stage
+from rollflow.tasks.scoring import score_stage
+from rollflow.tasks.train import train_stage
 
 # The files are the cache: Prefect must neither hash configs nor persist results.
 _STAGE = dict(cache_policy=NO_CACHE, persist_result=False)

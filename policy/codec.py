@@ -23,7 +23,7 @@ that strips earlier ``<think>`` blocks, or a model that stopped on a different e
 
 Simplifications, and why:
 - A template that ignores ``tools=`` (found by rendering a probe with and without a tool)
-  gets ``envs.protocol.describe_tools`` in its system prompt: appended to a leading system
+  gets ``rollflow.envs.protocol.describe_tools`` in its system prompt: appended to a leading system
   message, or as a new one. That replaces a template's default system prompt, which is
   what a caller giving tools would want anyway.
 - An assistant message whose content already carries its tool calls verbatim (the
@@ -40,8 +40,8 @@ from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
-from envs.protocol import ParsedAction, describe_tools, parse_action
-from envs.types import Message, ToolSpec
+from rollflow.envs.protocol import ParsedAction, describe_tools, parse_action
+from rollflow.envs.types import Message, ToolSpec
 
 _PROBE_MESSAGES: tuple[Message, ...] = ({"role": "user", "content": "ping"},)
 _PROBE_TOOL: ToolSpec = {

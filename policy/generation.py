@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from policy.sampling import draw_tokens, sampling_logprobs
-from policy.stopping import raise_if_stop_requested
+from rollflow.policy.sampling import draw_tokens, sampling_logprobs
+from rollflow.policy.stopping import raise_if_stop_requested
 
 # Tokens (rows x the batch's width) in one prefill forward pass: a pass of 8 rows x 500
 # positions takes about 2 s on 2 CPU cores, the longest a stop request waits in a prefill,

@@ -15,7 +15,7 @@ A hosted OpenAI model returns text and logprobs over token strings; the action t
 carries text only (``token_ids`` and ``logprobs`` must pair up one to one).
 
 Structured ``tool_calls`` parsed by the server are written back into the action text with
-``envs.protocol.render_tool_calls``, so the runner reads every model the same way.
+``rollflow.envs.protocol.render_tool_calls``, so the runner reads every model the same way.
 
 Endings: ``stop`` / ``tool_calls`` -> ``"stop"``; ``length`` -> ``"length"``, or
 ``"context"`` when the usage shows the episode reached ``max_model_length``; a request the
@@ -46,12 +46,12 @@ from typing import Any
 
 import httpx
 
-from envs.agent import FinishReason, PolicyAction
-from envs.protocol import describe_tools, render_tool_calls
-from envs.types import Message, ToolCall, ToolSpec
-from policy.codec import with_tools_in_system_prompt
-from policy.sampling import EpisodeSeeds, SamplingSettings, request_seed
-from policy.stopping import raise_if_stop_requested
+from rollflow.envs.agent import FinishReason, PolicyAction
+from rollflow.envs.protocol import describe_tools, render_tool_calls
+from rollflow.envs.types import Message, ToolCall, ToolSpec
+from rollflow.policy.codec import with_tools_in_system_prompt
+from rollflow.policy.sampling import EpisodeSeeds, SamplingSettings, request_seed
+from rollflow.policy.stopping import raise_if_stop_requested
 
 _RETRIED_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _CONTEXT_ERROR = re.compile(r"context length|context window|maximum context|too long", re.I)

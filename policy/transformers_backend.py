@@ -15,7 +15,7 @@ Budgets, per the runner contract (envs/agent.py):
   is ``"context"`` too; when both limits coincide the context is spent, so ``"context"``.
 
 Seeds: each request draws from its own generator, seeded from the settings' seed, the
-episode's identity (its opening prompt and occurrence, ``policy.sampling.EpisodeSeeds``),
+episode's identity (its opening prompt and occurrence, ``rollflow.policy.sampling.EpisodeSeeds``),
 the turn and the attempt; ``reseed`` starts over from a new seed, so a step replays the
 same samples whatever ran in the process before it.
 
@@ -45,13 +45,13 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from envs.agent import FinishReason, PolicyAction
-from envs.types import Message, ToolSpec
-from policy.codec import ChatCodec, TokenState
-from policy.generation import GenerationOutput, GenerationRequest, generate_batch
-from policy.models import ModelRef, generation_stop_ids, load_causal_lm
-from policy.sampling import EpisodeSeeds, SamplingSettings, request_seed
-from policy.stopping import StopRequested
+from rollflow.envs.agent import FinishReason, PolicyAction
+from rollflow.envs.types import Message, ToolSpec
+from rollflow.policy.codec import ChatCodec, TokenState
+from rollflow.policy.generation import GenerationOutput, GenerationRequest, generate_batch
+from rollflow.policy.models import ModelRef, generation_stop_ids, load_causal_lm
+from rollflow.policy.sampling import EpisodeSeeds, SamplingSettings, request_seed
+from rollflow.policy.stopping import StopRequested
 
 _POLL_S = 0.002
 

@@ -14,8 +14,8 @@ import math
 from collections.abc import Mapping
 from typing import Any, cast
 
-from envs.episode import ActionTokens
-from envs.types import Message, ToolCall
+from rollflow.envs.episode import ActionTokens
+from rollflow.envs.types import Message, ToolCall
 
 _MESSAGE_KEYS = frozenset({"role", "content", "tool_calls", "tool_call_id", "name"})
 

@@ -31,15 +31,15 @@ from typing import IO
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage.errors import (
+from rollflow.storage.errors import (
     CorruptFileError,
     SchemaMismatchError,
     SchemaVersionError,
     StageExistsError,
     StorageError,
 )
-from storage.records import SCHEMA_VERSION
-from storage.schemas import KIND_KEY, SCHEMAS, VERSION_KEY, RecordKind, schema_difference
+from rollflow.storage.records import SCHEMA_VERSION
+from rollflow.storage.schemas import KIND_KEY, SCHEMAS, VERSION_KEY, RecordKind, schema_difference
 
 __all__ = [
     "COMPLETE_MARKER",
@@ -110,7 +110,7 @@ def _record_kind(schema: pa.Schema) -> RecordKind | None:
 
 
 def write_table_atomic(table: pa.Table, path: Path) -> Path:
-    """Write a record table (from ``storage.schemas``) to ``path`` atomically."""
+    """Write a record table (from ``rollflow.storage.schemas``) to ``path`` atomically."""
     kind = _record_kind(table.schema)
     if kind is None:
         raise ValueError(

@@ -40,8 +40,8 @@ from typing import Any
 
 import duckdb
 
-from storage.errors import NoDataError, StorageError
-from storage.views import VIEW_KINDS, collect_files, create_view, resolve_run_folders
+from rollflow.storage.errors import NoDataError, StorageError
+from rollflow.storage.views import VIEW_KINDS, collect_files, create_view, resolve_run_folders
 
 METRIC_NAMES = (
     "terminated_ratio",

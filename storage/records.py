@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from envs.episode import EpisodeRollout
+from rollflow.envs.episode import EpisodeRollout
 
 SCHEMA_VERSION = 1
 

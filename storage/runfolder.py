@@ -34,14 +34,14 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from storage.errors import (
+from rollflow.storage.errors import (
     ConfigMismatchError,
     CorruptFileError,
     SchemaMismatchError,
     StageExistsError,
     StorageError,
 )
-from storage.parquet import (
+from rollflow.storage.parquet import (
     COMPLETE_MARKER,
     fsync_dir,
     is_temporary,
@@ -53,8 +53,8 @@ from storage.parquet import (
     write_part,
     write_table_atomic,
 )
-from storage.records import TrainResult
-from storage.schemas import KIND_KEY, RecordKind, train_result_from_json, train_result_to_json
+from rollflow.storage.records import TrainResult
+from rollflow.storage.schemas import KIND_KEY, RecordKind, train_result_from_json, train_result_to_json
 
 SPLIT_DIRS = {"train": "steps", "validation": "validation"}
 STAGES = {"train": ("episodes", "scores", "samples", "train"), "validation": ("episodes", "scores")}

@@ -23,8 +23,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from storage.parquet import write_bytes_atomic
-from storage.runfolder import SPLIT_DIRS, RunFolder
+from rollflow.storage.parquet import write_bytes_atomic
+from rollflow.storage.runfolder import SPLIT_DIRS, RunFolder
 
 KIND_FILE = "run_kind"
 RUN_KINDS = ("train", "eval", "sft")

@@ -30,11 +30,11 @@ from typing import Any
 
 import pyarrow as pa
 
-from envs.episode import EpisodeRollout
-from envs.types import TruncationCause
-from storage.errors import SchemaMismatchError
-from storage.nested import action_to_row, dump_json, message_to_row, row_to_action, row_to_message
-from storage.records import SCHEMA_VERSION, EpisodeRecord, SampleRecord, ScoreRecord, TrainResult
+from rollflow.envs.episode import EpisodeRollout
+from rollflow.envs.types import TruncationCause
+from rollflow.storage.errors import SchemaMismatchError
+from rollflow.storage.nested import action_to_row, dump_json, message_to_row, row_to_action, row_to_message
+from rollflow.storage.records import SCHEMA_VERSION, EpisodeRecord, SampleRecord, ScoreRecord, TrainResult
 
 KIND_KEY = b"rollflow.record"
 VERSION_KEY = b"rollflow.schema_version"

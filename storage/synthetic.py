@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import struct
 
-from envs.episode import ActionTokens, EpisodeRollout
-from envs.types import Message, TruncationCause
-from storage.records import EpisodeRecord, SampleRecord, ScoreRecord
+from rollflow.envs.episode import ActionTokens, EpisodeRollout
+from rollflow.envs.types import Message, TruncationCause
+from rollflow.storage.records import EpisodeRecord, SampleRecord, ScoreRecord
 
 # (terminated, truncation_cause, error): episode i ends the (i mod 8)-th way
 _ENDINGS: tuple[tuple[bool, TruncationCause | None, str | None], ...] = (

@@ -39,8 +39,8 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 
-from storage.errors import NoDataError, StorageError
-from storage.runfolder import RunFolder
+from rollflow.storage.errors import NoDataError, StorageError
+from rollflow.storage.runfolder import RunFolder
 
 TRACKING_FILE = "tracking.json"
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on one param value

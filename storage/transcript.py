@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from storage.errors import NoDataError
-from storage.query import open_run_sql
+from rollflow.storage.errors import NoDataError
+from rollflow.storage.query import open_run_sql
 
 _EPISODE_SQL = """
 SELECT e.*, s.reward, s.final_reward, s.threshold, s.passed, s.advantage, s.group_mean,

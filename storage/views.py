@@ -27,11 +27,11 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-from storage.errors import SchemaMismatchError, StorageError
-from storage.parquet import check_file
-from storage.runfolder import SPLIT_DIRS, STAGES, RunFolder, parse_step_dirname
-from storage.runs import looks_like_run
-from storage.schemas import SCHEMAS, TRAIN_RESULT_SCHEMA, RecordKind
+from rollflow.storage.errors import SchemaMismatchError, StorageError
+from rollflow.storage.parquet import check_file
+from rollflow.storage.runfolder import SPLIT_DIRS, STAGES, RunFolder, parse_step_dirname
+from rollflow.storage.runs import looks_like_run
+from rollflow.storage.schemas import SCHEMAS, TRAIN_RESULT_SCHEMA, RecordKind
 
 VIEW_KINDS = {
     "episodes": RecordKind.EPISODES,

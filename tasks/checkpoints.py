@@ -34,12 +34,12 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from policy.models import ModelRef, load_causal_lm
-from storage.parquet import temporary_path
-from storage.records import TrainResult
-from storage.runfolder import RunFolder
-from storage.schemas import train_result_from_json, train_result_to_json
-from tasks.config import RunConfig
+from rollflow.policy.models import ModelRef, load_causal_lm
+from rollflow.storage.parquet import temporary_path
+from rollflow.storage.records import TrainResult
+from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.schemas import train_result_from_json, train_result_to_json
+from rollflow.tasks.config import RunConfig
 
 # peft calls a transformers method deprecated in 5.x on every LoRA load; not ours to fix.
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from tasks.config_toml import toml_document
+from rollflow.tasks.config_toml import toml_document
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 Backend = Literal["transformers", "openai"]
@@ -61,7 +61,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class EnvConfig:
-    name: str = "envs.tool_use_game:load_environment"  # the bundled game
+    name: str = "rollflow.envs.tool_use_game:load_environment"  # the bundled game
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -70,7 +70,7 @@ class EnvConfig:
         if not (sep and module and function.isidentifier()):
             raise ConfigError(
                 f"[env].name must be 'module:function' "
-                f"(e.g. 'envs.tool_use_game:load_environment'), got {self.name!r}"
+                f"(e.g. 'rollflow.envs.tool_use_game:load_environment'), got {self.name!r}"
             )
         object.__setattr__(self, "kwargs", dict(self.kwargs))
 

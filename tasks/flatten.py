@@ -1,6 +1,6 @@
 """Flattening stage: scored episodes -> training samples, from the exact sampled token ids.
 
-An episode's actions (``envs.episode.ActionTokens``) each carry the context tokens appended
+An episode's actions (``rollflow.envs.episode.ActionTokens``) each carry the context tokens appended
 before the action (``prompt_delta_ids``) and the sampled tokens (``token_ids``) with their
 sampler logprobs. Laid end to end they are exactly the sequence the model saw, so a sample
 is their concatenation:
@@ -28,15 +28,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from envs.episode import ActionTokens
-from storage.records import EpisodeRecord, SampleRecord, ScoreRecord
-from storage.runfolder import RunFolder
-from storage.schemas import (
+from rollflow.envs.episode import ActionTokens
+from rollflow.storage.records import EpisodeRecord, SampleRecord, ScoreRecord
+from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.schemas import (
     sample_records_to_table,
     table_to_episode_records,
     table_to_score_records,
 )
-from tasks.config import RunConfig
+from rollflow.tasks.config import RunConfig
 
 
 class FlattenError(ValueError):

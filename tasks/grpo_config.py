@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.config import (
+from rollflow.tasks.config import (
     ConfigError,
     LossName,
     RolloutConfig,

@@ -17,12 +17,12 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from storage.parquet import write_bytes_atomic
-from storage.query import open_run_sql, run_query, step_metrics
-from storage.records import TrainResult
-from storage.runfolder import RunFolder
-from storage.transcript import render_episode
-from tasks.config import RunConfig, flatten_config
+from rollflow.storage.parquet import write_bytes_atomic
+from rollflow.storage.query import open_run_sql, run_query, step_metrics
+from rollflow.storage.records import TrainResult
+from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.transcript import render_episode
+from rollflow.tasks.config import RunConfig, flatten_config
 
 METRICS_JSON = "metrics.json"
 REWARD_CURVE = "reward_curve.png"
@@ -128,7 +128,7 @@ def start_tracking(config: RunConfig, run_dir: Path) -> str | None:
     """Open (or continue) the run's MLflow run and log its params and frozen config."""
     if not config.tracking.enabled:
         return None
-    from storage.tracking import RunTracker
+    from rollflow.storage.tracking import RunTracker
 
     folder = RunFolder(run_dir)
     tracker = RunTracker.open(folder, experiment=config.tracking.experiment, tracking_uri=config.tracking.tracking_uri)
@@ -141,8 +141,8 @@ def finish_tracking(config: RunConfig, run_dir: Path, succeeded: bool) -> Path |
     """Draw the reward curves into the run folder, log them, and close the MLflow run."""
     if not config.tracking.enabled:
         return None
-    from storage.errors import NoDataError
-    from storage.tracking import RunTracker
+    from rollflow.storage.errors import NoDataError
+    from rollflow.storage.tracking import RunTracker
 
     folder = RunFolder(run_dir)
     tracker = RunTracker.open(folder, experiment=config.tracking.experiment, tracking_uri=config.tracking.tracking_uri)
@@ -162,7 +162,7 @@ def _log(
 ) -> None:
     if not config.tracking.enabled:
         return
-    from storage.tracking import RunTracker
+    from rollflow.storage.tracking import RunTracker
 
     tracker = RunTracker.open(folder, experiment=config.tracking.experiment, tracking_uri=config.tracking.tracking_uri)
     tracker.log_step(step, metrics)

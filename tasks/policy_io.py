@@ -15,12 +15,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from envs.agent import Policy
-from policy.models import load_causal_lm
-from policy.sampling import SamplingSettings
-from storage.runfolder import RunFolder
-from tasks.checkpoints import CheckpointError, latest_checkpoint, policy_model_ref, torch_dtype
-from tasks.config import RunConfig
+from rollflow.envs.agent import Policy
+from rollflow.policy.models import load_causal_lm
+from rollflow.policy.sampling import SamplingSettings
+from rollflow.storage.runfolder import RunFolder
+from rollflow.tasks.checkpoints import CheckpointError, latest_checkpoint, policy_model_ref, torch_dtype
+from rollflow.tasks.config import RunConfig
 
 
 BATCH_WINDOW_S = 10.0
@@ -53,7 +53,7 @@ def open_policy(
 
 
 def load_transformers_policy(config: RunConfig, folder: RunFolder | None, step: int) -> Policy:
-    from policy.transformers_backend import TransformersPolicy
+    from rollflow.policy.transformers_backend import TransformersPolicy
 
     checkpoint = latest_checkpoint(folder, before_step=step) if folder is not None else None
     if folder is not None and step > 0 and (checkpoint is None or checkpoint.step != step - 1):
@@ -87,7 +87,7 @@ def _sampling_settings(config: RunConfig) -> SamplingSettings:
 
 
 def _openai_policy(config: RunConfig) -> Policy:
-    from policy.openai_backend import OpenAIChatPolicy
+    from rollflow.policy.openai_backend import OpenAIChatPolicy
 
     rollout = config.rollout
     if not rollout.base_url or not rollout.api_model:

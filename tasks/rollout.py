@@ -29,9 +29,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from envs.agent import Policy
-from envs.episode import EpisodeRollout
-from envs.runner import (
+from rollflow.envs.agent import Policy
+from rollflow.envs.episode import EpisodeRollout
+from rollflow.envs.runner import (
     EnvironmentHandle,
     EpisodeLimits,
     EpisodeScore,
@@ -39,13 +39,13 @@ from envs.runner import (
     load_environment_handle,
     play_groups,
 )
-from envs.types import Split
-from storage.parquet import part_index
-from storage.records import EpisodeRecord
-from storage.runfolder import RunFolder
-from storage.schemas import episode_records_to_table
-from tasks.config import RunConfig
-from tasks.policy_io import open_policy
+from rollflow.envs.types import Split
+from rollflow.storage.parquet import part_index
+from rollflow.storage.records import EpisodeRecord
+from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.schemas import episode_records_to_table
+from rollflow.tasks.config import RunConfig
+from rollflow.tasks.policy_io import open_policy
 
 PROGRESS_EVERY_S = 15.0
 

@@ -44,13 +44,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-from envs.episode import EpisodeRollout
-from envs.runner import EnvironmentHandle, EpisodeScore, TaskItem, load_environment_handle
-from envs.types import Split, TruncationCause
-from storage.records import EpisodeRecord, ScoreRecord
-from storage.runfolder import RunFolder
-from storage.schemas import score_records_to_table, table_to_episode_records
-from tasks.config import RunConfig
+from rollflow.envs.episode import EpisodeRollout
+from rollflow.envs.runner import EnvironmentHandle, EpisodeScore, TaskItem, load_environment_handle
+from rollflow.envs.types import Split, TruncationCause
+from rollflow.storage.records import EpisodeRecord, ScoreRecord
+from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.schemas import score_records_to_table, table_to_episode_records
+from rollflow.tasks.config import RunConfig
 
 STD_EPSILON = 1e-6
 SPLITS = ("train", "validation")

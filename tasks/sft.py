@@ -39,14 +39,14 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from policy.codec import ChatCodec
-from policy.models import generation_stop_ids
-from policy.stopping import raise_if_stop_requested
-from storage.parquet import temporary_path
-from storage.runfolder import RunFolder
-from tasks.checkpoints import load_policy_for_training, seed_everything
-from tasks.config import RunConfig
-from tasks.sft_rows import SFTDataError, SFTRow, examples_from_environment, examples_from_file, tokenize_example
+from rollflow.policy.codec import ChatCodec
+from rollflow.policy.models import generation_stop_ids
+from rollflow.policy.stopping import raise_if_stop_requested
+from rollflow.storage.parquet import temporary_path
+from rollflow.storage.runfolder import RunFolder
+from rollflow.tasks.checkpoints import load_policy_for_training, seed_everything
+from rollflow.tasks.config import RunConfig
+from rollflow.tasks.sft_rows import SFTDataError, SFTRow, examples_from_environment, examples_from_file, tokenize_example
 
 SFT_DIR = "sft"
 POLICY_DIR = "policy"
@@ -215,7 +215,7 @@ def log_sft_metrics(config: RunConfig, run_dir: Path, result: SFTResult) -> None
     """Each epoch's loss as ``sft/loss`` at step = epoch, plus the totals at the last epoch."""
     if not config.tracking.enabled:
         return
-    from storage.tracking import RunTracker
+    from rollflow.storage.tracking import RunTracker
 
     tracker = RunTracker.open(run_dir, experiment=config.tracking.experiment,
                               tracking_uri=config.tracking.tracking_uri)

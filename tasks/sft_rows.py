@@ -44,12 +44,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from envs.hook_handle import HookEnvironmentHandle
-from envs.hooks import call_hook, checked_message, example_prompt_text, messages_from_output
-from envs.protocol import parse_action, render_tool_calls
-from envs.runner import load_environment_handle, task_id_for
-from envs.types import Message, TaskExample, ToolCall, ToolSpec
-from policy.codec import ChatCodec
+from rollflow.envs.hook_handle import HookEnvironmentHandle
+from rollflow.envs.hooks import call_hook, checked_message, example_prompt_text, messages_from_output
+from rollflow.envs.protocol import parse_action, render_tool_calls
+from rollflow.envs.runner import load_environment_handle, task_id_for
+from rollflow.envs.types import Message, TaskExample, ToolCall, ToolSpec
+from rollflow.policy.codec import ChatCodec
 
 
 class SFTDataError(ValueError):

@@ -2,7 +2,7 @@
 
 ``grpo_update`` is the algorithm: it packs samples into micro-batches by a padded-token
 budget (right padding), computes each taken token's log-probability, hands them to
-``policy.loss.grpo_loss`` with whole-batch totals (so the summed micro-batch gradients do
+``rollflow.policy.loss.grpo_loss`` with whole-batch totals (so the summed micro-batch gradients do
 not depend on the split), clips the gradient norm and takes one optimizer step.
 
 Log-probabilities are computed exactly as the sampler computed its own:
@@ -34,12 +34,12 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from policy.loss import BatchTotals, LossSettings, LossStats, grpo_loss
-from policy.stopping import raise_if_stop_requested
-from storage.records import SampleRecord, TrainResult
-from storage.runfolder import RunFolder
-from storage.schemas import table_to_sample_records
-from tasks.checkpoints import (
+from rollflow.policy.loss import BatchTotals, LossSettings, LossStats, grpo_loss
+from rollflow.policy.stopping import raise_if_stop_requested
+from rollflow.storage.records import SampleRecord, TrainResult
+from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.schemas import table_to_sample_records
+from rollflow.tasks.checkpoints import (
     Checkpoint,
     base_model_ref,
     checkpoint_train_result,
@@ -52,7 +52,7 @@ from tasks.checkpoints import (
     seed_everything,
     torch_dtype,
 )
-from tasks.config import RunConfig
+from rollflow.tasks.config import RunConfig
 
 # (input_ids_BT, attention_mask_BT, wanted_BT) -> reference logprobs of tokens 1..T-1, (B, T-1)
 RefLogprobsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -365,7 +365,7 @@ def _reference(config: RunConfig, model: PreTrainedModel) -> RefLogprobsFn | Non
         return None
     if config.train.use_lora:
         return adapter_off_reference(model, config.rollout.temperature)
-    from policy.models import load_causal_lm
+    from rollflow.policy.models import load_causal_lm
 
     reference_model, _ = load_causal_lm(base_model_ref(config), torch_dtype(config))
     return frozen_model_reference(reference_model, config.rollout.temperature)

@@ -33,7 +33,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def bundled_tokenizer() -> PreTrainedTokenizerBase:
     """The real SmolLM2 tokenizer and chat template (converted from the GGUF once, cached)."""
-    from policy.models import ModelRef, load_tokenizer
+    from rollflow.policy.models import ModelRef, load_tokenizer
 
     return load_tokenizer(ModelRef())
 
@@ -41,7 +41,7 @@ def bundled_tokenizer() -> PreTrainedTokenizerBase:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer, 64-wide random Llama with the real SmolLM2 tokenizer: an HF folder."""
-    from policy.models import build_tiny_model
+    from rollflow.policy.models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
@@ -52,7 +52,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(autouse=True)
 def _no_stop_request_leaks() -> Iterator[None]:
     """A test that asks the process to stop (policy.stopping) must not stop the next one."""
-    from policy.stopping import clear_stop
+    from rollflow.policy.stopping import clear_stop
 
     yield
     clear_stop()

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from envs.arithmetic import (
+from rollflow.envs.arithmetic import (
     MAX_EXPRESSION_CHARS,
     ExpressionError,
     format_number,

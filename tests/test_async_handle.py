@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 
-from envs.agent import PolicyAction
-from envs.async_handle import AsyncEnvironmentHandle
-from envs.env import AsyncEnvSuite, Env
-from envs.handle import UNSCORED_EPISODE, EpisodeLimits, TaskItem
-from envs.scripted import ScriptedPolicy, constant_policy
-from envs.tools import run_tool_calls
-from envs.types import Message, StepResult, Task, ToolResult, ToolSpec, TruncationCause, tool_to_spec
+from rollflow.envs.agent import PolicyAction
+from rollflow.envs.async_handle import AsyncEnvironmentHandle
+from rollflow.envs.env import AsyncEnvSuite, Env
+from rollflow.envs.handle import UNSCORED_EPISODE, EpisodeLimits, TaskItem
+from rollflow.envs.scripted import ScriptedPolicy, constant_policy
+from rollflow.envs.tools import run_tool_calls
+from rollflow.envs.types import Message, StepResult, Task, ToolResult, ToolSpec, TruncationCause, tool_to_spec
 
 
 class EchoTool:

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from flows.cli import COMMANDS, Command, build_parser, format_table, main, register
-from storage.records import TrainResult
-from storage.runfolder import RunFolder
-from storage.schemas import episode_records_to_table, score_records_to_table
-from storage.synthetic import synthetic_episode, synthetic_score
+from rollflow.flows.cli import COMMANDS, Command, build_parser, format_table, main, register
+from rollflow.storage.records import TrainResult
+from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.schemas import episode_records_to_table, score_records_to_table
+from rollflow.storage.synthetic import synthetic_episode, synthetic_score
 
 
 @pytest.fixture
@@ -132,7 +132,7 @@ def test_subcommands_come_from_the_registry() -> None:
 
 def test_console_script_entry_point(runs: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "sql", str(runs / "run-b"), "SELECT count(*) AS n FROM episodes"],
+        [sys.executable, "-m", "rollflow.flows.cli", "sql", str(runs / "run-b"), "SELECT count(*) AS n FROM episodes"],
         capture_output=True, text=True, check=False,
     )
     assert result.returncode == 0, result.stderr

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import (
+from rollflow.tasks.config import (
     ConfigError,
     RunConfig,
     config_to_toml,
@@ -15,7 +15,7 @@ from tasks.config import (
     load_config,
     parse_config,
 )
-from tasks.grpo_config import GRPOConfig
+from rollflow.tasks.grpo_config import GRPOConfig
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -33,7 +33,7 @@ def test_empty_document_gives_the_documented_defaults() -> None:
 def test_values_are_typed_and_normalised() -> None:
     config = parse_config({
         "train": {"learning_rate": 1, "lora_target_modules": ["q_proj"], "loss": "dapo"},
-        "env": {"name": "envs.x:load_environment", "kwargs": {"split": "train", "n": 3}},
+        "env": {"name": "rollflow.envs.x:load_environment", "kwargs": {"split": "train", "n": 3}},
     })
     assert isinstance(config.train.learning_rate, float) and config.train.learning_rate == 1.0
     assert config.train.lora_target_modules == ("q_proj",)
@@ -70,7 +70,7 @@ def test_alias_and_canonical_name_disagreeing_is_an_error() -> None:
         ({"rollout": {"top_p": 1.5}}, r"\[rollout\]\.top_p must be in \(0.0, 1.0\]"),
         ({"rollout": {"temperature": 0}}, r"\[rollout\]\.temperature must be in \(0.0, inf\)"),
         ({"train": {"lora_target_modules": "q_proj"}}, r"lora_target_modules must be a list"),
-        ({"env": {"name": "envs.tool_use_game"}}, r"\[env\]\.name must be 'module:function'"),
+        ({"env": {"name": "rollflow.envs.tool_use_game"}}, r"\[env\]\.name must be 'module:function'"),
         ({"env": {"kwargs": 3}}, r"\[env\]\.kwargs must be a table"),
         ({"rollout": {"backend": "openai"}}, r"needs \[rollout\]\.base_url"),
         ({"rollout": {"max_completion_tokens": 4096}}, r"must be below \[rollout\]\.max_model_length"),
@@ -86,7 +86,7 @@ def test_bad_config_errors_name_the_key(document: dict, pattern: str) -> None:
 
 
 def test_sections_validate_when_built_from_python_too() -> None:
-    from tasks.config import TrainConfig
+    from rollflow.tasks.config import TrainConfig
 
     with pytest.raises(ConfigError, match=r"\[train\]\.clip_eps_low must be in"):
         TrainConfig(clip_eps_low=-0.1)
@@ -95,7 +95,7 @@ def test_sections_validate_when_built_from_python_too() -> None:
 def test_toml_round_trip_is_exact(tmp_path: Path) -> None:
     config = parse_config({
         "model": {"path": "some/model", "gguf_file": "m.gguf"},
-        "env": {"name": "envs.x:load", "kwargs": {"split": "val", "odd key": [1, 2], "t": {"a": 0.1}}},
+        "env": {"name": "rollflow.envs.x:load", "kwargs": {"split": "val", "odd key": [1, 2], "t": {"a": 0.1}}},
         "rollout": {"groups_in_flight": 3, "max_steps_off_policy": 1, "temperature": 0.7},
         "train": {"learning_rate": 3.3e-7, "overlong_buffer_tokens": 128, "lora_target_modules": ["a"]},
         "tracking": {"tracking_uri": "http://localhost:5000", "experiment": 'quote " inside'},

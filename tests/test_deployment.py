@@ -27,8 +27,8 @@ import httpx
 import pytest
 import yaml
 
-from storage.runfolder import RunFolder
-from tasks.config import config_to_toml, load_config
+from rollflow.storage.runfolder import RunFolder
+from rollflow.tasks.config import config_to_toml, load_config
 
 pytestmark = pytest.mark.slow
 

@@ -9,21 +9,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from envs.arithmetic import CalculatorTool, safe_eval
-from envs.calculator_math import CalculatorMathEnv, expert_policy, generate_tasks, load_environment
-from envs.protocol import make_tool_call, render_tool_calls
-from envs.runner import (
+from rollflow.envs.arithmetic import CalculatorTool, safe_eval
+from rollflow.envs.calculator_math import CalculatorMathEnv, expert_policy, generate_tasks, load_environment
+from rollflow.envs.protocol import make_tool_call, render_tool_calls
+from rollflow.envs.runner import (
     EnvironmentLoadError,
     EpisodeLimits,
     handle_from_async,
     load_environment_handle,
     play_groups,
 )
-from envs.scripted import ScriptedPolicy, constant_policy
-from envs.tools import execute_tool_calls
-from envs.types import Task, TruncationCause
+from rollflow.envs.scripted import ScriptedPolicy, constant_policy
+from rollflow.envs.tools import execute_tool_calls
+from rollflow.envs.types import Task, TruncationCause
 
-SPEC = "envs.calculator_math:load_environment"
+SPEC = "rollflow.envs.calculator_math:load_environment"
 
 
 def test_the_expert_solves_every_task() -> None:

@@ -7,12 +7,12 @@ import math
 
 import pytest
 
-from envs.guess_number import HIGHER, LOWER, binary_search_policy, load_environment
-from envs.runner import EnvironmentLoadError, EpisodeLimits, load_environment_handle, play_groups
-from envs.scripted import ScriptedPolicy, constant_policy
-from envs.types import TruncationCause
+from rollflow.envs.guess_number import HIGHER, LOWER, binary_search_policy, load_environment
+from rollflow.envs.runner import EnvironmentLoadError, EpisodeLimits, load_environment_handle, play_groups
+from rollflow.envs.scripted import ScriptedPolicy, constant_policy
+from rollflow.envs.types import TruncationCause
 
-SPEC = "envs.guess_number:load_environment"
+SPEC = "rollflow.envs.guess_number:load_environment"
 
 
 def test_binary_search_solves_every_task_within_log2_guesses() -> None:

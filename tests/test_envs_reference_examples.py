@@ -5,7 +5,7 @@
    One fix to the doc's code: it calls ``run_tool(**json.loads(block))`` but declares
    ``run_tool(name, args)``; a block has ``arguments``, so ours takes ``arguments``.
 2. The async calculator ``MathEnv``: owns its messages, dispatches tool calls itself and
-   turns a raising tool into ``tool_error: ...``. ``safe_eval`` is ours (``envs.arithmetic``).
+   turns a raising tool into ``tool_error: ...``. ``safe_eval`` is ours (``rollflow.envs.arithmetic``).
 
 Both are played through the runner exactly as a stage would, by spec or by the
 ``train_multi_turn``-style arguments (tasks, env_factory, val_tasks).
@@ -18,12 +18,12 @@ import json
 import re
 from typing import Any
 
-from envs.arithmetic import safe_eval
-from envs.env import Env
-from envs.hooks import EnvironmentMultiTurn
-from envs.runner import EpisodeLimits, handle_from_async, load_environment_handle, play_groups
-from envs.scripted import ScriptedPolicy, constant_policy
-from envs.types import (
+from rollflow.envs.arithmetic import safe_eval
+from rollflow.envs.env import Env
+from rollflow.envs.hooks import EnvironmentMultiTurn
+from rollflow.envs.runner import EpisodeLimits, handle_from_async, load_environment_handle, play_groups
+from rollflow.envs.scripted import ScriptedPolicy, constant_policy
+from rollflow.envs.types import (
     EnvironmentEpisode,
     EnvironmentStepResult,
     Message,

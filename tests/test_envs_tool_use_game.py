@@ -8,10 +8,10 @@ import re
 
 import pytest
 
-from envs.protocol import describe_tools, make_tool_call, render_tool_calls
-from envs.runner import EnvironmentLoadError, EpisodeLimits, load_environment_handle, play_groups
-from envs.scripted import ScriptedPolicy, constant_policy
-from envs.tool_use_game import (
+from rollflow.envs.protocol import describe_tools, make_tool_call, render_tool_calls
+from rollflow.envs.runner import EnvironmentLoadError, EpisodeLimits, load_environment_handle, play_groups
+from rollflow.envs.scripted import ScriptedPolicy, constant_policy
+from rollflow.envs.tool_use_game import (
     WEIGHTS,
     WORKED_EXAMPLE,
     ToolUseGame,
@@ -22,10 +22,10 @@ from envs.tool_use_game import (
     load_environment,
     score_game,
 )
-from envs.tools import is_tool_error
-from envs.types import TaskExample, TruncationCause
+from rollflow.envs.tools import is_tool_error
+from rollflow.envs.types import TaskExample, TruncationCause
 
-SPEC = "envs.tool_use_game:load_environment"
+SPEC = "rollflow.envs.tool_use_game:load_environment"
 
 
 def test_generation_is_deterministic_with_unique_questions_across_splits() -> None:

@@ -17,11 +17,11 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from flows.cli import main
-from flows.eval import EvalOverrides, eval_config, eval_flow, eval_report, format_report
-from storage.runfolder import RunFolder
-from storage.schemas import table_to_episode_records
-from tasks.config import ConfigError, RunConfig, load_config
+from rollflow.flows.cli import main
+from rollflow.flows.eval import EvalOverrides, eval_config, eval_flow, eval_report, format_report
+from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.schemas import table_to_episode_records
+from rollflow.tasks.config import ConfigError, RunConfig, load_config
 
 
 def hand_count(run_dir: Path) -> dict[str, Any]:
@@ -60,12 +60,12 @@ def test_overrides_replace_only_what_they_name() -> None:
 
 
 def test_env_override_keeps_kwargs_only_for_the_same_environment() -> None:
-    from tasks.config import EnvConfig
+    from rollflow.tasks.config import EnvConfig
 
-    base = RunConfig(env=EnvConfig(name="envs.tool_use_game:load_environment", kwargs={"num_validation": 3}))
+    base = RunConfig(env=EnvConfig(name="rollflow.envs.tool_use_game:load_environment", kwargs={"num_validation": 3}))
     assert eval_config(base, EvalOverrides(env=base.env.name)).env.kwargs == {"num_validation": 3}
-    other = eval_config(base, EvalOverrides(env="envs.guess_number:load_environment"))
-    assert other.env.name == "envs.guess_number:load_environment" and other.env.kwargs == {}
+    other = eval_config(base, EvalOverrides(env="rollflow.envs.guess_number:load_environment"))
+    assert other.env.name == "rollflow.envs.guess_number:load_environment" and other.env.kwargs == {}
 
 
 @pytest.mark.parametrize(

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from envs.episode import ActionTokens, EpisodeRollout
-from envs.types import TruncationCause
-from storage.records import EpisodeRecord, ScoreRecord
-from storage.runfolder import RunFolder
-from storage.schemas import episode_records_to_table, score_records_to_table, table_to_sample_records
-from tasks.config import RunConfig
-from tasks.flatten import FlattenError, flatten_episode_to_samples, flatten_episodes, flatten_stage
+from rollflow.envs.episode import ActionTokens, EpisodeRollout
+from rollflow.envs.types import TruncationCause
+from rollflow.storage.records import EpisodeRecord, ScoreRecord
+from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.schemas import episode_records_to_table, score_records_to_table, table_to_sample_records
+from rollflow.tasks.config import RunConfig
+from rollflow.tasks.flatten import FlattenError, flatten_episode_to_samples, flatten_episodes, flatten_stage
 
 
 def action(prompt: tuple[int, ...], tokens: tuple[int, ...], *, reset: bool = False) -> ActionTokens:

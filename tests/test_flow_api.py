@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from envs.calculator_math import load_environment as load_calculator_math
-from flows.api import train_multi_turn
-from storage.query import open_run_sql, run_query
-from storage.runfolder import RunFolder
-from tasks.grpo_config import GRPOConfig
+from rollflow.envs.calculator_math import load_environment as load_calculator_math
+from rollflow.flows.api import train_multi_turn
+from rollflow.storage.query import open_run_sql, run_query
+from rollflow.storage.runfolder import RunFolder
+from rollflow.tasks.grpo_config import GRPOConfig
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -47,7 +47,7 @@ def test_train_multi_turn_runs_the_flow_on_python_objects(tiny_model_dir: Path, 
 
 
 def test_a_run_of_python_objects_cannot_resume_without_them(tmp_path: Path) -> None:
-    from envs.registry import registered_environment
+    from rollflow.envs.registry import registered_environment
 
     with pytest.raises(LookupError, match="train_multi_turn"):
         registered_environment("never-registered")

@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-import flows.train as train_module
-from flows.runs import RunSetupError, open_run
-from flows.train import train_flow
-from storage.errors import ConfigMismatchError
-from storage.query import open_run_sql, run_query
-from storage.runfolder import RunFolder
-from storage.schemas import table_to_episode_records
-from storage.tracking import RunTracker
-from tasks.config import ConfigError, load_config
+import rollflow.flows.train as train_module
+from rollflow.flows.runs import RunSetupError, open_run
+from rollflow.flows.train import train_flow
+from rollflow.storage.errors import ConfigMismatchError
+from rollflow.storage.query import open_run_sql, run_query
+from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.schemas import table_to_episode_records
+from rollflow.storage.tracking import RunTracker
+from rollflow.tasks.config import ConfigError, load_config
 from tiny_run import tiny_config_at
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -133,9 +133,9 @@ def test_a_stop_request_mid_rollout_records_no_episode_and_the_rollout_replays(
     tiny_config_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SIGTERM's flag, raised mid-decoding: no episode is recorded as failed, nothing is written."""
-    import policy.generation as generation
-    from policy.stopping import StopRequested, clear_stop, request_stop
-    from tasks.rollout import rollout_stage
+    import rollflow.policy.generation as generation
+    from rollflow.policy.stopping import StopRequested, clear_stop, request_stop
+    from rollflow.tasks.rollout import rollout_stage
 
     handle = open_run(tiny_config_path, tmp_path / "run")
     draws = 0
@@ -216,7 +216,7 @@ def start_train_process(config_path: Path, run_dir: Path, stderr: Path) -> subpr
     env.pop("PREFECT_API_URL", None)  # the child starts its own temporary server, a child process
     with stderr.open("w") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "train", str(config_path), "--run-dir", str(run_dir)],
+            [sys.executable, "-m", "rollflow.flows.cli", "train", str(config_path), "--run-dir", str(run_dir)],
             env=env, stdout=subprocess.DEVNULL, stderr=log, text=True, start_new_session=True,
         )
 

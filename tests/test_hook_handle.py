@@ -6,13 +6,13 @@ import asyncio
 import json
 from collections.abc import Sequence
 
-from envs.agent import PolicyAction
-from envs.handle import UNSCORED_EPISODE, EpisodeLimits, TaskItem
-from envs.hook_handle import HookEnvironmentHandle, to_environment_episode
-from envs.hooks import EnvironmentMultiTurn
-from envs.protocol import parse_action
-from envs.scripted import ScriptedPolicy, constant_policy
-from envs.types import (
+from rollflow.envs.agent import PolicyAction
+from rollflow.envs.handle import UNSCORED_EPISODE, EpisodeLimits, TaskItem
+from rollflow.envs.hook_handle import HookEnvironmentHandle, to_environment_episode
+from rollflow.envs.hooks import EnvironmentMultiTurn
+from rollflow.envs.protocol import parse_action
+from rollflow.envs.scripted import ScriptedPolicy, constant_policy
+from rollflow.envs.types import (
     EnvironmentEpisode,
     EnvironmentStepResult,
     Message,

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from envs.hooks import (
+from rollflow.envs.hooks import (
     EnvironmentMultiTurn,
     as_task_example,
     call_hook,
@@ -17,7 +17,7 @@ from envs.hooks import (
     overrides,
     score_each,
 )
-from envs.types import (
+from rollflow.envs.types import (
     EnvironmentEpisode,
     EnvironmentStepResult,
     Message,

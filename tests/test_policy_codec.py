@@ -17,10 +17,10 @@ from typing import cast
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from envs.protocol import describe_tools
-from envs.types import Message, ToolSpec
-from policy.codec import ChatCodec, ChatTemplateError, TokenState
-from policy.models import ModelRef, load_tokenizer
+from rollflow.envs.protocol import describe_tools
+from rollflow.envs.types import Message, ToolSpec
+from rollflow.policy.codec import ChatCodec, ChatTemplateError, TokenState
+from rollflow.policy.models import ModelRef, load_tokenizer
 
 QWEN_STYLE_TEMPLATE = (
     "{%- set ns = namespace(last_user=-1) -%}"

@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from policy.generation import GenerationOutput, GenerationRequest, generate_batch
-from policy.models import ModelRef, load_causal_lm
-from policy.sampling import sampling_logprobs
+from rollflow.policy.generation import GenerationOutput, GenerationRequest, generate_batch
+from rollflow.policy.models import ModelRef, load_causal_lm
+from rollflow.policy.sampling import sampling_logprobs
 
 PROMPTS = ["hello there", "a", "one two three four five six seven eight", "tools, tokens"]
 
@@ -145,8 +145,8 @@ def test_identical_contexts_are_prefilled_once_and_sample_independently(
 def test_a_stop_request_ends_decoding_at_the_next_step(
     tiny: tuple[PreTrainedModel, PreTrainedTokenizerBase], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import policy.generation as generation
-    from policy.stopping import StopRequested, request_stop
+    import rollflow.policy.generation as generation
+    from rollflow.policy.stopping import StopRequested, request_stop
 
     model, tokenizer = tiny
     draws = 0
@@ -171,7 +171,7 @@ def test_a_stop_request_ends_decoding_at_the_next_step(
 def test_a_sliced_prefill_samples_what_one_pass_samples(
     tiny: tuple[PreTrainedModel, PreTrainedTokenizerBase], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import policy.generation as generation
+    import rollflow.policy.generation as generation
 
     model, tokenizer = tiny
     requests = requests_for(tokenizer, [12, 5, 20, 9])
@@ -195,8 +195,8 @@ def test_a_sliced_prefill_samples_what_one_pass_samples(
 def test_a_stop_request_during_the_prefill_ends_it_at_the_next_slice(
     tiny: tuple[PreTrainedModel, PreTrainedTokenizerBase], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import policy.generation as generation
-    from policy.stopping import StopRequested, request_stop
+    import rollflow.policy.generation as generation
+    from rollflow.policy.stopping import StopRequested, request_stop
 
     model, tokenizer = tiny
     monkeypatch.setattr(generation, "PREFILL_TOKENS_PER_PASS", 1)  # 1 row a pass

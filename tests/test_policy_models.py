@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
-import policy.models as models
-from policy.models import (
+import rollflow.policy.models as models
+from rollflow.policy.models import (
     BUNDLED_GGUF_NAME,
     ModelLoadError,
     ModelRef,
@@ -175,7 +175,7 @@ def test_cached_copy_of_the_bundled_model_matches_the_gguf_and_loads_fast() -> N
 
 
 def test_generation_stop_ids_read_the_generation_config(tiny_model_dir: Path) -> None:
-    from policy.models import generation_stop_ids
+    from rollflow.policy.models import generation_stop_ids
 
     model, tokenizer = load_causal_lm(ModelRef(path=str(tiny_model_dir)))
     assert generation_stop_ids(model) == [tokenizer.eos_token_id]

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
-from envs.agent import PolicyAction
-from envs.protocol import describe_tools, parse_action
-from envs.types import Message, ToolSpec
-from policy.openai_backend import OpenAIChatPolicy, OpenAIPolicyError
-from policy.sampling import SamplingSettings
+from rollflow.envs.agent import PolicyAction
+from rollflow.envs.protocol import describe_tools, parse_action
+from rollflow.envs.types import Message, ToolSpec
+from rollflow.policy.openai_backend import OpenAIChatPolicy, OpenAIPolicyError
+from rollflow.policy.sampling import SamplingSettings
 
 LOOKUP: ToolSpec = {
     "type": "function",

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from policy.sampling import (
+from rollflow.policy.sampling import (
     EpisodeSeeds,
     SamplingSettings,
     draw_tokens,

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import policy.transformers_backend as backend
-from envs.agent import PolicyAction
-from envs.types import Message, ToolSpec
-from policy.generation import GenerationOutput
-from policy.models import ModelRef, build_tiny_model, load_causal_lm
-from policy.sampling import SamplingSettings, sampling_logprobs
-from policy.transformers_backend import GenerationTimeoutError, TransformersPolicy
+import rollflow.policy.transformers_backend as backend
+from rollflow.envs.agent import PolicyAction
+from rollflow.envs.types import Message, ToolSpec
+from rollflow.policy.generation import GenerationOutput
+from rollflow.policy.models import ModelRef, build_tiny_model, load_causal_lm
+from rollflow.policy.sampling import SamplingSettings, sampling_logprobs
+from rollflow.policy.transformers_backend import GenerationTimeoutError, TransformersPolicy
 
 LOOKUP: ToolSpec = {
     "type": "function",

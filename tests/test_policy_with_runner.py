@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from envs.episode import EpisodeRollout
-from envs.runner import EpisodeLimits, load_environment_handle, play_groups
-from policy.codec import ChatCodec
-from policy.models import ModelRef
-from policy.sampling import SamplingSettings
-from policy.transformers_backend import TransformersPolicy
+from rollflow.envs.episode import EpisodeRollout
+from rollflow.envs.runner import EpisodeLimits, load_environment_handle, play_groups
+from rollflow.policy.codec import ChatCodec
+from rollflow.policy.models import ModelRef
+from rollflow.policy.sampling import SamplingSettings
+from rollflow.policy.transformers_backend import TransformersPolicy
 
-GAME = "envs.tool_use_game:load_environment"
+GAME = "rollflow.envs.tool_use_game:load_environment"
 
 
 def play_game(

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from envs.protocol import (
+from rollflow.envs.protocol import (
     CLOSE_TAG,
     OPEN_TAG,
     describe_tools,
@@ -16,7 +16,7 @@ from envs.protocol import (
     parse_action,
     render_tool_calls,
 )
-from envs.types import ToolSpec
+from rollflow.envs.types import ToolSpec
 
 
 def test_plain_reply_is_a_final_answer() -> None:

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from envs.agent import PolicyAction
-from envs.env import AsyncEnvSuite
-from envs.handle import task_id_for
-from envs.runner import (
+from rollflow.envs.agent import PolicyAction
+from rollflow.envs.env import AsyncEnvSuite
+from rollflow.envs.handle import task_id_for
+from rollflow.envs.runner import (
     EnvironmentLoadError,
     EpisodeLimits,
     handle_for,
@@ -21,12 +21,12 @@ from envs.runner import (
     load_environment_handle,
     play_groups,
 )
-from envs.types import Message, Task, TaskExample, ToolSpec
+from rollflow.envs.types import Message, Task, TaskExample, ToolSpec
 
 MODULE = textwrap.dedent(
     """
-    from envs.hooks import EnvironmentMultiTurn
-    from envs.types import EnvironmentStepResult, RewardResult
+    from rollflow.envs.hooks import EnvironmentMultiTurn
+    from rollflow.envs.types import EnvironmentStepResult, RewardResult
 
 
     class Say(EnvironmentMultiTurn):

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from envs.runner import EpisodeLimits, load_environment_handle
-from envs.scaffold import write_starter
-from envs.scripted import constant_policy
+from rollflow.envs.runner import EpisodeLimits, load_environment_handle
+from rollflow.envs.scaffold import write_starter
+from rollflow.envs.scripted import constant_policy
 
 
 @pytest.mark.parametrize(("style", "expected_style"), [("hook", "hook"), ("async", "async")])

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from envs.episode import ActionTokens, EpisodeRollout
-from envs.hooks import EnvironmentMultiTurn
-from envs.runner import EpisodeScore, handle_from_hook
-from envs.types import (
+from rollflow.envs.episode import ActionTokens, EpisodeRollout
+from rollflow.envs.hooks import EnvironmentMultiTurn
+from rollflow.envs.runner import EpisodeScore, handle_from_hook
+from rollflow.envs.types import (
     EnvironmentEpisode,
     EnvironmentStepResult,
     Message,
@@ -18,11 +18,11 @@ from envs.types import (
     TaskExample,
     TruncationCause,
 )
-from storage.records import EpisodeRecord
-from storage.runfolder import RunFolder
-from storage.schemas import episode_records_to_table, table_to_score_records
-from tasks.config import parse_config
-from tasks.scoring import (
+from rollflow.storage.records import EpisodeRecord
+from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.schemas import episode_records_to_table, table_to_score_records
+from rollflow.tasks.config import parse_config
+from rollflow.tasks.scoring import (
     ScoringError,
     ScoringSettings,
     overlong_penalty,

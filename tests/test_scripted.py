@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from envs.agent import PolicyAction
-from envs.scripted import ScriptedPolicy, constant_policy, latest_user_content, replay_policy
-from envs.types import Message, ToolSpec
+from rollflow.envs.agent import PolicyAction
+from rollflow.envs.scripted import ScriptedPolicy, constant_policy, latest_user_content, replay_policy
+from rollflow.envs.types import Message, ToolSpec
 
 SPEC: ToolSpec = {"type": "function", "function": {"name": "t", "description": "", "parameters": {}}}
 

@@ -14,17 +14,17 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from envs.agent import PolicyAction
-from envs.hooks import EnvironmentMultiTurn
-from envs.registry import register_environment
-from envs.runner import EpisodeLimits, load_environment_handle
-from envs.types import EnvironmentStepResult, Message, RewardResult, TaskExample, ToolSpec
-from policy.codec import ChatCodec, TokenState
-from policy.models import ModelRef, load_causal_lm
-from tasks.checkpoints import load_policy_for_training
-from tasks.config import ModelConfig, RunConfig, SFTConfig, load_config
-from tasks.sft import completion_nll, mean_completion_loss, read_sft_result, sft_rows, sft_stage
-from tasks.sft_rows import (
+from rollflow.envs.agent import PolicyAction
+from rollflow.envs.hooks import EnvironmentMultiTurn
+from rollflow.envs.registry import register_environment
+from rollflow.envs.runner import EpisodeLimits, load_environment_handle
+from rollflow.envs.types import EnvironmentStepResult, Message, RewardResult, TaskExample, ToolSpec
+from rollflow.policy.codec import ChatCodec, TokenState
+from rollflow.policy.models import ModelRef, load_causal_lm
+from rollflow.tasks.checkpoints import load_policy_for_training
+from rollflow.tasks.config import ModelConfig, RunConfig, SFTConfig, load_config
+from rollflow.tasks.sft import completion_nll, mean_completion_loss, read_sft_result, sft_rows, sft_stage
+from rollflow.tasks.sft_rows import (
     SFTDataError,
     SFTExample,
     SFTRow,
@@ -33,7 +33,7 @@ from tasks.sft_rows import (
     tokenize_example,
 )
 
-GAME = "envs.tool_use_game:load_environment"
+GAME = "rollflow.envs.tool_use_game:load_environment"
 GAME_KWARGS = {"num_train": 4, "num_validation": 1}
 SHORT_GAME = {**GAME_KWARGS, "worked_example": False}  # ~250-token prompts: fast training tests
 GENERATION_PROMPT = "\n<|im_start|>assistant\n"  # what SmolLM2's ChatML template adds after a turn
@@ -222,7 +222,7 @@ def test_bad_transcript_files_name_the_problem(tmp_path: Path, content: str, suf
 
 def test_environments_that_cannot_give_rows_are_refused() -> None:
     with pytest.raises(SFTDataError, match="async-style environment"):
-        examples_from_environment("envs.calculator_math:load_environment", {})
+        examples_from_environment("rollflow.envs.calculator_math:load_environment", {})
 
     class UserFirst(ScalarQuiz):
         def sft_completion(self, example: TaskExample) -> list[Message]:
@@ -322,11 +322,11 @@ def test_rollflow_sft_then_a_train_run_starts_from_its_adapter(
 ) -> None:
     from safetensors.torch import load_file
 
-    from flows.cli import main
-    from flows.train import train_flow
-    from storage.runfolder import RunFolder
-    from storage.tracking import RunTracker
-    from tasks.config import config_to_toml
+    from rollflow.flows.cli import main
+    from rollflow.flows.train import train_flow
+    from rollflow.storage.runfolder import RunFolder
+    from rollflow.storage.tracking import RunTracker
+    from rollflow.tasks.config import config_to_toml
 
     config = replace(sft_config(tiny_model_dir, tmp_path, use_lora=True, learning_rate=1e-2),
                      tracking=RunConfig().tracking)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from repo_script import load_script
-from storage.runfolder import RunFolder
+from rollflow.storage.runfolder import RunFolder
 
 def _load_bench():
     return load_script("bench/storage_bench.py")

@@ -10,15 +10,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import storage.parquet as parquet
-from storage.errors import (
+import rollflow.storage.parquet as parquet
+from rollflow.storage.errors import (
     CorruptFileError,
     SchemaMismatchError,
     SchemaVersionError,
     StageExistsError,
     StorageError,
 )
-from storage.parquet import (
+from rollflow.storage.parquet import (
     COMPLETE_MARKER,
     check_file,
     is_temporary,
@@ -29,8 +29,8 @@ from storage.parquet import (
     write_part,
     write_table_atomic,
 )
-from storage.schemas import KIND_KEY, VERSION_KEY, RecordKind, episode_records_to_table, table_to_episode_records
-from storage.synthetic import synthetic_episode
+from rollflow.storage.schemas import KIND_KEY, VERSION_KEY, RecordKind, episode_records_to_table, table_to_episode_records
+from rollflow.storage.synthetic import synthetic_episode
 
 
 def _episodes(step: int = 0, tasks: int = 3) -> pa.Table:

@@ -10,11 +10,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from envs.episode import ActionTokens, EpisodeRollout
-from envs.types import TruncationCause
-from storage.errors import CorruptFileError, NoDataError, SchemaVersionError, StorageError
-from storage.parquet import temporary_path
-from storage.query import (
+from rollflow.envs.episode import ActionTokens, EpisodeRollout
+from rollflow.envs.types import TruncationCause
+from rollflow.storage.errors import CorruptFileError, NoDataError, SchemaVersionError, StorageError
+from rollflow.storage.parquet import temporary_path
+from rollflow.storage.query import (
     METRIC_NAMES,
     QueryError,
     ReadOnlyQueryError,
@@ -24,10 +24,10 @@ from storage.query import (
     run_query,
     step_metrics,
 )
-from storage.records import EpisodeRecord, ScoreRecord, TrainResult
-from storage.runfolder import RunFolder
-from storage.schemas import VERSION_KEY, episode_records_to_table, score_records_to_table
-from storage.synthetic import synthetic_episode, synthetic_score
+from rollflow.storage.records import EpisodeRecord, ScoreRecord, TrainResult
+from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.schemas import VERSION_KEY, episode_records_to_table, score_records_to_table
+from rollflow.storage.synthetic import synthetic_episode, synthetic_score
 
 MAX_TURNS, OVERFLOW, ENV, PARSE = (
     TruncationCause.MAX_TURNS, TruncationCause.CONTEXT_OVERFLOW, TruncationCause.ENV, TruncationCause.PARSE_FAILURE,

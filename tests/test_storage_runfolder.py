@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from storage.errors import ConfigMismatchError, SchemaMismatchError, StageExistsError, StorageError
-from storage.parquet import temporary_path
-from storage.records import TrainResult
-from storage.runfolder import RunFolder
-from storage.runs import age_text, list_runs, mark_run_kind, run_status
-from storage.schemas import episode_records_to_table, score_records_to_table, table_to_episode_records
-from storage.synthetic import synthetic_episode, synthetic_score
+from rollflow.storage.errors import ConfigMismatchError, SchemaMismatchError, StageExistsError, StorageError
+from rollflow.storage.parquet import temporary_path
+from rollflow.storage.records import TrainResult
+from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.runs import age_text, list_runs, mark_run_kind, run_status
+from rollflow.storage.schemas import episode_records_to_table, score_records_to_table, table_to_episode_records
+from rollflow.storage.synthetic import synthetic_episode, synthetic_score
 
 
 def _episodes(step: int, split: str = "train"):

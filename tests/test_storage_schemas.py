@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from envs.episode import ActionTokens, EpisodeRollout
-from envs.types import TruncationCause
-from storage.errors import SchemaMismatchError
-from storage.records import SCHEMA_VERSION, TrainResult
-from storage.schemas import (
+from rollflow.envs.episode import ActionTokens, EpisodeRollout
+from rollflow.envs.types import TruncationCause
+from rollflow.storage.errors import SchemaMismatchError
+from rollflow.storage.records import SCHEMA_VERSION, TrainResult
+from rollflow.storage.schemas import (
     EPISODE_SCHEMA,
     KIND_KEY,
     VERSION_KEY,
@@ -29,7 +29,7 @@ from storage.schemas import (
     train_result_to_json,
     train_results_to_table,
 )
-from storage.synthetic import as_float32, synthetic_episode, synthetic_sample, synthetic_score
+from rollflow.storage.synthetic import as_float32, synthetic_episode, synthetic_sample, synthetic_score
 
 
 def _with_rollout(record, **changes):

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from storage.errors import NoDataError, StorageError
-from storage.runfolder import RunFolder
-from storage.tracking import TRACKING_FILE, RunTracker, artifact_location, default_tracking_uri, project_root
+from rollflow.storage.errors import NoDataError, StorageError
+from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.tracking import TRACKING_FILE, RunTracker, artifact_location, default_tracking_uri, project_root
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from storage.errors import NoDataError
-from storage.runfolder import RunFolder
-from storage.schemas import episode_records_to_table, score_records_to_table
-from storage.synthetic import synthetic_episode, synthetic_score
-from storage.transcript import render_episode
+from rollflow.storage.errors import NoDataError
+from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.schemas import episode_records_to_table, score_records_to_table
+from rollflow.storage.synthetic import synthetic_episode, synthetic_score
+from rollflow.storage.transcript import render_episode
 
 
 @pytest.fixture

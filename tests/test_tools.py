@@ -6,9 +6,9 @@ import asyncio
 import json
 from typing import Any
 
-from envs.protocol import make_tool_call
-from envs.tools import execute_tool_calls, is_tool_error, run_tool_calls
-from envs.types import Tool, ToolCall, ToolResult
+from rollflow.envs.protocol import make_tool_call
+from rollflow.envs.tools import execute_tool_calls, is_tool_error, run_tool_calls
+from rollflow.envs.types import Tool, ToolCall, ToolResult
 
 
 class AddTool:

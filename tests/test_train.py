@@ -11,24 +11,24 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from envs.hooks import EnvironmentMultiTurn
-from envs.runner import EpisodeLimits, handle_from_hook, play_groups
-from envs.types import EnvironmentEpisode, EnvironmentStepResult, Message, RewardResult, TaskExample
-from policy.loss import LossSettings
-from policy.sampling import SamplingSettings
-from policy.transformers_backend import TransformersPolicy
-from storage.records import EpisodeRecord, SampleRecord, ScoreRecord
-from storage.runfolder import RunFolder
-from storage.schemas import sample_records_to_table
-from tasks.checkpoints import (
+from rollflow.envs.hooks import EnvironmentMultiTurn
+from rollflow.envs.runner import EpisodeLimits, handle_from_hook, play_groups
+from rollflow.envs.types import EnvironmentEpisode, EnvironmentStepResult, Message, RewardResult, TaskExample
+from rollflow.policy.loss import LossSettings
+from rollflow.policy.sampling import SamplingSettings
+from rollflow.policy.transformers_backend import TransformersPolicy
+from rollflow.storage.records import EpisodeRecord, SampleRecord, ScoreRecord
+from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.schemas import sample_records_to_table
+from rollflow.tasks.checkpoints import (
     latest_checkpoint,
     load_policy_for_training,
     policy_model_ref,
     seed_everything,
 )
-from tasks.config import RunConfig, parse_config
-from tasks.flatten import flatten_episode_to_samples
-from tasks.train import (
+from rollflow.tasks.config import RunConfig, parse_config
+from rollflow.tasks.flatten import flatten_episode_to_samples
+from rollflow.tasks.train import (
     UpdateSettings,
     adapter_off_reference,
     grpo_update,
@@ -428,7 +428,7 @@ def test_zero_advantage_samples_add_nothing_and_are_not_computed() -> None:
 
 
 def test_a_stop_request_abandons_the_step_and_writes_no_checkpoint(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from policy.stopping import StopRequested, clear_stop, request_stop
+    from rollflow.policy.stopping import StopRequested, clear_stop, request_stop
 
     config = tiny_config(tiny_model_dir)
     write_samples(tmp_path, 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from tasks.config import config_to_toml, load_config
+from rollflow.tasks.config import config_to_toml, load_config
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -7,8 +7,8 @@ The reward is the share of letters in the reply, which differs between any two s
 
 from __future__ import annotations
 
-from envs.hooks import EnvironmentMultiTurn
-from envs.types import EnvironmentEpisode, EnvironmentStepResult, Message, RewardResult, TaskExample
+from rollflow.envs.hooks import EnvironmentMultiTurn
+from rollflow.envs.types import EnvironmentEpisode, EnvironmentStepResult, Message, RewardResult, TaskExample
 
 
 class LetterShareEnv(EnvironmentMultiTurn):

@@ -1,7 +1,7 @@
 """``calculator_math``: the async-style bundled environment (the reference's ``MathEnv``).
 
 Each task asks for the value of an integer expression ("What is 37 * 12 - 5?"). The
-environment offers one tool, ``calculator`` (the AST-based ``envs.arithmetic`` evaluator:
+environment offers one tool, ``calculator`` (the AST-based ``rollflow.envs.arithmetic`` evaluator:
 never ``eval``), ends the episode when the model replies without a tool call, and rewards
 1.0 when that reply's last number is the target, else 0.0. It owns the transcript, as an
 async ``Env`` does, and counts tool errors: after ``max_tool_errors`` of them it truncates
@@ -21,13 +21,13 @@ import re
 from collections.abc import Sequence
 from functools import partial
 
-from envs.arithmetic import CalculatorTool, last_number, safe_eval
-from envs.checks import require_int
-from envs.env import AsyncEnvSuite, Env
-from envs.protocol import make_tool_call, render_tool_calls
-from envs.scripted import ScriptedPolicy, latest_user_content
-from envs.tools import run_tool_calls
-from envs.types import Message, StepResult, Task, Tool, ToolSpec, tool_to_spec
+from rollflow.envs.arithmetic import CalculatorTool, last_number, safe_eval
+from rollflow.envs.checks import require_int
+from rollflow.envs.env import AsyncEnvSuite, Env
+from rollflow.envs.protocol import make_tool_call, render_tool_calls
+from rollflow.envs.scripted import ScriptedPolicy, latest_user_content
+from rollflow.envs.tools import run_tool_calls
+from rollflow.envs.types import Message, StepResult, Task, Tool, ToolSpec, tool_to_spec
 
 SYSTEM_PROMPT = "Use the calculator tool, then reply with only the final number."
 _QUESTION = re.compile(r"^What is (.+)\?$")

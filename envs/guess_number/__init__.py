@@ -19,10 +19,10 @@ import random
 import re
 from collections.abc import Sequence
 
-from envs.checks import require_int
-from envs.hooks import EnvironmentMultiTurn, check_split
-from envs.scripted import ScriptedPolicy
-from envs.types import (
+from rollflow.envs.checks import require_int
+from rollflow.envs.hooks import EnvironmentMultiTurn, check_split
+from rollflow.envs.scripted import ScriptedPolicy
+from rollflow.envs.types import (
     EnvironmentEpisode,
     EnvironmentStepResult,
     Message,

@@ -5,7 +5,7 @@ max_turns=6)`` returns a ``ToolUseGame``. See ``environment`` for the episode, `
 for how questions are generated, ``reward`` for the scoring and ``tools`` for the tools.
 """
 
-from envs.tool_use_game.environment import (
+from rollflow.envs.tool_use_game.environment import (
     SYSTEM_PROMPT,
     ToolUseGame,
     expert_policy,
@@ -13,9 +13,9 @@ from envs.tool_use_game.environment import (
     game_task,
     load_environment,
 )
-from envs.tool_use_game.reward import WEIGHTS, score_game
-from envs.tool_use_game.tasks import WORKED_EXAMPLE, GameTask, generate_examples
-from envs.tool_use_game.tools import GAME_TOOL_SPECS, game_tools
+from rollflow.envs.tool_use_game.reward import WEIGHTS, score_game
+from rollflow.envs.tool_use_game.tasks import WORKED_EXAMPLE, GameTask, generate_examples
+from rollflow.envs.tool_use_game.tools import GAME_TOOL_SPECS, game_tools
 
 __all__ = [
     "GAME_TOOL_SPECS",

@@ -14,7 +14,7 @@ plain answers and no call; with it, 2 well-formed calls (each hit a tool_error),
 parse failure, 29 answers. Weak, but the only source of tool-call variance GRPO gets
 before training; the reward's small ``tool_call_ok`` credit is sized for it. The tool
 descriptions are not in the system prompt: ``tool_specs`` returns them and the policy's
-chat codec renders them (``envs.protocol.describe_tools``).
+chat codec renders them (``rollflow.envs.protocol.describe_tools``).
 
 The expert (``expert_transcript``) lists the keys, looks up every needed fact in one
 action, computes with the calculator, then answers: four actions. It is what
@@ -26,15 +26,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from envs.checks import require_int
-from envs.hooks import EnvironmentMultiTurn, check_split
-from envs.protocol import make_tool_call, parse_action, render_tool_calls
-from envs.scripted import ScriptedPolicy, replay_policy
-from envs.tool_use_game.reward import score_game
-from envs.tool_use_game.tasks import WORKED_EXAMPLE, GameTask, generate_examples
-from envs.tool_use_game.tools import GAME_TOOL_SPECS, game_tools
-from envs.tools import run_tool_calls
-from envs.types import (
+from rollflow.envs.checks import require_int
+from rollflow.envs.hooks import EnvironmentMultiTurn, check_split
+from rollflow.envs.protocol import make_tool_call, parse_action, render_tool_calls
+from rollflow.envs.scripted import ScriptedPolicy, replay_policy
+from rollflow.envs.tool_use_game.reward import score_game
+from rollflow.envs.tool_use_game.tasks import WORKED_EXAMPLE, GameTask, generate_examples
+from rollflow.envs.tool_use_game.tools import GAME_TOOL_SPECS, game_tools
+from rollflow.envs.tools import run_tool_calls
+from rollflow.envs.types import (
     EnvironmentEpisode,
     EnvironmentStepResult,
     Message,

@@ -28,10 +28,10 @@ import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from envs.arithmetic import ExpressionError, last_number, safe_eval
-from envs.protocol import parse_action
-from envs.tools import is_tool_error
-from envs.types import Message, RewardResult
+from rollflow.envs.arithmetic import ExpressionError, last_number, safe_eval
+from rollflow.envs.protocol import parse_action
+from rollflow.envs.tools import is_tool_error
+from rollflow.envs.types import Message, RewardResult
 
 WEIGHTS = {"correct": 0.8, "lookups": 0.1, "calculator": 0.05, "tool_call_ok": 0.05}
 ANSWER_TOLERANCE = 1e-6

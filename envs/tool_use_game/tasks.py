@@ -19,9 +19,9 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from envs.arithmetic import safe_eval
-from envs.checks import require_int
-from envs.types import TaskExample
+from rollflow.envs.arithmetic import safe_eval
+from rollflow.envs.checks import require_int
+from rollflow.envs.types import TaskExample
 
 ITEMS = ("crates", "barrels", "sacks", "trucks", "workers", "lamps", "boxes", "chairs", "goats", "ladders")
 PLACES = (

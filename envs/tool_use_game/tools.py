@@ -1,10 +1,10 @@
 """The game's three tools over one task's fact table: ``list_fact_keys``, ``lookup``, ``calculator``.
 
-The calculator is the shared one from ``envs.arithmetic``.
+The calculator is the shared one from ``rollflow.envs.arithmetic``.
 
 Each tool has a plain ``run(arguments)`` (used to write expert transcripts without an
 event loop) and the async ``execute`` of the ``Tool`` protocol (used in episodes, through
-``envs.tools.execute_tool_calls``, which validates arguments against the schema first).
+``rollflow.envs.tools.execute_tool_calls``, which validates arguments against the schema first).
 A tool is built per episode step from the example's facts: the environment stays stateless.
 """
 
@@ -14,8 +14,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from envs.arithmetic import CalculatorTool
-from envs.types import ToolResult, ToolSpec, tool_to_spec
+from rollflow.envs.arithmetic import CalculatorTool
+from rollflow.envs.types import ToolResult, ToolSpec, tool_to_spec
 
 
 class ListFactKeysTool:

@@ -20,10 +20,10 @@ import json
 import random
 from typing import Any
 
-from envs.arithmetic import last_number
-from envs.env import AsyncEnvSuite, Env
-from envs.tools import execute_tool_calls
-from envs.types import Message, StepResult, Task, Tool, ToolResult, ToolSpec, tool_to_spec
+from rollflow.envs.arithmetic import last_number
+from rollflow.envs.env import AsyncEnvSuite, Env
+from rollflow.envs.tools import execute_tool_calls
+from rollflow.envs.types import Message, StepResult, Task, Tool, ToolResult, ToolSpec, tool_to_spec
 
 
 class AddTool:

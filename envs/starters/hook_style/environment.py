@@ -20,11 +20,11 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from envs.arithmetic import last_number
-from envs.hooks import EnvironmentMultiTurn
-from envs.protocol import parse_action
-from envs.tools import execute_tool_calls
-from envs.types import (
+from rollflow.envs.arithmetic import last_number
+from rollflow.envs.hooks import EnvironmentMultiTurn
+from rollflow.envs.protocol import parse_action
+from rollflow.envs.tools import execute_tool_calls
+from rollflow.envs.types import (
     EnvironmentEpisode,
     EnvironmentStepResult,
     Message,
