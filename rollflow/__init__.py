@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from rollflow.envs.env import AsyncEnvSuite, Env
 from rollflow.envs.hooks import EnvironmentMultiTurn
 from rollflow.envs.protocol import ParsedAction, parse_action, render_tool_calls
+from rollflow.envs.single_turn import EnvironmentSingleTurn
 from rollflow.envs.tools import execute_tool_calls
 from rollflow.envs.types import (
     EnvironmentEpisode,
@@ -52,6 +53,7 @@ __all__ = [
     "Env",
     "EnvironmentEpisode",
     "EnvironmentMultiTurn",
+    "EnvironmentSingleTurn",
     "EnvironmentStepResult",
     "EnvironmentTurn",
     "GRPOConfig",
