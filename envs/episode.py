@@ -7,6 +7,10 @@ Exactly one of these holds for a finished episode:
 - ``terminated``: the environment ended it (hook style ``done=True``, async ``terminated``);
 - ``truncated`` with a ``truncation_cause``;
 - ``error`` is set (the environment or the policy raised; the episode is not trained on).
+
+Token counts come from ``actions``: ``context_tokens`` is the length of the context the
+episode ended at (the count restarts at each ``reset``), ``total_tokens`` every token
+processed (a reset's re-rendered history counted again).
 """
 
 from __future__ import annotations
@@ -63,5 +67,20 @@ class EpisodeRollout:
         )
 
     @property
+    def final_context_actions(self) -> tuple[ActionTokens, ...]:
+        """The actions whose tokens make up the final context: from the last reset on (a
+        reset's delta is the whole re-rendered prompt, so the count restarts there)."""
+        resets = [index for index, action in enumerate(self.actions) if action.reset]
+        return self.actions[resets[-1] if resets else 0 :]
+
+    @property
+    def context_tokens(self) -> int:
+        """The context length the episode ended at (what a length budget measures): the
+        last sample's tokens, context and sampled. 0 for tokenless (scripted) episodes."""
+        return sum(len(a.prompt_delta_ids) + len(a.token_ids) for a in self.final_context_actions)
+
+    @property
     def total_tokens(self) -> int:
+        """Tokens processed: every action's context delta and sampled tokens, so each reset
+        counts its re-rendered history again (the length of all the episode's samples)."""
         return sum(len(a.prompt_delta_ids) + len(a.token_ids) for a in self.actions)

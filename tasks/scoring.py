@@ -2,46 +2,71 @@
 
 The environment scores each group once (``handle.score(item, rollouts)``: hook style
 batches ``score_episodes`` over the group, async style takes the terminal step's reward).
-Then, per episode, in this order:
+Parse-failed episodes are not shown to it: their reward is ``failed_parse_reward`` whatever
+a scorer would say, and a scorer written for well-formed transcripts (the reference's
+refund agent ``json.loads`` every ``<tool_call>`` block) raises on exactly those, which
+would drop them from the baseline, or, with a group ``score_episodes``, error the group.
+They get ``PARSE_FAILURE_SCORE`` (reward 0.0, no threshold) in the scores' ``reward``.
 
-1. **final reward.** A ``parse_failure`` truncation gets ``failed_parse_reward`` in place of
-   the environment's reward. A ``context_overflow`` or ``max_turns`` truncation gets the
-   soft overlong penalty added. An ``env`` truncation or a terminated episode keeps its
-   reward as is.
-2. **soft overlong penalty** (DAPO's soft overlong punishment, applied as the reference
-   docs say: only to the two length-budget truncations). With ``L`` the tokens the episode
-   put in its context (``rollout.total_tokens``), ``L_max = max_model_length``, a buffer
-   ``B = overlong_buffer_tokens`` (default ``L_max``) and ``f = overlong_penalty_factor``::
+Then, per episode:
+
+1. **its ending**, one of six (``ending_of``): ``error`` when the rollout raised;
+   ``parse_failure`` when it ended so, whatever the scorer said, errors included; else
+   ``error`` when the scorer raised; else ``terminated`` or its truncation cause.
+2. **its final reward**: ``shape_reward(ending, env_reward, context_tokens, settings)``,
+   one pure function reading this table (``SHAPING_RULES``), one row per ending:
+
+   ==================  =====================  ================  ========  ======
+   ending              reward                 overlong penalty  baseline  passes
+   ==================  =====================  ================  ========  ======
+   terminated          the environment's      none              counted   if env
+   env                 the environment's      none              counted   if env
+   max_turns           the environment's      by length         counted   if env
+   context_overflow    the environment's      full (``-f``)     counted   if env
+   parse_failure       ``failed_parse_reward``  none            counted   never
+   error               0.0                    none              left out  never
+   ==================  =====================  ================  ========  ======
+
+   **Soft overlong penalty** (DAPO's soft overlong punishment, applied as the reference
+   docs say: only to the two length-budget truncations). With ``L`` the context length the
+   episode ended at (``rollout.context_tokens``: the count restarts where the chat template
+   re-rendered the prompt, so rewritten history is not counted twice), ``L_max =
+   max_model_length``, a buffer ``B`` and ``f = overlong_penalty_factor``::
 
        penalty = -f * clip((L - (L_max - B)) / B, 0, 1)
 
-   So the penalty is 0 until the episode's context enters the last ``B`` tokens of its
-   budget, then grows linearly to ``-f`` at the budget. A ``context_overflow`` episode spent
-   the budget by definition (``L = L_max``: the full ``-f``), whatever it had stored; a
-   ``max_turns`` episode pays by how much context it burned. With the default ``B = L_max``
-   every budget truncation pays, in proportion to its length; DAPO's setting is about
-   ``B = L_max / 5``.
-3. **group baseline.** Errored episodes (the rollout or the scorer failed) are left out of
-   the group's statistics and never trained. ``mean`` and ``std`` (population, ddof 0) are
-   over the other episodes' final rewards; ``advantage = final - mean``, divided by
-   ``std + 1e-6`` when ``scale_advantages_by_std``. A group whose counted rewards are all
-   equal (or that has fewer than two) is marked ``zero_variance`` and gets advantage 0.
-4. **trained?** Not when errored; not when truncated (any cause) under ``overlong_masking``,
-   though its reward stayed in the baseline; not in a zero-variance group under
-   ``dynamic_sampling``.
+   0 until the context enters the last ``B`` tokens of the budget, then linear to ``-f``
+   at the budget. A ``context_overflow`` episode spent the budget by definition: ``-f``.
+   ``B = overlong_buffer_tokens``, by default ``L_max // 5``, about DAPO's setting (a
+   4k-token buffer for 20k-token responses): only an episode that came close to the budget
+   pays. A buffer of the whole budget would make every ``max_turns`` episode pay in
+   proportion to its length, a penalty near ``-f`` that swamps a reward of a few tenths.
+3. **passed** is the environment's verdict, not the shaped reward's: its reward ``>=`` its
+   threshold (no threshold: ``> 0``), where the table says an ending can pass at all. So
+   ``reward/pass_rate`` does not move with the overlong penalty or ``failed_parse_reward``.
+4. **group baseline.** ``mean`` and ``std`` (population, ddof 0) are over the counted
+   episodes' final rewards; ``advantage = final - mean``, divided by ``std + 1e-6`` when
+   ``scale_advantages_by_std``. A group whose counted rewards are all equal (or that has
+   fewer than two) is marked ``zero_variance`` and gets advantage 0.
+5. **trained?** Not when left out of the baseline; not when truncated (any cause) under
+   ``overlong_masking``, though its reward stayed in the baseline; not in a zero-variance
+   group under ``dynamic_sampling``.
 
 Simplified on purpose: dynamic sampling only skips zero-variance groups; it does not
 resample to refill the batch as DAPO does (a step trains on fewer groups instead). The
-overlong length counts context tokens of scripted, tokenless episodes as 0.
+overlong length counts context tokens of scripted, tokenless episodes as 0. A group
+``score_episodes`` sees the group without its parse failures.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import cast
 
 from rollflow.envs.episode import EpisodeRollout
@@ -54,7 +79,8 @@ from rollflow.tasks.config import RunConfig
 
 STD_EPSILON = 1e-6
 SPLITS = ("train", "validation")
-OVERLONG_CAUSES = (TruncationCause.CONTEXT_OVERFLOW, TruncationCause.MAX_TURNS)
+BUFFER_FRACTION = 5  # default overlong buffer: L_max // 5, DAPO's proportion
+PARSE_FAILURE_SCORE = EpisodeScore(reward=0.0, threshold=None, components={})
 
 
 class ScoringError(ValueError):
@@ -66,10 +92,22 @@ class ScoringSettings:
     failed_parse_reward: float = -0.1
     overlong_penalty_factor: float = 1.0
     max_model_length: int = 2048
-    overlong_buffer_tokens: int | None = None  # None = max_model_length
+    overlong_buffer_tokens: int | None = None  # None = max_model_length // 5
     scale_advantages_by_std: bool = True
     dynamic_sampling: bool = False
     overlong_masking: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_model_length < 1:
+            raise ScoringError(f"max_model_length must be >= 1, got {self.max_model_length}")
+        if self.overlong_buffer_tokens is not None and self.overlong_buffer_tokens < 1:
+            raise ScoringError(f"overlong_buffer_tokens must be >= 1, got {self.overlong_buffer_tokens}")
+
+    @property
+    def buffer_tokens(self) -> int:
+        """``B``: the last tokens of the budget over which the overlong penalty ramps."""
+        default = max(self.max_model_length // BUFFER_FRACTION, 1)
+        return min(self.overlong_buffer_tokens or default, self.max_model_length)
 
     @classmethod
     def from_config(cls, config: RunConfig) -> ScoringSettings:
@@ -85,37 +123,118 @@ class ScoringSettings:
         )
 
 
-def overlong_penalty(rollout: EpisodeRollout, settings: ScoringSettings) -> float:
-    """The soft overlong penalty (<= 0) of one episode; see the module docstring."""
-    if rollout.truncation_cause not in OVERLONG_CAUSES:
+# ---------------------------------------------------------------- reward shaping
+
+
+class Ending(enum.StrEnum):
+    """How an episode ended, as reward shaping sees it: one row of ``SHAPING_RULES`` each."""
+
+    TERMINATED = "terminated"
+    ENV = "env"
+    MAX_TURNS = "max_turns"
+    CONTEXT_OVERFLOW = "context_overflow"
+    PARSE_FAILURE = "parse_failure"
+    ERROR = "error"
+
+
+class RewardSource(enum.StrEnum):
+    ENV = "env"  # the environment's reward
+    FAILED_PARSE = "failed_parse_reward"
+    NONE = "none"  # 0.0: nothing to reward
+
+
+class Overlong(enum.StrEnum):
+    NONE = "none"
+    BY_LENGTH = "by_length"  # the soft ramp over the last B tokens of the budget
+    FULL = "full"  # -f: the budget was spent
+
+
+@dataclass(frozen=True)
+class ShapingRule:
+    reward: RewardSource
+    overlong: Overlong
+    counted: bool  # in the group baseline (and trainable)
+    can_pass: bool  # passed = the environment's reward vs its threshold, where this holds
+
+
+_ENV_REWARD = ShapingRule(RewardSource.ENV, Overlong.NONE, counted=True, can_pass=True)
+SHAPING_RULES: Mapping[Ending, ShapingRule] = MappingProxyType({
+    Ending.TERMINATED: _ENV_REWARD,
+    Ending.ENV: _ENV_REWARD,
+    Ending.MAX_TURNS: ShapingRule(RewardSource.ENV, Overlong.BY_LENGTH, counted=True, can_pass=True),
+    Ending.CONTEXT_OVERFLOW: ShapingRule(RewardSource.ENV, Overlong.FULL, counted=True, can_pass=True),
+    Ending.PARSE_FAILURE: ShapingRule(RewardSource.FAILED_PARSE, Overlong.NONE, counted=True, can_pass=False),
+    Ending.ERROR: ShapingRule(RewardSource.NONE, Overlong.NONE, counted=False, can_pass=False),
+})
+
+
+@dataclass(frozen=True)
+class ShapedReward:
+    final_reward: float
+    overlong_penalty: float  # <= 0
+    counted: bool  # in the group baseline
+
+
+def ending_of(rollout: EpisodeRollout, score: EpisodeScore) -> Ending:
+    """The row of ``SHAPING_RULES`` an episode falls in; a parse failure whatever the scorer said."""
+    if rollout.error is not None:
+        return Ending.ERROR
+    if rollout.truncation_cause == TruncationCause.PARSE_FAILURE:
+        return Ending.PARSE_FAILURE
+    if score.error is not None:
+        return Ending.ERROR
+    if rollout.truncation_cause is None:
+        return Ending.TERMINATED
+    return Ending(TruncationCause(rollout.truncation_cause).value)
+
+
+def shape_reward(
+    ending: Ending, env_reward: float, context_tokens: int, settings: ScoringSettings
+) -> ShapedReward:
+    """The final reward of one episode: its ending's row of ``SHAPING_RULES`` applied."""
+    rule = SHAPING_RULES[ending]
+    base = {
+        RewardSource.ENV: env_reward,
+        RewardSource.FAILED_PARSE: settings.failed_parse_reward,
+        RewardSource.NONE: 0.0,
+    }[rule.reward]
+    penalty = _overlong_penalty(rule.overlong, context_tokens, settings)
+    return ShapedReward(base + penalty, penalty, rule.counted)
+
+
+def _overlong_penalty(overlong: Overlong, context_tokens: int, settings: ScoringSettings) -> float:
+    if overlong == Overlong.NONE:
         return 0.0
-    budget = settings.max_model_length
-    buffer = min(settings.overlong_buffer_tokens or budget, budget)
-    used = budget if rollout.truncation_cause == TruncationCause.CONTEXT_OVERFLOW else rollout.total_tokens
+    budget, buffer = settings.max_model_length, settings.buffer_tokens
+    used = budget if overlong == Overlong.FULL else context_tokens
     ramp = min(max((used - (budget - buffer)) / buffer, 0.0), 1.0)
     return -settings.overlong_penalty_factor * ramp if ramp > 0 else 0.0
 
 
+def env_passed(ending: Ending, score: EpisodeScore) -> bool:
+    """The environment's verdict: its reward ``>=`` its threshold (none: ``> 0``)."""
+    if not SHAPING_RULES[ending].can_pass:
+        return False
+    return score.reward >= score.threshold if score.threshold is not None else score.reward > 0
+
+
+# ---------------------------------------------------------------- records
+
+
 @dataclass(frozen=True)
 class _Shaped:
-    """One episode after step 1-2: its final reward and whether it counts in the baseline."""
+    """One episode after shaping: its ending, final reward and whether it counts."""
 
     episode: EpisodeRecord
     score: EpisodeScore
-    penalty: float
-    final_reward: float
-    errored: bool
+    ending: Ending
+    shaped: ShapedReward
 
 
 def _shape(episode: EpisodeRecord, score: EpisodeScore, settings: ScoringSettings) -> _Shaped:
     rollout = episode.rollout
-    errored = rollout.error is not None or score.error is not None
-    if errored:
-        return _Shaped(episode, score, 0.0, score.reward, True)
-    if rollout.truncation_cause == TruncationCause.PARSE_FAILURE:
-        return _Shaped(episode, score, 0.0, settings.failed_parse_reward, False)
-    penalty = overlong_penalty(rollout, settings)
-    return _Shaped(episode, score, penalty, score.reward + penalty, False)
+    ending = ending_of(rollout, score)
+    return _Shaped(episode, score, ending, shape_reward(ending, score.reward, rollout.context_tokens, settings))
 
 
 def score_episodes_to_records(
@@ -140,7 +259,7 @@ def score_episodes_to_records(
 
 
 def _group_records(members: list[_Shaped], settings: ScoringSettings) -> list[ScoreRecord]:
-    rewards_G = [m.final_reward for m in members if not m.errored]
+    rewards_G = [m.shaped.final_reward for m in members if m.shaped.counted]
     mean = sum(rewards_G) / len(rewards_G) if rewards_G else 0.0
     std = math.sqrt(sum((r - mean) ** 2 for r in rewards_G) / len(rewards_G)) if rewards_G else 0.0
     zero_variance = len(rewards_G) < 2 or max(rewards_G) - min(rewards_G) == 0.0
@@ -151,27 +270,31 @@ def _record(
     member: _Shaped, mean: float, std: float, group_size: int, zero_variance: bool,
     settings: ScoringSettings,
 ) -> ScoreRecord:
-    episode, score = member.episode, member.score
+    episode, score, shaped = member.episode, member.score, member.shaped
     advantage = 0.0
-    if not (member.errored or zero_variance):
-        advantage = member.final_reward - mean
+    if shaped.counted and not zero_variance:
+        advantage = shaped.final_reward - mean
         if settings.scale_advantages_by_std:
             advantage /= std + STD_EPSILON
     masked = settings.overlong_masking and episode.rollout.truncated
     skipped = settings.dynamic_sampling and zero_variance
-    threshold = score.threshold
-    passed = not member.errored and (
-        member.final_reward >= threshold if threshold is not None else member.final_reward > 0
-    )
     return ScoreRecord(
         run_id=episode.run_id, step=episode.step, split=episode.split, task_id=episode.task_id,
         group_id=episode.group_id, episode_id=episode.episode_id, reward=score.reward,
-        threshold=threshold, components=dict(score.components), overlong_penalty=member.penalty,
-        final_reward=member.final_reward, passed=passed, group_mean=mean, group_std=std,
+        threshold=score.threshold, components=dict(score.components),
+        overlong_penalty=shaped.overlong_penalty, final_reward=shaped.final_reward,
+        passed=env_passed(member.ending, score), group_mean=mean, group_std=std,
         group_size=group_size, zero_variance=zero_variance, advantage=advantage,
-        trained=not (member.errored or masked or skipped),
-        scoring_error=score.error if score.error is not None else episode.rollout.error,
+        trained=shaped.counted and not (masked or skipped),
+        scoring_error=None if shaped.counted else _why_left_out(episode.rollout, score),
     )
+
+
+def _why_left_out(rollout: EpisodeRollout, score: EpisodeScore) -> str:
+    if score.error is not None:
+        return score.error
+    assert rollout.error is not None, "an episode is left out only for an error"
+    return rollout.error
 
 
 # ---------------------------------------------------------------- the stage
@@ -201,8 +324,9 @@ def score_stage(
 async def score_groups(
     handle: EnvironmentHandle, split: str, episodes: Sequence[EpisodeRecord], concurrency: int,
 ) -> list[EpisodeScore]:
-    """``handle.score`` once per group, at most ``concurrency`` groups at once; the scores
-    come back aligned with ``episodes``."""
+    """``handle.score`` once per group, at most ``concurrency`` groups at once, shown every
+    episode but the parse failures (``PARSE_FAILURE_SCORE`` each); the scores come back
+    aligned with ``episodes``."""
     if split not in SPLITS:
         raise ScoringError(f"split must be one of {SPLITS}, got {split!r}")
     items = {item.task_id: item for item in handle.tasks(cast(Split, split))}
@@ -213,11 +337,15 @@ async def score_groups(
 
     async def score_group(indices: list[int]) -> list[EpisodeScore]:
         item = _group_item(items, [episodes[i] for i in indices], split)
-        async with bound:
-            scores = await handle.score(item, [episodes[i].rollout for i in indices])
-        if len(scores) != len(indices):
-            raise ScoringError(f"the environment gave {len(scores)} scores for {len(indices)} episodes")
-        return scores
+        shown = [i for i in indices if episodes[i].rollout.truncation_cause != TruncationCause.PARSE_FAILURE]
+        scores = dict.fromkeys(indices, PARSE_FAILURE_SCORE)
+        if shown:
+            async with bound:
+                given = await handle.score(item, [episodes[i].rollout for i in shown])
+            if len(given) != len(shown):
+                raise ScoringError(f"the environment gave {len(given)} scores for {len(shown)} episodes")
+            scores.update(zip(shown, given, strict=True))
+        return [scores[i] for i in indices]
 
     results = await asyncio.gather(*(score_group(ix) for ix in groups.values()))
     aligned: list[EpisodeScore | None] = [None] * len(episodes)

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
+import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from rollflow.envs.episode import ActionTokens, EpisodeRollout
+from rollflow.envs.hook_handle import to_environment_episode
 from rollflow.envs.hooks import EnvironmentMultiTurn
-from rollflow.envs.runner import EpisodeScore, handle_from_hook
+from rollflow.envs.runner import EpisodeLimits, EpisodeScore, handle_from_hook
+from rollflow.envs.scripted import constant_policy
 from rollflow.envs.types import (
     EnvironmentEpisode,
     EnvironmentStepResult,
@@ -25,8 +31,8 @@ from rollflow.tasks.config import parse_config
 from rollflow.tasks.scoring import (
     ScoringError,
     ScoringSettings,
-    overlong_penalty,
     score_episodes_to_records,
+    score_groups,
     score_stage,
 )
 
@@ -57,32 +63,6 @@ def group(*rollouts: EpisodeRollout, task: int = 0) -> list[EpisodeRecord]:
 
 def env_score(reward: float, threshold: float | None = None, error: str | None = None) -> EpisodeScore:
     return EpisodeScore(reward=reward, threshold=threshold, components={"r": reward}, error=error)
-
-
-# ---------------------------------------------------------------- the soft overlong penalty
-
-
-@pytest.mark.parametrize(
-    ("cause", "tokens", "buffer", "expected"),
-    [
-        (TruncationCause.MAX_TURNS, 1500, None, -1500 / 2048),  # ramp over the whole budget
-        (TruncationCause.MAX_TURNS, 1500, 512, 0.0),  # 1500 < 2048 - 512: outside the buffer
-        (TruncationCause.MAX_TURNS, 1800, 512, -(1800 - 1536) / 512),
-        (TruncationCause.MAX_TURNS, 4000, 512, -1.0),  # capped at the factor
-        (TruncationCause.CONTEXT_OVERFLOW, 10, 512, -1.0),  # the budget was spent: full penalty
-        (TruncationCause.ENV, 2000, None, 0.0),  # never for env truncations
-        (TruncationCause.PARSE_FAILURE, 2000, None, 0.0),  # nor parse failures
-        (None, 2000, None, 0.0),  # nor terminated episodes
-    ],
-)
-def test_soft_overlong_penalty(cause: TruncationCause | None, tokens: int, buffer: int | None, expected: float) -> None:
-    settings = ScoringSettings(max_model_length=2048, overlong_buffer_tokens=buffer)
-    assert overlong_penalty(rollout(cause, tokens=tokens), settings) == pytest.approx(expected)
-
-
-def test_overlong_penalty_factor_scales_it() -> None:
-    settings = ScoringSettings(max_model_length=1000, overlong_penalty_factor=0.25)
-    assert overlong_penalty(rollout(TruncationCause.CONTEXT_OVERFLOW), settings) == pytest.approx(-0.25)
 
 
 # ---------------------------------------------------------------- rewards and advantages
@@ -234,3 +214,106 @@ def test_score_stage_accepts_a_prebuilt_handle_and_names_unknown_tasks(tmp_path:
     env.dataset = [{"input": "other", "id": "task-9"}]
     with pytest.raises(ScoringError, match="task 'task-0' is not among the environment's train tasks"):
         score_stage(parse_config({}), tmp_path, 0, "train", handle=handle_from_hook(env))
+
+
+# ---------------------------------------------------------------- issue 13: the reward path
+
+PARSE, MAX_TURNS = TruncationCause.PARSE_FAILURE, TruncationCause.MAX_TURNS
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+SORRY = "Sorry, I cannot help."
+BROKEN = '<tool_call>{"name": "refund_order", oops}</tool_call>'  # closed, but not JSON
+
+
+class RefundEnv(EnvironmentMultiTurn):
+    """The reference's refund agent: its scorer ``json.loads`` every ``<tool_call>`` block of
+    the transcript, so it raises on exactly the episodes that ended in a parse failure."""
+
+    dataset = [{"input": "Refund my last order.", "output": "refund_order", "id": "task-0"}]
+
+    def start_episode(self, example: TaskExample, prompt_text: str) -> list[Message]:
+        return [{"role": "system", "content": "Call tools with <tool_call>{...}</tool_call>."},
+                {"role": "user", "content": prompt_text}]
+
+    def max_episode_turns(self, example: TaskExample) -> int:
+        return 3
+
+    def step_episode(self, example: TaskExample, messages: list[Message], assistant_response: str) -> EnvironmentStepResult:
+        if TOOL_CALL.findall(assistant_response):
+            return EnvironmentStepResult(done=False, messages=({"role": "user", "content": "<tool_result>ok</tool_result>"},))
+        return EnvironmentStepResult(done=True, final_response_text=assistant_response)
+
+    def score_episode(self, example: TaskExample, episode: EnvironmentEpisode) -> RewardResult:
+        used = [json.loads(b)["name"] for m in episode.messages
+                for b in TOOL_CALL.findall(m["content"]) if m["role"] == "assistant"]
+        return RewardResult(score=1.0 if str(example.output) in used else 0.0, threshold=1.0)
+
+
+class GroupRefundEnv(RefundEnv):
+    """Scores the group in one call: one raising episode would error all of them."""
+
+    def score_episodes(self, example: TaskExample, episodes: list[EnvironmentEpisode]) -> list[RewardResult]:
+        return [self.score_episode(example, e) for e in episodes]
+
+
+@pytest.mark.parametrize("env_class", [RefundEnv, GroupRefundEnv])
+def test_parse_failures_get_failed_parse_reward_when_the_scorer_raises_on_them(
+    env_class: type[RefundEnv],
+) -> None:
+    env = env_class()
+    handle = handle_from_hook(env)
+    [item] = handle.tasks("train")
+    policies = [constant_policy(SORRY), constant_policy(SORRY), constant_policy(BROKEN), constant_policy(BROKEN)]
+    eps = group(*(asyncio.run(handle.play(item, p, EpisodeLimits())) for p in policies))
+    assert [e.rollout.truncation_cause for e in eps] == [None, None, PARSE, PARSE]
+    with pytest.raises(json.JSONDecodeError):  # the scorer really raises on them
+        env.score_episode(item.payload, to_environment_episode(eps[2].rollout))
+    scores = asyncio.run(score_groups(handle, "train", eps, concurrency=2))
+    settings = ScoringSettings(failed_parse_reward=-0.1, scale_advantages_by_std=False)
+    records = score_episodes_to_records(eps, scores, settings)
+    assert [r.final_reward for r in records] == pytest.approx([0.0, 0.0, -0.1, -0.1])
+    assert [r.scoring_error for r in records] == [None] * 4
+    assert records[0].group_size == 4 and not records[0].zero_variance  # trains 0 against -0.1
+    assert [r.advantage for r in records] == pytest.approx([0.05, 0.05, -0.05, -0.05])
+    assert all(r.trained and not r.passed for r in records)
+
+
+def test_a_parse_failure_ignores_the_scorers_error() -> None:
+    eps = group(rollout(), rollout(PARSE))
+    scores = [env_score(0.0), env_score(0.0, error="JSONDecodeError: Expecting value")]
+    records = score_episodes_to_records(eps, scores, ScoringSettings(failed_parse_reward=-0.1))
+    assert records[1].final_reward == pytest.approx(-0.1) and records[1].scoring_error is None
+    assert records[0].group_size == 2 and records[1].trained and records[1].advantage < 0
+
+
+def rerendered_episode(cause: TruncationCause | None) -> EpisodeRollout:
+    """Four actions of 50 sampled tokens; before each later one the chat template re-renders
+    the whole 1,100-token prompt (reset). The context ends at 1,150; the deltas sum to 4,600."""
+    sampled, logprobs = (7,) * 50, (-0.5,) * 50
+    first = ActionTokens(tuple(range(1100)), False, sampled, logprobs, "stop")
+    later = ActionTokens(tuple(range(1100)), True, sampled, logprobs, "stop")
+    return replace(rollout(cause), turns=4, actions=(first, later, later, later))
+
+
+def test_overlong_penalty_counts_the_final_context_not_every_rerendered_prompt() -> None:
+    settings = ScoringSettings(max_model_length=2048, overlong_buffer_tokens=1024)
+    [record] = score_episodes_to_records(group(rerendered_episode(MAX_TURNS)), [env_score(1.0)], settings)
+    assert record.overlong_penalty == pytest.approx(-(1150 - 1024) / 1024)  # not -1 for 4,600 tokens
+    assert rerendered_episode(MAX_TURNS).context_tokens == 1150
+
+
+def test_default_buffer_spares_a_short_max_turns_episode() -> None:
+    settings = ScoringSettings.from_config(parse_config({"rollout": {"max_model_length": 2048}}))
+    eps = group(rollout(MAX_TURNS, tokens=300), rollout(MAX_TURNS, tokens=2000))
+    records = score_episodes_to_records(eps, [env_score(0.1)] * 2, settings)
+    assert records[0].overlong_penalty == 0.0 and records[0].final_reward == pytest.approx(0.1)
+    buffer = 2048 // 5  # DAPO's L_max / 5
+    assert records[1].overlong_penalty == pytest.approx(-(2000 - (2048 - buffer)) / buffer)
+
+
+def test_passed_is_the_environments_verdict_not_the_shaped_reward() -> None:
+    eps = group(rollout(MAX_TURNS, tokens=2040), rollout(PARSE), rollout(), rollout(error="RuntimeError: boom"))
+    scores = [env_score(1.0, 1.0), env_score(1.0, 1.0), env_score(0.9, 1.0), env_score(1.0, 1.0, error="not scored")]
+    settings = ScoringSettings(max_model_length=2048, overlong_buffer_tokens=512, failed_parse_reward=2.0)
+    records = score_episodes_to_records(eps, scores, settings)
+    assert records[0].final_reward < 1.0 and records[1].final_reward == 2.0
+    assert [r.passed for r in records] == [True, False, False, False]
