@@ -140,7 +140,7 @@ class TrainConfig:
     failed_parse_reward: float = -0.1  # reference default
     overlong_masking: bool = False  # reference default: truncated episodes still train
     # The soft overlong penalty (tasks/scoring.py has the formula): DAPO's factor of 1.0;
-    # None = a ramp over the whole context budget (every budget truncation pays).
+    # None = max_model_length // 5, about DAPO's buffer: only episodes near the budget pay.
     overlong_penalty_factor: float = 1.0
     overlong_buffer_tokens: int | None = None
     seed: int = 0
