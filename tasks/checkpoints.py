@@ -48,6 +48,10 @@ VERSION_FILE = "version.json"
 RNG_FILE = "rng.json"
 OPTIMIZER_FILE = "optimizer.pt"
 RESULT_FILE = "train_result.json"
+# peft's name for the adapter a peft model loads or creates first: the trained one.
+TRAINED_ADAPTER = "default"
+# A frozen copy of the starting adapter, the KL reference of a warm start (tasks/train.py).
+REFERENCE_ADAPTER = "kl_reference"
 
 
 class CheckpointError(RuntimeError):
@@ -148,7 +152,9 @@ def save_checkpoint(
     """Write and commit ``checkpoints/step=<result.step>/`` (all or nothing)."""
     tmp = folder.new_checkpoint_tmp(result.step)
     try:
-        model.save_pretrained(str(tmp))  # peft: the adapter only; else the whole model
+        # peft: the trained adapter only (not a frozen reference); else the whole model
+        adapters = {"selected_adapters": [TRAINED_ADAPTER]} if use_lora else {}
+        model.save_pretrained(str(tmp), **adapters)
         if not use_lora:
             tokenizer.save_pretrained(str(tmp))  # a full-weight checkpoint is a whole HF folder
         torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)

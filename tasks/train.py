@@ -13,9 +13,11 @@ truncated distribution the trainer does not rebuild: keep it at 1.0 when trainin
 ``train_stage`` wraps it for the flow: load the newest checkpoint (LoRA adapter or full
 weights) with its optimizer and RNG state, or start version 0 from the base model with a
 fresh LoRA seeded by ``[train].seed``; read ``samples.parquet``; update; commit
-``checkpoints/step=NNNNNN/`` and then ``train.json``. With LoRA the KL reference is the same
-model with the adapter switched off; with full weights it is a second, frozen copy of the
-base model (loaded only when ``kl_coef > 0``).
+``checkpoints/step=NNNNNN/`` and then ``train.json``. The KL reference is always policy
+version 0, where the run started: with a fresh LoRA the same model with the adapter switched
+off; from a starting adapter (``[model].adapter``, an SFT warm start) a frozen second copy of
+that adapter in the same peft model; with full weights a second, frozen copy of the starting
+model. It is loaded or built only when ``kl_coef > 0``.
 
 One optimizer step per batch by default; ``[train].minibatches = K`` splits the batch into
 K minibatches with a step each (PPO-style: more learning per rolled-out episode, for the
@@ -40,6 +42,7 @@ from rollflow.storage.records import SampleRecord, TrainResult
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_sample_records
 from rollflow.tasks.checkpoints import (
+    REFERENCE_ADAPTER,
     Checkpoint,
     base_model_ref,
     checkpoint_train_result,
@@ -153,6 +156,33 @@ def adapter_off_reference(model: PreTrainedModel, temperature: float) -> RefLogp
     ) -> torch.Tensor:
         with torch.no_grad(), model.disable_adapter():
             return token_logprobs(model, input_ids_BT, attention_mask_BT, temperature, wanted_BT)
+
+    return reference
+
+
+def start_adapter_reference(model: PreTrainedModel, adapter: Path, temperature: float) -> RefLogprobsFn:
+    """The KL reference when LoRA training started from an adapter (an SFT warm start).
+
+    Version 0 is then base + that adapter, not the base: switching the trained adapter
+    off would measure KL to a model the run never was. The starting adapter is loaded a
+    second time into the same peft model, frozen, as ``REFERENCE_ADAPTER`` (a second set
+    of LoRA matrices, not a second model), and the reference pass switches to it. Merging
+    it into the base instead would make a checkpoint a delta on a merged model that the
+    rollout stage (base + checkpoint adapter) could not load as it is.
+    """
+    if REFERENCE_ADAPTER not in model.peft_config:
+        model.load_adapter(str(adapter), adapter_name=REFERENCE_ADAPTER, is_trainable=False)
+    trained = model.active_adapter
+
+    def reference(
+        input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, wanted_BT: torch.Tensor
+    ) -> torch.Tensor:
+        model.set_adapter(REFERENCE_ADAPTER, inference_mode=True)  # freezes every adapter
+        try:
+            with torch.no_grad():
+                return token_logprobs(model, input_ids_BT, attention_mask_BT, temperature, wanted_BT)
+        finally:
+            model.set_adapter(trained)  # trainable again, the reference frozen
 
     return reference
 
@@ -334,7 +364,7 @@ def train_stage(config: RunConfig, run_dir: Path, step: int) -> Path:
     model, tokenizer = load_policy_for_training(config, previous)
     optimizer = make_optimizer(model, config.train.learning_rate)
     _restore_or_seed(config, previous, optimizer)
-    reference = _reference(config, model)
+    reference = kl_reference(config, model)
     timings["load_s"] = _lap(clock)
     clock = time.perf_counter()
     samples = table_to_sample_records(folder.read_stage(step, "samples"))
@@ -360,10 +390,13 @@ def _restore_or_seed(
     load_rng_state(previous)
 
 
-def _reference(config: RunConfig, model: PreTrainedModel) -> RefLogprobsFn | None:
+def kl_reference(config: RunConfig, model: PreTrainedModel) -> RefLogprobsFn | None:
+    """The KL reference, policy version 0, for ``model`` (None without a KL term)."""
     if config.train.kl_coef == 0:
         return None
-    if config.train.use_lora:
+    if config.train.use_lora and config.model.adapter is not None:
+        return start_adapter_reference(model, Path(config.model.adapter), config.rollout.temperature)
+    if config.train.use_lora:  # version 0 is the base model with a fresh adapter (B = 0)
         return adapter_off_reference(model, config.rollout.temperature)
     from rollflow.policy.models import load_causal_lm
 
