@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import random
 import statistics
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow.parquet as pq
+from rollflow.tasks.gate import Change, GateError, episodes_by_task, paired_change, per_task
+
+__all__ = ["Change", "episodes_by_task", "paired_change", "per_task"]  # the maths live in the gate stage
 
 
 @dataclass(frozen=True)
@@ -68,54 +69,6 @@ def check_independent(side: str, passes: list[Pass]) -> None:
         seen[key] = p.folder
 
 
-def episodes_by_task(scores: list[Path]) -> dict[str, list[dict]]:
-    """Every validation episode's score row in these ``scores.parquet`` files, grouped by task."""
-    by_task: dict[str, list[dict]] = {}
-    for path in scores:
-        table = pq.read_table(path, columns=["task_id", "passed", "final_reward", "split"])
-        for row in table.to_pylist():
-            if row["split"] == "validation":
-                by_task.setdefault(row["task_id"], []).append(row)
-    return by_task
-
-
-@dataclass(frozen=True)
-class Change:
-    mean: float
-    se: float
-    p_value: float  # two-sided, sign-flip permutation; nan when not drawn
-    gained: int  # tasks whose pass rate rose
-    lost: int
-
-
-def paired_change(before: dict[str, float], after: dict[str, float], draws: int = 20000, seed: int = 0) -> Change:
-    """The mean per-task change from ``before`` to ``after``, its SE and a permutation p-value.
-
-    Under "no change", each task's difference is as likely to have either sign, so the
-    p-value is the share of random sign flips whose mean is at least as far from zero
-    (``draws=0``: not computed, nan).
-    """
-    if set(before) != set(after):
-        only = sorted(set(before) ^ set(after))
-        raise SystemExit(f"the two sides validated different tasks (e.g. {only[:3]}); compare passes of one task set")
-    diffs = [after[task] - before[task] for task in sorted(before)]
-    if len(diffs) < 2:
-        raise SystemExit("need at least two tasks to estimate an error")
-    mean = statistics.fmean(diffs)
-    se = statistics.stdev(diffs) / math.sqrt(len(diffs))
-    rng = random.Random(seed)
-    extreme = sum(
-        abs(sum(d if rng.random() < 0.5 else -d for d in diffs)) / len(diffs) >= abs(mean) - 1e-12
-        for _ in range(draws)
-    )
-    p_value = (extreme + 1) / (draws + 1) if draws else math.nan
-    return Change(mean, se, p_value, sum(d > 0 for d in diffs), sum(d < 0 for d in diffs))
-
-
-def per_task(by_task: dict[str, list[dict]], field: str) -> dict[str, float]:
-    return {task: statistics.fmean(float(row[field]) for row in rows) for task, rows in by_task.items()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", type=Path, nargs="+", required=True, help="passes of the first policy")
@@ -134,7 +87,10 @@ def main() -> None:
               f"| {statistics.fmean(r['final_reward'] for r in rows):.3f} |")
     print()
     for label, field in (("pass rate", "passed"), ("mean reward", "final_reward")):
-        change = paired_change(per_task(episodes["before"], field), per_task(episodes["after"], field))
+        try:
+            change = paired_change(per_task(episodes["before"], field), per_task(episodes["after"], field))
+        except GateError as exc:
+            raise SystemExit(str(exc)) from None
         ratio = change.mean / change.se if change.se else math.inf
         p_value = f"= {change.p_value:.4f}" if change.p_value >= 0.001 else "< 0.001"  # 20000 draws
         print(f"{label}: {change.mean:+.3f} +- {change.se:.3f} (paired by task; {ratio:.1f} SE), "

@@ -12,6 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 from repo_script import REPO, load_script
 
+from rollflow.tasks.gate import GateError
+
 compare = load_script("scripts/compare_policies.py")
 SCRIPT = REPO / "scripts" / "compare_policies.py"
 
@@ -75,7 +77,7 @@ def test_the_same_seed_and_step_twice_on_one_side_is_refused(tmp_path: Path) -> 
 
 
 def test_sides_with_different_tasks_are_refused() -> None:
-    with pytest.raises(SystemExit, match="different tasks"):
+    with pytest.raises(GateError, match="different tasks"):
         compare.paired_change({"a": 0.0, "b": 1.0}, {"a": 1.0, "c": 0.0})
 
 
