@@ -6,9 +6,9 @@ when the run last wrote something. The planned step count is ``[train] num_steps
 run's frozen ``config.toml`` when it has one.
 
 Evaluation (``rollflow eval``) and SFT (``rollflow sft``) folders are runs too, of another
-kind: the flows that make them write ``run_kind`` (``eval`` or ``sft``) at the top. An
+kind: the flows that make them write ``run_kind`` (``eval``, ``sft`` or ``pipeline``) at the top. An
 evaluation is complete when its one validation pass has ``metrics.json``; an SFT run when
-its policy has ``sft.json``. A folder with no marker is a training run, or an SFT run
+its policy has ``sft.json``; a pipeline when it has ``pipeline.json``. A folder with no marker is a training run, or an SFT run
 when it holds ``sft/`` (folders written before the marker existed).
 
 Simplified: a run is complete when it has that many finished training steps; a
@@ -27,8 +27,9 @@ from rollflow.storage.parquet import write_bytes_atomic
 from rollflow.storage.runfolder import SPLIT_DIRS, RunFolder
 
 KIND_FILE = "run_kind"
-RUN_KINDS = ("train", "eval", "sft")
+RUN_KINDS = ("train", "eval", "sft", "pipeline")
 SFT_RESULT = Path("sft/policy/sft.json")  # tasks.sft.RESULT_FILE in the SFT flow's policy
+PIPELINE_RESULT = "pipeline.json"  # flows.pipeline.PIPELINE_FILE: written last
 
 
 @dataclass(frozen=True)
@@ -50,13 +51,15 @@ class RunStatus:
     def complete(self) -> bool:
         if self.kind == "sft":
             return (self.path / SFT_RESULT).exists()
+        if self.kind == "pipeline":
+            return (self.path / PIPELINE_RESULT).exists()
         if self.kind == "eval":  # its one validation pass, step 0, has written metrics.json
             return (RunFolder(self.path).step_dir(0, "validation") / "metrics.json").exists()
         return self.num_steps is not None and self.finished_steps >= self.num_steps
 
     def describe(self) -> str:
         if self.kind != "train":
-            what = "evaluation" if self.kind == "eval" else "sft"
+            what = {"eval": "evaluation"}.get(self.kind, self.kind)
             return f"{what} {'complete' if self.complete else 'in progress or failed'}"
         if self.complete:
             return f"complete ({self.finished_steps} steps)"
@@ -88,7 +91,7 @@ def _newest_mtime(root: Path) -> float:
 
 
 def mark_run_kind(root: Path | str, kind: str) -> None:
-    """Say what made the run folder at ``root`` (``eval`` or ``sft``), for ``run_status``."""
+    """Say what made the run folder at ``root`` (a ``RUN_KINDS`` name), for ``run_status``."""
     if kind not in RUN_KINDS:
         raise ValueError(f"run kind must be one of {RUN_KINDS}, got {kind!r}")
     write_bytes_atomic(kind.encode(), Path(root) / KIND_FILE)

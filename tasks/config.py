@@ -222,6 +222,34 @@ class SFTConfig:
 
 
 @dataclass(frozen=True)
+class PipelineConfig:
+    """``rollflow pipeline``: [sft] warm start (optional) -> GRPO -> gate -> model registry.
+
+    The gate (``rollflow.tasks.gate``) promotes the trained policy to the registered
+    model's ``champion`` alias only when its validation gain over the champion (or, with
+    none yet, over the policy GRPO started from) clears ``gate_z`` standard errors above
+    ``gate_min_gain``, paired by task.
+    """
+
+    sft: bool = False  # warm-start with [sft] on [env]'s transcripts before GRPO
+    model_name: str = "rollflow-policy"  # the MLflow registered model
+    start_from_champion: bool = False  # GRPO starts from the champion when there is one
+    gate_column: str = "passed"  # compared per task: passed (pass rate) or final_reward
+    gate_z: float = 1.0
+    gate_min_gain: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_types(self, "pipeline")
+        if self.gate_column not in ("passed", "final_reward"):
+            raise ConfigError(
+                f"[pipeline].gate_column must be 'passed' or 'final_reward', got {self.gate_column!r}"
+            )
+        _in_range(self, "pipeline", "gate_z", 0.0, None)
+        if not self.model_name.strip():
+            raise ConfigError("[pipeline].model_name must not be empty")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -231,6 +259,7 @@ class RunConfig:
     storage: StorageConfig = field(default_factory=StorageConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
 
     @property
     def groups_in_flight(self) -> int:
