@@ -36,6 +36,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 # Before Prefect is imported: it reads its settings once. A busy 2-core machine can take
@@ -52,7 +53,7 @@ from rollflow.flows.train import train_flow, validation_due  # noqa: E402
 from rollflow.policy.models import build_tiny_model  # noqa: E402
 from rollflow.tasks.config import RunConfig, TrackingConfig, config_to_toml  # noqa: E402
 from rollflow.tasks.flatten import flatten_stage  # noqa: E402
-from rollflow.tasks.metrics import metrics_stage, validation_metrics_stage  # noqa: E402
+from rollflow.tasks.metrics import metrics_stage, run_timed, validation_metrics_stage  # noqa: E402
 from rollflow.tasks.rollout import rollout_stage  # noqa: E402
 from rollflow.tasks.scoring import score_stage  # noqa: E402
 from rollflow.tasks.train import train_stage  # noqa: E402
@@ -90,17 +91,13 @@ def plain_training(config_path: Path, run_dir: Path) -> None:
     for step in range(config.train.num_steps):
         if validation_due(config, step):
             plain_validation(config, root, step)
-        seconds: dict[str, float] = {}
         stages: tuple[tuple[str, Callable[[RunConfig, Path, int], Path]], ...] = (
             ("rollout", rollout_stage), ("scoring", _score_train), ("flatten", flatten_stage),
             ("train", train_stage),
         )
         for name, stage in stages:
-            started = time.perf_counter()
-            stage(config, root, step)
-            seconds[name] = time.perf_counter() - started
-        seconds["step"] = sum(seconds.values())
-        metrics_stage(config, root, step, seconds)
+            run_timed(handle.folder, step, name, partial(stage, config, root, step))
+        metrics_stage(config, root, step)
     if validation_due(config, config.train.num_steps):
         plain_validation(config, root, config.train.num_steps)
 

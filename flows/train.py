@@ -10,6 +10,10 @@ record of what is done, so a resume works with a fresh Prefect server); a half-w
 temporary left by a crash is discarded before anything runs; training continues from the
 newest committed checkpoint with its optimizer and RNG state.
 
+Each stage's wall time is recorded in the step folder when the stage really runs
+(``tasks/metrics.py``'s ``run_timed``), so a resumed step logs what its skipped stages
+took before the crash, not the instant they took to skip.
+
 Validation runs before every ``validation_interval``-th step (step 0 gives the baseline)
 and once more after the last step, on the validation tasks, without training on them.
 
@@ -20,7 +24,7 @@ message rather than silently ignored.
 
 from __future__ import annotations
 
-import time
+from functools import partial
 from pathlib import Path
 
 from prefect import flow, task
@@ -29,7 +33,14 @@ from prefect.cache_policies import NO_CACHE
 from rollflow.flows.runs import RunHandle, open_run
 from rollflow.tasks.config import RunConfig
 from rollflow.tasks.flatten import flatten_stage
-from rollflow.tasks.metrics import finish_tracking, metrics_stage, start_tracking, validation_metrics_stage
+from rollflow.tasks.metrics import (
+    finish_tracking,
+    metrics_stage,
+    recorded_stage_seconds,
+    run_timed,
+    start_tracking,
+    validation_metrics_stage,
+)
 from rollflow.tasks.rollout import rollout_stage
 from rollflow.tasks.scoring import score_stage
 from rollflow.tasks.train import train_stage
@@ -59,8 +70,8 @@ def train(config: RunConfig, run_dir: Path, step: int) -> Path:
 
 
 @task(name="metrics", task_run_name="metrics step {step}", **_STAGE)
-def metrics(config: RunConfig, run_dir: Path, step: int, stage_seconds: dict[str, float]) -> Path:
-    return metrics_stage(config, run_dir, step, stage_seconds)
+def metrics(config: RunConfig, run_dir: Path, step: int) -> Path:
+    return metrics_stage(config, run_dir, step)
 
 
 @task(name="validation-metrics", task_run_name="validation metrics step {step}", **_STAGE)
@@ -109,16 +120,13 @@ def run_training(handle: RunHandle) -> None:
             continue
         if validation_due(config, step):
             validate(config, root, step)
-        seconds: dict[str, float] = {}
         for name, stage in (("rollout", rollout), ("scoring", scoring), ("flatten", flatten), ("train", train)):
-            started = time.perf_counter()
-            stage(config, root, step)
-            seconds[name] = time.perf_counter() - started
-        seconds["step"] = sum(seconds.values())
-        metrics(config, root, step, seconds)
+            run_timed(handle.folder, step, name, partial(stage, config, root, step))
+        metrics(config, root, step)
+        seconds = recorded_stage_seconds(handle.folder, step)
         handle.report(
-            f"step {step + 1}/{config.train.num_steps} done in {seconds['step']:.1f}s "
-            + " ".join(f"{k}={v:.1f}s" for k, v in seconds.items() if k != "step")
+            f"step {step + 1}/{config.train.num_steps} done in {sum(seconds.values()):.1f}s "
+            + " ".join(f"{k}={v:.1f}s" for k, v in seconds.items())
         )
     if validation_due(config, config.train.num_steps):
         validate(config, root, config.train.num_steps)

@@ -2,10 +2,17 @@
 
 The episode and reward numbers are the DuckDB queries of ``storage/query.py`` over the
 step's Parquet files (one definition each, shared with ``rollflow sql`` users); the
-optimisation numbers come from the step's ``train.json``; stage wall times from the flow.
-The dict is written to ``metrics.json`` in the step folder last of all, after MLflow has
+optimisation numbers come from the step's ``train.json``; stage wall times from the step's
+``stage_seconds.json``. The dict is written to ``metrics.json`` in the step folder last of all, after MLflow has
 it: that file existing is what marks a step finished. A replay after a crash logs no
 duplicate point (``RunTracker.log_step`` skips steps already logged).
+
+Stage times are recorded in the run folder as each stage finishes (``run_timed``), not
+measured around the calls of the run that logs them: a resumed step's stages that had
+already finished return at once, and their ``time/...`` must be what they took when they
+really ran, not ~0 s. Simplified: a crash between a stage's output landing and its time
+being recorded leaves that stage without a figure; its ``time/<stage>`` and ``time/step``
+are then left out rather than logged as a false number.
 
 Validation passes get the same episode and reward numbers under ``val/``, and the text
 of their best and worst episodes as an artifact.
@@ -14,9 +21,11 @@ of their best and worst episodes as an artifact.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from rollflow.storage.errors import NoDataError, SchemaMismatchError
 from rollflow.storage.parquet import write_bytes_atomic
 from rollflow.storage.query import open_run_sql, run_query, step_metrics
 from rollflow.storage.records import TrainResult
@@ -25,6 +34,9 @@ from rollflow.storage.transcript import render_episode
 from rollflow.tasks.config import RunConfig, flatten_config
 
 METRICS_JSON = "metrics.json"
+STAGE_SECONDS_JSON = "stage_seconds.json"  # stage name -> wall seconds of its one real run
+# A training step's stages, in order, with the output that marks each finished.
+STEP_STAGES = {"rollout": "episodes", "scoring": "scores", "flatten": "samples", "train": "train"}
 REWARD_CURVE = "reward_curve.png"
 TRANSCRIPTS_TXT = "transcripts.txt"
 SAMPLE_TRANSCRIPTS = 2  # best and worst validation episodes each logged as text
@@ -79,9 +91,42 @@ def optim_metrics(result: TrainResult) -> dict[str, float]:
     return metrics
 
 
-def metrics_stage(
-    config: RunConfig, run_dir: Path, step: int, stage_seconds: Mapping[str, float] | None = None
-) -> Path:
+def run_timed(folder: RunFolder, step: int, stage: str, run: Callable[[], Path]) -> Path:
+    """Run one training-step stage; when it really works (its output was not there yet),
+    record its wall seconds in the step's ``stage_seconds.json``."""
+    if stage not in STEP_STAGES:
+        raise ValueError(f"a training step's stages are {list(STEP_STAGES)}, got {stage!r}")
+    if folder.is_complete(step, STEP_STAGES[stage]):
+        return run()  # finished before a crash: the stage skips itself, its figure stands
+    started = time.perf_counter()
+    path = run()
+    seconds = time.perf_counter() - started
+    recorded = recorded_stage_seconds(folder, step)
+    folder.write_json_atomic(folder.step_dir(step) / STAGE_SECONDS_JSON, {**recorded, stage: seconds})
+    return path
+
+
+def recorded_stage_seconds(folder: RunFolder, step: int) -> dict[str, float]:
+    """The wall seconds each finished stage of ``step`` took when it ran (none: ``{}``)."""
+    path = folder.step_dir(step) / STAGE_SECONDS_JSON
+    if not path.exists():
+        return {}
+    data = folder.read_json(path)
+    if not isinstance(data, dict) or not all(isinstance(v, int | float) for v in data.values()):
+        raise SchemaMismatchError(path, f"expected stage name -> seconds, got {data!r}")
+    return {str(stage): float(seconds) for stage, seconds in data.items()}
+
+
+def time_metrics(folder: RunFolder, step: int) -> dict[str, float]:
+    """``time/<stage>`` per recorded stage, and ``time/step`` once every stage has a figure."""
+    seconds = recorded_stage_seconds(folder, step)
+    metrics = {f"time/{stage}": value for stage, value in seconds.items()}
+    if set(STEP_STAGES) <= set(seconds):
+        metrics["time/step"] = sum(seconds[stage] for stage in STEP_STAGES)
+    return metrics
+
+
+def metrics_stage(config: RunConfig, run_dir: Path, step: int) -> Path:
     """Gather, log and write the step's metrics; returns the ``metrics.json`` path."""
     folder = RunFolder(run_dir)
     path = folder.step_dir(step) / METRICS_JSON
@@ -89,7 +134,7 @@ def metrics_stage(
         return path
     metrics = rollout_metrics(run_dir, step, "train")
     metrics.update(optim_metrics(folder.read_train_result(step)))
-    metrics.update({f"time/{stage}": seconds for stage, seconds in (stage_seconds or {}).items()})
+    metrics.update(time_metrics(folder, step))
     _log(config, folder, step, metrics)
     return folder.write_json_atomic(path, _json_safe(metrics))
 
@@ -141,7 +186,6 @@ def finish_tracking(config: RunConfig, run_dir: Path, succeeded: bool) -> Path |
     """Draw the reward curves into the run folder, log them, and close the MLflow run."""
     if not config.tracking.enabled:
         return None
-    from rollflow.storage.errors import NoDataError
     from rollflow.storage.tracking import RunTracker
 
     folder = RunFolder(run_dir)
