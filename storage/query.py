@@ -13,15 +13,20 @@ The metrics are two SQL texts kept here as constants, one per family, so the pip
 
 - ``EPISODE_METRICS_SQL``: how episodes ended (ratios over every episode of the step,
   errored ones included, so terminated + truncated + error ratios sum to 1), turns and
-  tokens per episode, episode and group counts.
+  tokens per episode, episode and group counts. ``tokens_mean`` is the mean length of
+  the context an episode ended at (``context_tokens``, what the overlong penalty reads),
+  not the tokens processed (``total_tokens``, which counts history again wherever the
+  chat template re-rendered it).
 - ``REWARD_METRICS_SQL``: statistics of ``final_reward`` (the reward with the overlong
   penalty or failed-parse reward applied: what GRPO optimises) over the *counted*
   episodes, those with no ``scoring_error`` (the scoring stage records there why it left
-  an episode out of the group baseline: the rollout's error or the scorer's). A counted
-  episode passes when ``final_reward >= threshold`` (no threshold: ``> 0``), the rule
-  ``ScoreRecord.passed`` documents. ``zero_variance_skip_ratio`` is the share of groups
-  whose counted final rewards are all equal, trivially so with fewer than two (GRPO
-  learns nothing from them; the same rule as ``ScoreRecord.zero_variance``).
+  an episode out of the group baseline: the rollout's error or the scorer's).
+  ``pass_rate`` is the share of counted episodes the scoring stage marked ``passed``: the
+  environment's own verdict (its reward against its threshold; never a parse failure), so
+  shaping moves the reward statistics but not the pass rate. ``zero_variance_skip_ratio``
+  is the share of groups whose counted final rewards are all equal, trivially so with
+  fewer than two (GRPO learns nothing from them; the same rule as
+  ``ScoreRecord.zero_variance``).
   ``reward_std`` is the population standard deviation.
 
 Reading only ``scores`` (no join with ``episodes``) keeps the reward query at one pass
@@ -83,7 +88,7 @@ SELECT
     count_if(truncation_cause IS NOT DISTINCT FROM 'parse_failure') / count(*) AS parse_failure_ratio,
     count_if(error IS NOT NULL) / count(*)                  AS error_ratio,
     avg(turns)                                              AS turns_mean,
-    avg(total_tokens)                                       AS tokens_mean
+    avg(context_tokens)                                     AS tokens_mean
 FROM episodes
 WHERE {_FILTER}
 GROUP BY run_id, step
@@ -93,10 +98,8 @@ ORDER BY run_id, step
 REWARD_METRICS_SQL = f"""
 WITH scored AS (
     SELECT
-        run_id, step, group_id, final_reward,
-        scoring_error IS NULL AS counted,
-        CASE WHEN threshold IS NULL THEN final_reward > 0
-             ELSE final_reward >= threshold END AS passed
+        run_id, step, group_id, final_reward, passed,
+        scoring_error IS NULL AS counted
     FROM scores
     WHERE {_FILTER}
 ),

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 from rollflow.envs.episode import EpisodeRollout
 
-SCHEMA_VERSION = 1
+# 2: episodes gained ``context_tokens`` and ``prompt_tokens`` counts the final context once;
+#    scores' ``passed`` is the environment's verdict, not the shaped reward's
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -39,12 +41,12 @@ class ScoreRecord:
     task_id: str
     group_id: str
     episode_id: str
-    reward: float  # what the environment's scorer (or terminal step) gave
+    reward: float  # what the environment's scorer (or terminal step) gave; 0.0 unscored
     threshold: float | None
     components: Mapping[str, float]
     overlong_penalty: float  # <= 0; only context_overflow and max_turns truncations
     final_reward: float  # reward + overlong_penalty, or failed_parse_reward on parse failure
-    passed: bool  # final_reward >= threshold (threshold None: final_reward > 0)
+    passed: bool  # reward >= threshold (None: reward > 0); never a parse failure or an error
     group_mean: float
     group_std: float
     group_size: int  # episodes that counted towards the baseline

@@ -10,8 +10,13 @@ key-value metadata (what readers check before trusting a file) and as a
 - ``actions`` keeps each action's exact token ids and sampled logprobs. The context
   before an action is only its *delta*, so storage stays linear in episode length.
 - ``step_metadata`` is JSON text (its shape is each environment's own).
-- ``num_actions``, ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` are derived
-  on write, for SQL only; reading ignores them.
+- ``num_actions`` and the token counts are derived on write, for SQL only; reading
+  ignores them. Where the chat template re-rendered the prompt (an action with ``reset``)
+  the context restarts, so the counts are: ``context_tokens``, the length of the final
+  context (what a length budget measures); ``prompt_tokens``, the part of it the policy did
+  not sample; ``completion_tokens``, every sampled token; ``total_tokens``, every token
+  processed (each reset's re-rendered history counted again). Without a reset,
+  ``context_tokens = total_tokens = prompt_tokens + completion_tokens``.
 
 Simplified on purpose:
 - Logprobs are float32 (what samplers compute in); a float64 logprob is stored rounded to
@@ -107,6 +112,7 @@ EPISODE_SCHEMA = _schema(
         ("num_actions", pa.int32()),
         ("prompt_tokens", pa.int64()),
         ("completion_tokens", pa.int64()),
+        ("context_tokens", pa.int64()),
         ("total_tokens", pa.int64()),
     ],
 )
@@ -211,8 +217,6 @@ def _to_table(columns: dict[str, list[Any]], kind: RecordKind) -> pa.Table:
 def _episode_row(record: EpisodeRecord) -> dict[str, Any]:
     rollout = record.rollout
     where = f"episode {record.episode_id}"
-    prompt_tokens = sum(len(a.prompt_delta_ids) for a in rollout.actions)
-    completion_tokens = sum(len(a.token_ids) for a in rollout.actions)
     cause = rollout.truncation_cause
     return {
         "schema_version": SCHEMA_VERSION,
@@ -238,9 +242,10 @@ def _episode_row(record: EpisodeRecord) -> dict[str, Any]:
         "latency_s": rollout.latency_s,
         "sampling_attempts": rollout.sampling_attempts,
         "num_actions": len(rollout.actions),
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens": sum(len(a.prompt_delta_ids) for a in rollout.final_context_actions),
+        "completion_tokens": sum(len(a.token_ids) for a in rollout.actions),
+        "context_tokens": rollout.context_tokens,
+        "total_tokens": rollout.total_tokens,
     }
 
 

@@ -29,6 +29,7 @@ from rollflow.storage.parquet import (
     write_part,
     write_table_atomic,
 )
+from rollflow.storage.records import SCHEMA_VERSION
 from rollflow.storage.schemas import KIND_KEY, VERSION_KEY, RecordKind, episode_records_to_table, table_to_episode_records
 from rollflow.storage.synthetic import synthetic_episode
 
@@ -111,12 +112,15 @@ def test_wrong_kind_and_other_version_are_refused(tmp_path: Path) -> None:
     with pytest.raises(SchemaMismatchError, match="holds episodes records, expected scores"):
         read_table(path, RecordKind.SCORES)
     future = tmp_path / "future.parquet"
-    metadata = {**table.schema.metadata, VERSION_KEY: b"2"}
+    metadata = {**table.schema.metadata, VERSION_KEY: str(SCHEMA_VERSION + 1).encode()}
     pq.write_table(table.replace_schema_metadata(metadata), future)
-    with pytest.raises(SchemaVersionError, match="schema version 2; this rollflow reads version 1"):
+    with pytest.raises(
+        SchemaVersionError, match=f"schema version {SCHEMA_VERSION + 1}; this rollflow reads version {SCHEMA_VERSION}"
+    ):
         read_table(future)
     odd = tmp_path / "odd.parquet"
-    pq.write_table(pa.table({"x": [1]}).replace_schema_metadata({KIND_KEY: b"episodes", VERSION_KEY: b"1"}), odd)
+    ours = {KIND_KEY: b"episodes", VERSION_KEY: str(SCHEMA_VERSION).encode()}
+    pq.write_table(pa.table({"x": [1]}).replace_schema_metadata(ours), odd)
     with pytest.raises(SchemaMismatchError, match="episodes columns differ"):
         read_table(odd)
 

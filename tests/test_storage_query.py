@@ -24,7 +24,7 @@ from rollflow.storage.query import (
     run_query,
     step_metrics,
 )
-from rollflow.storage.records import EpisodeRecord, ScoreRecord, TrainResult
+from rollflow.storage.records import SCHEMA_VERSION, EpisodeRecord, ScoreRecord, TrainResult
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import VERSION_KEY, episode_records_to_table, score_records_to_table
 from rollflow.storage.synthetic import synthetic_episode, synthetic_score
@@ -66,18 +66,25 @@ def _episode(run: str, step: int, split: str, row: tuple) -> EpisodeRecord:
     return EpisodeRecord(run, step, split, f"task-{group}", group_id, f"{group_id}/{index}", index, rollout)
 
 
-def _score(episode: EpisodeRecord, row: tuple) -> ScoreRecord:
+def _score(episode: EpisodeRecord, row: tuple, passed: bool | None) -> ScoreRecord:
+    """``passed`` None: as the environment would say if its reward were ``final``."""
     final, threshold, error = row[5], row[6], row[7]
+    if passed is None:
+        passed = error is None and (final > 0 if threshold is None else final >= threshold)
     score = synthetic_score(episode, final)
-    return dataclasses.replace(score, threshold=threshold, scoring_error=error, passed=False)
+    return dataclasses.replace(score, threshold=threshold, scoring_error=error, passed=passed)
 
 
-def _write_step(folder: RunFolder, step: int, rows: list[tuple], split: str = "train", scores: bool = True) -> None:
+def _write_step(
+    folder: RunFolder, step: int, rows: list[tuple], split: str = "train", scores: bool = True,
+    passed: list[bool] | None = None,
+) -> None:
     episodes = [_episode(folder.run_id, step, split, r) for r in rows]
     folder.write_stage(episode_records_to_table(episodes), step, "episodes", split)
     if scores:
-        table = score_records_to_table([_score(e, r) for e, r in zip(episodes, rows, strict=True)])
-        folder.write_stage(table, step, "scores", split)
+        verdicts = passed if passed is not None else [None] * len(rows)
+        records = [_score(e, r, p) for e, r, p in zip(episodes, rows, verdicts, strict=True)]
+        folder.write_stage(score_records_to_table(records), step, "scores", split)
 
 
 @pytest.fixture
@@ -132,6 +139,31 @@ def test_groups_with_fewer_than_two_counted_are_zero_variance(tmp_path: Path) ->
     assert metrics["zero_variance_skip_ratio"] == pytest.approx(2 / 3)  # X (one counted), Y (none)
     assert metrics["reward_mean"] == pytest.approx(0.5)  # X0, Z0, Z1
     assert metrics["pass_rate"] == pytest.approx(1 / 3)
+
+
+def test_pass_rate_is_the_scored_verdict_not_the_shaped_reward(tmp_path: Path) -> None:
+    folder = RunFolder(tmp_path / "run")
+    rows = [
+        ("P", 0, MAX_TURNS, 1, 10, 0.4, 1.0, None),  # passed (env reward 1.0), final 0.4 after the penalty
+        ("P", 1, PARSE, 1, 10, 2.0, 1.0, None),  # failed_parse_reward 2.0 is no pass
+        ("P", 2, "term", 1, 10, 1.0, 1.0, None),
+        ("P", 3, MAX_TURNS, 1, 10, 0.3, 1.0, None),  # passed too
+    ]
+    _write_step(folder, 0, rows, passed=[True, False, True, True])
+    assert step_metrics(open_run_sql(folder.root), step=0)["pass_rate"] == pytest.approx(3 / 4)
+
+
+def test_tokens_mean_is_the_final_context_length(tmp_path: Path) -> None:
+    folder = RunFolder(tmp_path / "run")
+    base = _episode("run", 0, "train", ("T", 0, "term", 4, 10, 1.0, 1.0, None))
+    first = ActionTokens(tuple(range(1100)), False, (1,) * 50, (-0.5,) * 50, "stop")
+    again = ActionTokens(tuple(range(1100)), True, (1,) * 50, (-0.5,) * 50, "stop")  # re-rendered
+    record = dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, actions=(first, again, again, again)))
+    folder.write_stage(episode_records_to_table([record]), 0, "episodes", "train")
+    con = open_run_sql(folder.root)
+    assert step_metrics(con, step=0)["tokens_mean"] == 1150.0  # not the 4,600 processed
+    sql = "SELECT context_tokens, prompt_tokens, completion_tokens, total_tokens FROM episodes"
+    assert run_query(con, sql)[1] == [(1150, 1100, 200, 4600)]
 
 
 def test_steps_and_splits_are_kept_apart(run: RunFolder) -> None:
@@ -222,16 +254,17 @@ def test_a_file_of_another_version_fails_at_open(run: RunFolder) -> None:
     scores = run.stage_path(0, "scores")
     table = pq.read_table(scores)
     scores.unlink()
-    pq.write_table(table.replace_schema_metadata({**table.schema.metadata, VERSION_KEY: b"2"}), scores)
-    with pytest.raises(SchemaVersionError, match="scores.parquet: schema version 2"):
+    future = str(SCHEMA_VERSION + 1)
+    pq.write_table(table.replace_schema_metadata({**table.schema.metadata, VERSION_KEY: future.encode()}), scores)
+    with pytest.raises(SchemaVersionError, match=f"scores.parquet: schema version {future}"):
         open_run_sql(run.root)
 
 
 def test_a_foreign_train_json_fails_at_open(run: RunFolder) -> None:
     data = run.read_json(run.stage_path(0, "train"))
     run.stage_path(0, "train").unlink()
-    run.write_json_atomic(run.stage_path(0, "train"), {**data, "schema_version": 2})
-    with pytest.raises(StorageError, match="train.json: train result schema version 2"):
+    run.write_json_atomic(run.stage_path(0, "train"), {**data, "schema_version": SCHEMA_VERSION + 1})
+    with pytest.raises(StorageError, match=f"train.json: train result schema version {SCHEMA_VERSION + 1}"):
         open_run_sql(run.root)
 
 

@@ -69,10 +69,20 @@ def test_messages_and_actions_are_flattened_for_sql() -> None:
     assert row["actions"][1]["token_ids"] == [21, 22]
     assert (row["num_actions"], row["prompt_tokens"], row["completion_tokens"]) == (2, 35, 6)
     assert row["total_tokens"] == record.rollout.total_tokens == 41
+    assert row["context_tokens"] == record.rollout.context_tokens == 41  # no reset: the same
     assert row["schema_version"] == SCHEMA_VERSION
     assert row["step_metadata"] == '[{"tool": "calculator"}, {"final": true}]'
     meta = EPISODE_SCHEMA.metadata
     assert meta[KIND_KEY] == b"episodes" and meta[VERSION_KEY] == str(SCHEMA_VERSION).encode()
+
+
+def test_token_columns_count_the_final_context_after_a_reset() -> None:
+    first = ActionTokens(tuple(range(30)), False, (1, 2, 3, 4), (-0.5,) * 4, "stop")
+    rerendered = ActionTokens(tuple(range(40)), True, (5, 6), (-0.5,) * 2, "stop")  # the whole prompt again
+    record = _with_rollout(synthetic_episode("run", 0, 0, 0), actions=(first, rerendered))
+    row = episode_records_to_table([record]).to_pylist()[0]
+    assert (row["context_tokens"], row["prompt_tokens"]) == (42, 40)  # the final context, its unsampled part
+    assert (row["completion_tokens"], row["total_tokens"]) == (6, 76)  # every sampled / processed token
 
 
 def test_logprobs_are_float32() -> None:
