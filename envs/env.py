@@ -2,10 +2,13 @@
 
 ``reset(task)`` returns the opening messages; each ``step(message)`` takes the parsed
 assistant message (``content`` plus any structured ``tool_calls``), runs what it asks and
-returns a ``StepResult`` holding the whole history so far. ``terminated`` means the task
-logic ended the episode; ``truncated`` means the environment cut it short (the runner
-records cause ``env``). The runner reads ``reward`` and ``metrics`` only from the step that
-ends the episode, and always calls ``close()`` when an episode ends, however it ends.
+returns a ``StepResult`` holding the whole history so far (it must start with the previous
+history: a step that returns only the new messages fails its episode). ``terminated``
+means the task logic ended the episode; ``truncated`` means the environment cut it short
+(the runner records cause ``env``). The runner reads ``reward`` and ``metrics`` only from
+the last step of the episode: the one that ends it, or the last one before the runner
+ended it (out of turns, context or a parse failure). It always calls ``close()``, however
+the episode ends.
 
 One ``Env`` object plays one episode: the runner asks ``AsyncEnvSuite.env_factory`` for a
 fresh one per episode, so instance state is safe here (unlike the hook style).
@@ -13,18 +16,31 @@ fresh one per episode, so instance state is safe here (unlike the hook style).
 ``AsyncEnvSuite`` is what an async-style ``load_environment(**kwargs)`` returns: the
 train and validation tasks and the factory, the same three things the reference's
 ``train_multi_turn(config, tasks, env_factory, val_tasks)`` takes.
+
+Our additions, so that hook-style episodes run through this same shape (one hook
+environment's episode is adapted to an ``Env`` in ``rollflow.envs.hook_handle``) and the
+runner has one loop; an async environment rarely needs them:
+- ``max_episode_turns()``: the episode's own turn budget, read after ``reset``; None (the
+  default) leaves ``[rollout].max_turns`` alone to bound it, which async style requires.
+- ``checks_tool_protocol`` (default True): False means actions are free text: never a
+  ``parse_failure``, never structured ``tool_calls``.
+- ``AnnotatedStepResult``: a ``StepResult`` that also carries the hook style's
+  ``final_response_text`` (the text scored) and per-step ``metadata`` (kept on the rollout).
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from rollflow.envs.types import Message, StepResult, Task, ToolSpec
 
 
 class Env(abc.ABC):
+    checks_tool_protocol: bool = True
+
     @abc.abstractmethod
     async def reset(self, task: Task) -> list[Message]:
         """Start an episode of ``task``; return the opening messages."""
@@ -46,6 +62,18 @@ class Env(abc.ABC):
     async def close(self) -> None:
         """Release what ``reset`` started (a subprocess, a connection). Default: nothing."""
         return None
+
+    def max_episode_turns(self) -> int | None:
+        """This episode's own turn budget, asked after ``reset``. Default: none of its own."""
+        return None
+
+
+@dataclass(frozen=True)
+class AnnotatedStepResult(StepResult):
+    """A ``StepResult`` plus what a hook-style ``EnvironmentStepResult`` also says."""
+
+    final_response_text: str | None = None  # overrides the last action as the scored text
+    metadata: Mapping[str, Any] = field(default_factory=dict)  # kept in rollout.step_metadata
 
 
 @dataclass(frozen=True)

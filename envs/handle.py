@@ -13,6 +13,9 @@ Rules both styles follow, recorded here once:
   scripted policy's episode has no ``actions``.
 - ``policy_version`` is read when the episode starts: the age of an episode is measured
   from the policy that began it.
+- The turn budget (``EpisodeLimits.turn_budget``): an environment's own budget (a hook
+  environment's ``max_episode_turns``), capped by ``max_turns`` when that is set; an
+  environment without one (async style) needs ``max_turns``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -41,16 +45,34 @@ class TaskItem:
     payload: TaskExample | Task
 
 
+NO_TURN_LIMIT = (
+    "async-style environments need a turn limit: set [rollout].max_turns "
+    "(EpisodeLimits(max_turns=...) from Python)"
+)
+
+
 @dataclass(frozen=True)
 class EpisodeLimits:
-    """Hook style: the turn limit is min(max_turns, env.max_episode_turns(example)) when
-    set. Async style: required (the environment has no turn limit of its own)."""
+    """``max_turns``: a cap on the assistant actions of an episode, or None for no cap.
+
+    Hook style: the budget is the environment's ``max_episode_turns(example)``, as in the
+    reference; ``max_turns``, when set, caps it (never raises it). Async style: required,
+    as in the reference (the environment has no turn limit of its own).
+    """
 
     max_turns: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_turns is not None:
             require_int("max_turns", self.max_turns, minimum=1)
+
+    def turn_budget(self, env_turns: int | None) -> int:
+        """The turns one episode may take, given the environment's own budget (or None)."""
+        if env_turns is None:
+            if self.max_turns is None:
+                raise ValueError(NO_TURN_LIMIT)
+            return self.max_turns
+        return env_turns if self.max_turns is None else min(env_turns, self.max_turns)
 
 
 @dataclass(frozen=True)
@@ -92,6 +114,27 @@ def task_id_for(payload: TaskExample | Task) -> str:
 def describe_error(exc: BaseException, where: str) -> str:
     """``"ExceptionType: message (in where)"``: what ``EpisodeRollout.error`` holds."""
     return f"{type(exc).__name__}: {exc} (in {where})"
+
+
+class StageFailure(Exception):
+    """An exception raised inside a named call (a hook); the episode's error names that call."""
+
+    def __init__(self, where: str, cause: Exception) -> None:
+        super().__init__(f"{where}: {cause}")
+        self.where = where
+        self.cause = cause
+
+
+@contextmanager
+def stage(where: str) -> Iterator[None]:
+    """Inside, an exception becomes the episode's error "(in ``where``)", whatever the
+    loop's own stage: the hook adapter names the hook that raised, not ``Env.step``."""
+    try:
+        yield
+    except StageFailure:
+        raise
+    except Exception as exc:
+        raise StageFailure(where, exc) from exc
 
 
 def error_score(error: str) -> EpisodeScore:
@@ -218,6 +261,8 @@ async def play_safely(
     try:
         try:
             rollout = await run(cleanup)
+        except StageFailure as exc:
+            rollout = trace.finish(error=describe_error(exc.cause, exc.where))
         except Exception as exc:  # failures are data: one bad episode never sinks the batch
             rollout = trace.finish(error=describe_error(exc, trace.stage))
     finally:

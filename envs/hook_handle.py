@@ -1,12 +1,18 @@
-"""The episode loop and scoring for hook-style environments (``EnvironmentMultiTurn``).
+"""Hook-style environments (``EnvironmentMultiTurn``): their episodes and their scoring.
 
-The loop is the reference's, turn for turn: the action is appended to the transcript (as
+Episodes run through the one loop, ``rollflow.envs.async_handle.play_env_episode``: each
+episode adapts the environment and its example to the async ``Env`` shape
+(``HookEpisodeEnv``), so turn handling and endings are written once. The loop is the
+reference's, turn for turn: the action is appended to the transcript (as
 ``parse_action(text).to_message(text)``) before ``step_episode`` sees it;
 ``final_response_text`` overrides the action as the scored text; each step's metadata is
-collected; the episode ends at ``done`` (terminated) or after the turn limit (truncated,
-``max_turns``). Two endings come before the environment is stepped: a malformed tool call
+collected; the episode ends at ``done`` (terminated) or after the turn budget (truncated,
+``max_turns``). The budget is ``max_episode_turns(example)``, as in the reference; an
+explicit ``EpisodeLimits.max_turns`` (``[rollout].max_turns``) caps it and never raises it.
+Two endings come before the environment is stepped: a malformed tool call
 (``parse_failure``, unless the environment sets ``checks_tool_protocol = False``) and a
-spent context budget (``context_overflow``).
+spent context budget (``context_overflow``). An error names the hook that raised. A hook
+episode has no environment reward (``env_reward`` None): ``score_episode(s)`` gives it.
 
 Scoring rebuilds each rollout as an ``EnvironmentEpisode`` (``metadata["steps"]`` holds the
 step metadata; one ``EnvironmentTurn`` per message) and makes one ``score_episodes`` call
@@ -19,9 +25,12 @@ Errored episodes are not shown to the scorer at all.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Sequence
 
 from rollflow.envs.agent import Policy
+from rollflow.envs.async_handle import play_env_episode
+from rollflow.envs.env import AnnotatedStepResult, Env
 from rollflow.envs.episode import EpisodeRollout
 from rollflow.envs.handle import (
     UNSCORED_EPISODE,
@@ -34,8 +43,8 @@ from rollflow.envs.handle import (
     checked_score,
     describe_error,
     error_score,
-    next_action,
     play_safely,
+    stage,
     task_id_for,
 )
 from rollflow.envs.hooks import (
@@ -48,16 +57,80 @@ from rollflow.envs.hooks import (
     overrides,
     score_each,
 )
-from rollflow.envs.protocol import parse_action
 from rollflow.envs.types import (
     EnvironmentEpisode,
     EnvironmentStepResult,
     EnvironmentTurn,
+    Message,
     RewardResult,
     Split,
+    Task,
     TaskExample,
-    TruncationCause,
+    ToolSpec,
 )
+
+
+class HookEpisodeEnv(Env):
+    """One episode of a hook environment in the ``Env`` shape the loop drives.
+
+    The transcript lives here, as in the reference's loop: ``step`` appends the action
+    before ``step_episode`` sees it, then the environment's replies. ``reset`` takes the
+    task ``hook_task`` builds, whose prompt is the ``prompt_text`` for ``start_episode``.
+    """
+
+    def __init__(self, env: EnvironmentMultiTurn, example: TaskExample) -> None:
+        self.env = env
+        self.example = example
+        self.checks_tool_protocol = env.checks_tool_protocol
+        self._messages: list[Message] = []
+        self._turns: int | None = None
+
+    async def reset(self, task: Task) -> list[Message]:
+        with stage("start_episode"):
+            opening = await call_setup_hook(self.env.start_episode, self.example, task.prompt)
+            self._messages = checked_messages(opening, "start_episode")
+        with stage("max_episode_turns"):
+            self._turns = _checked_turns(await call_setup_hook(self.env.max_episode_turns, self.example))
+        return list(self._messages)
+
+    def max_episode_turns(self) -> int | None:
+        return self._turns
+
+    @property
+    def tool_specs(self) -> list[ToolSpec]:
+        with stage("tool_specs"):
+            return list(self.env.tool_specs(self.example))
+
+    @property
+    def messages(self) -> list[Message]:
+        return list(self._messages)
+
+    async def step(self, message: Message) -> AnnotatedStepResult:
+        self._messages.append(message)
+        with stage("step_episode"):
+            result = await call_hook(
+                self.env.step_episode, self.example, list(self._messages), message["content"]
+            )
+            if not isinstance(result, EnvironmentStepResult):
+                raise TypeError(
+                    f"step_episode returned {type(result).__name__}, not an EnvironmentStepResult"
+                )
+            self._messages.extend(checked_messages(result.messages, "step_episode"))
+            metadata = dict(result.metadata)
+        return AnnotatedStepResult(
+            terminated=bool(result.done),
+            truncated=False,
+            messages=list(self._messages),
+            final_response_text=result.final_response_text,
+            metadata=metadata,
+        )
+
+
+def hook_task(example: TaskExample) -> Task:
+    """The async ``Task`` for ``example``: its prompt is ``start_episode``'s ``prompt_text``."""
+    return Task(
+        prompt=example_prompt_text(example), target=example.output, metadata=example.metadata, id=example.id
+    )
 
 
 class HookEnvironmentHandle:
@@ -88,40 +161,9 @@ class HookEnvironmentHandle:
         self, item: TaskItem, policy: Policy, limits: EpisodeLimits, trace: EpisodeTrace, cleanup: Cleanup
     ) -> EpisodeRollout:
         example = _example(item)
-        trace.stage = "start_episode"
-        opening = await call_setup_hook(self.env.start_episode, example, example_prompt_text(example))
-        trace.messages = checked_messages(opening, "start_episode")
-        trace.stage = "max_episode_turns"
-        max_turns = _turn_limit(await call_setup_hook(self.env.max_episode_turns, example), limits)
-        trace.stage = "tool_specs"
-        tool_specs = list(self.env.tool_specs(example))
-        trace.stage = "Policy.open_session"
-        session = policy.open_session(tool_specs)
-        cleanup.add("PolicySession.close", session.close)
-        for _ in range(max_turns):
-            action = await next_action(session, trace)
-            if action is None:
-                return trace.finish(cause=TruncationCause.CONTEXT_OVERFLOW)
-            if not self.env.checks_tool_protocol:
-                trace.messages.append({"role": "assistant", "content": action.text})
-            else:
-                parsed = parse_action(action.text)
-                trace.messages.append(parsed.to_message(action.text))
-                if parsed.kind == "parse_failure":
-                    return trace.finish(cause=TruncationCause.PARSE_FAILURE)
-            trace.stage = "step_episode"
-            result = await call_hook(self.env.step_episode, example, list(trace.messages), action.text)
-            if not isinstance(result, EnvironmentStepResult):
-                raise TypeError(
-                    f"step_episode returned {type(result).__name__}, not an EnvironmentStepResult"
-                )
-            trace.step_metadata.append(dict(result.metadata))
-            if result.final_response_text is not None:
-                trace.response_text = result.final_response_text
-            trace.messages.extend(checked_messages(result.messages, "step_episode"))
-            if result.done:
-                return trace.finish(terminated=True)
-        return trace.finish(cause=TruncationCause.MAX_TURNS)
+        episode_env = HookEpisodeEnv(self.env, example)
+        rollout = await play_env_episode(episode_env, hook_task(example), policy, limits, trace, cleanup)
+        return dataclasses.replace(rollout, env_reward=None, env_metrics={})  # score_episode rewards
 
     async def _score(self, example: TaskExample, rollouts: Sequence[EpisodeRollout]) -> list[EpisodeScore]:
         scored_indices = [index for index, rollout in enumerate(rollouts) if rollout.error is None]
@@ -172,10 +214,10 @@ def _example(item: TaskItem) -> TaskExample:
     return item.payload
 
 
-def _turn_limit(env_turns: object, limits: EpisodeLimits) -> int:
+def _checked_turns(env_turns: object) -> int:
     if isinstance(env_turns, bool) or not isinstance(env_turns, int) or env_turns < 1:
         raise ValueError(f"max_episode_turns returned {env_turns!r}; it must be a positive integer")
-    return env_turns if limits.max_turns is None else min(env_turns, limits.max_turns)
+    return env_turns
 
 
 def _checked_group(results: object, expected: int) -> list[RewardResult | Exception]:

@@ -15,8 +15,10 @@ is recorded on its own episode (``EpisodeRollout.error``, ``EpisodeScore.error``
 other episodes go on. Exceptions are kept for what is wrong before anything runs: a bad
 spec, bad arguments, an invalid limit (``EnvironmentLoadError``, ``ValueError``).
 
-The loops themselves live in ``rollflow.envs.hook_handle`` and ``rollflow.envs.async_handle``; what they
-share (records, the trace of one episode, the ending rules) in ``rollflow.envs.handle``.
+The one episode loop lives in ``rollflow.envs.async_handle``; ``rollflow.envs.hook_handle``
+adapts each hook-style episode to the ``Env`` shape that loop drives and keeps the hook
+style's group scoring. What both share (records, the trace of one episode, the ending
+rules, the turn budget) is in ``rollflow.envs.handle``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from rollflow.envs.checks import require_int
 from rollflow.envs.env import AsyncEnvSuite, Env
 from rollflow.envs.episode import EpisodeRollout
 from rollflow.envs.handle import (
+    NO_TURN_LIMIT,
     EnvironmentHandle,
     EpisodeLimits,
     EpisodeScore,
@@ -134,7 +137,7 @@ async def play_groups(
     require_int("group_size", group_size, minimum=1)
     require_int("concurrency", concurrency, minimum=1)
     if handle.style == "async" and limits.max_turns is None:
-        raise ValueError("async-style environments need a turn limit: EpisodeLimits(max_turns=...)")
+        raise ValueError(NO_TURN_LIMIT)
     bound = asyncio.Semaphore(concurrency)
 
     async def play_one(item: TaskItem) -> EpisodeRollout:

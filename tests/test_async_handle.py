@@ -69,7 +69,7 @@ class EchoEnv(Env):
             return StepResult(True, True, list(self._messages), reward=0.25)  # terminated wins
         if self._errors >= 3:
             return StepResult(False, True, list(self._messages), reward=-1.0, metrics={"tool_errors": 3.0})
-        return StepResult(False, False, list(self._messages), reward=123.0)  # not read
+        return StepResult(False, False, list(self._messages))
 
     @property
     def tool_specs(self) -> list[ToolSpec]:
@@ -131,10 +131,10 @@ def test_env_truncation_has_cause_env_and_its_reward() -> None:
     assert EchoEnv.closed == 1
 
 
-def test_max_turns_truncation_has_no_env_reward_and_closes() -> None:
+def test_max_turns_truncation_reads_the_last_step_and_closes() -> None:
     rollout = _play(constant_policy(ECHO), max_turns=2)
     assert rollout.truncation_cause is TruncationCause.MAX_TURNS and rollout.turns == 2
-    assert rollout.env_reward is None
+    assert rollout.env_reward == 0.0 and rollout.env_metrics == {}
     assert EchoEnv.closed == 1
 
 
@@ -213,3 +213,62 @@ def test_suite_validation_and_splits() -> None:
     handle = AsyncEnvironmentHandle(suite)
     assert [i.task_id for i in handle.tasks("train")] == ["a1"]
     assert handle.tasks("validation")[0].payload == Task("b")
+
+
+class TickEnv(Env):
+    """Never ends on its own: step ``n`` answers "tick n" with reward ``n / 10`` and metric ``tick``.
+
+    ``delta=True`` makes ``step`` return only the new messages instead of the whole history.
+    """
+
+    def __init__(self, delta: bool = False) -> None:
+        self._delta = delta
+        self._messages: list[Message] = []
+
+    async def reset(self, task: Task) -> list[Message]:
+        self._messages = [{"role": "user", "content": task.prompt}]
+        return list(self._messages)
+
+    async def step(self, message: Message) -> StepResult:
+        tick = sum(m["role"] == "assistant" for m in self._messages) + 1
+        new: list[Message] = [message, {"role": "user", "content": f"tick {tick}"}]
+        self._messages.extend(new)
+        returned = new if self._delta else list(self._messages)
+        return StepResult(False, False, returned, reward=tick / 10, metrics={"tick": float(tick)})
+
+    @property
+    def tool_specs(self) -> list[ToolSpec]:
+        return []
+
+    @property
+    def messages(self) -> list[Message]:
+        return list(self._messages)
+
+
+def _play_ticks(delta: bool, max_turns: int):
+    handle = AsyncEnvironmentHandle(
+        AsyncEnvSuite(tasks=[Task("go")], val_tasks=[], env_factory=lambda task: TickEnv(delta))
+    )
+    item = handle.tasks("train")[0]
+    rollout = asyncio.run(handle.play(item, constant_policy("next"), EpisodeLimits(max_turns=max_turns)))
+    return rollout, asyncio.run(handle.score(item, [rollout]))[0]
+
+
+def test_a_turn_budget_ending_keeps_the_last_steps_reward_and_metrics() -> None:
+    rollout, score = _play_ticks(delta=False, max_turns=3)
+    assert rollout.truncation_cause is TruncationCause.MAX_TURNS and rollout.turns == 3
+    assert rollout.env_reward == 0.3 and rollout.env_metrics == {"tick": 3.0}
+    assert score.reward == 0.3 and score.components == {"tick": 3.0}
+
+
+def test_a_step_history_extending_the_previous_one_is_the_transcript() -> None:
+    rollout, _ = _play_ticks(delta=False, max_turns=2)
+    assert [m["content"] for m in rollout.messages] == ["go", "next", "tick 1", "next", "tick 2"]
+
+
+def test_a_step_returning_only_the_new_messages_fails_the_episode_naming_env_step() -> None:
+    rollout, score = _play_ticks(delta=True, max_turns=3)
+    assert rollout.error is not None and not rollout.truncated
+    assert rollout.error.startswith("ValueError: Env.step returned 2 messages that do not start with")
+    assert "only the new messages" in rollout.error and "(in Env.step)" in rollout.error
+    assert rollout.turns == 1 and score.error == UNSCORED_EPISODE

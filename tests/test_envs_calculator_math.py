@@ -79,7 +79,7 @@ def test_repeated_tool_errors_truncate_with_cause_env() -> None:
 def test_turn_limit_and_parse_failure() -> None:
     call = render_tool_calls([make_tool_call("calculator", {"expression": "1+1"})])
     limited, limited_score, _ = _play(constant_policy(call), max_turns=3)
-    assert limited.truncation_cause is TruncationCause.MAX_TURNS and limited.env_reward is None
+    assert limited.truncation_cause is TruncationCause.MAX_TURNS and limited.env_reward == 0.0
     assert limited_score.reward == 0.0 and limited_score.components == {}
     broken, _, _ = _play(constant_policy('<tool_call>{"name": "calculator"'))
     assert broken.truncation_cause is TruncationCause.PARSE_FAILURE
