@@ -1,0 +1,218 @@
+"""``rollflow export``: adapter and merged folders whose greedy output is the trained policy's,
+loaded fresh with transformers / peft from the exported folder alone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from rollflow.envs.types import Message
+from rollflow.flows.cli import main
+from rollflow.flows.export import ExportError, export_policy
+from rollflow.policy.models import ModelRef, load_causal_lm
+from rollflow.policy.sampling import SamplingSettings
+from rollflow.policy.transformers_backend import TransformersPolicy
+from rollflow.storage.records import TrainResult
+from rollflow.storage.runfolder import RunFolder
+from rollflow.tasks.checkpoints import (
+    OPTIMIZER_FILE,
+    latest_checkpoint,
+    load_policy_for_training,
+    policy_model_ref,
+    read_checkpoint,
+    save_checkpoint,
+)
+from rollflow.tasks.config import RunConfig, config_to_toml, load_config
+from tiny_run import REPO
+
+MESSAGES: list[Message] = [
+    {"role": "system", "content": "Answer briefly."},
+    {"role": "user", "content": "What is 6 * 7?"},
+]
+NEW_TOKENS = 12
+
+
+def run_with_checkpoints(root: Path, model_dir: Path, *, use_lora: bool, steps: int = 2) -> RunFolder:
+    """A run folder whose checkpoints the train stage's own ``save_checkpoint`` wrote, each
+    with weights moved far from the base (seeded) so every policy's greedy text differs."""
+    config = load_config(REPO / "configs" / "tiny.toml")
+    config = replace(
+        config,
+        model=replace(config.model, path=str(model_dir)),
+        train=replace(config.train, use_lora=use_lora),
+        storage=replace(config.storage, runs_dir=str(root.parent)),
+        tracking=replace(config.tracking, enabled=False),
+    )
+    folder = RunFolder(root)
+    folder.write_config(config_to_toml(config))
+    if not steps:
+        return folder
+    model, tokenizer = load_policy_for_training(config, None)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    for step in range(steps):
+        _move_weights(model, use_lora, seed=step)
+        result = TrainResult(run_id=folder.run_id, step=step, policy_version=step + 1, loss=0.0, kl=None,
+                             clip_fraction=0.0, grad_norm=1.0, num_samples=1, num_tokens=1,
+                             num_action_tokens=1, learning_rate=1e-3, tokens_per_s=1.0)
+        save_checkpoint(folder, model, tokenizer, optimizer, result, use_lora)
+    return folder
+
+
+def _move_weights(model: PreTrainedModel, use_lora: bool, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if use_lora and "lora_B" in name:  # B starts at zero: the adapter would do nothing
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+            elif not use_lora and "layers.0" in name:
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.2)
+
+
+def policy_greedy(config: RunConfig, folder: RunFolder, step: int | None = None) -> tuple[list[int], list[int]]:
+    """(prompt ids, greedy action ids) of the run's policy as the rollout stage acts with it."""
+    checkpoint = latest_checkpoint(folder) if step is None else read_checkpoint(folder.checkpoint_dir(step))
+    model, tokenizer = load_causal_lm(policy_model_ref(config, checkpoint))
+    return _act(TransformersPolicy(model, tokenizer, _greedy()))
+
+
+def base_greedy(model_dir: Path) -> list[int]:
+    model, tokenizer = load_causal_lm(ModelRef(path=str(model_dir)))
+    return _act(TransformersPolicy(model, tokenizer, _greedy()))[1]
+
+
+def _greedy() -> SamplingSettings:
+    return SamplingSettings(temperature=0.0, max_completion_tokens=NEW_TOKENS, max_model_length=512)
+
+
+def _act(policy: TransformersPolicy) -> tuple[list[int], list[int]]:
+    async def one() -> tuple[list[int], list[int]]:
+        session = policy.open_session([])
+        action = await session.act(MESSAGES)
+        await session.close()
+        return list(action.prompt_delta_ids), list(action.token_ids)
+
+    return asyncio.run(one())
+
+
+def exported_greedy(out: Path, adapter: bool) -> tuple[list[int], list[int]]:
+    """(prompt ids, greedy ids) from the exported folder alone: its tokenizer and template."""
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    if adapter:
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(str(out))  # finds the base by its path
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(out))
+    model.eval()
+    prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)
+    prompt_ids = list(prompt["input_ids"])
+    with torch.no_grad():
+        output = model.generate(input_ids=torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+    return prompt_ids, _until_stop(output[0, len(prompt_ids):].tolist(), tokenizer.eos_token_id)
+
+
+def _until_stop(ids: Sequence[int], stop: int) -> list[int]:
+    return list(ids[: ids.index(stop) + 1]) if stop in ids else list(ids)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> RunFolder:
+    return run_with_checkpoints(tmp_path_factory.mktemp("lora") / "run", tiny_model_dir, use_lora=True)
+
+
+@pytest.mark.slow  # three model loads and generations: ~15 s on 2 busy cores
+def test_the_adapter_export_generates_what_the_trained_policy_generates(
+    lora_run: RunFolder, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "adapter"
+    result = export_policy(lora_run.root, out)
+    assert (result.step, result.policy_version, result.format) == (1, 2, "adapter")
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["adapter_config.json", "adapter_model.safetensors", "chat_template.jinja", "export.json",
+         "tokenizer.json", "tokenizer_config.json"])
+    adapter_config = json.loads((out / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str(tiny_model_dir.resolve()) == result.base_model
+    assert json.loads((out / "export.json").read_text())["step"] == 1
+    config = load_config(lora_run.config_path)
+    prompt, trained = policy_greedy(config, lora_run)
+    assert trained != base_greedy(tiny_model_dir)  # else the test could not tell a lost adapter
+    assert exported_greedy(out, adapter=True) == (prompt, trained)
+
+
+@pytest.mark.slow  # ~12 s on 2 busy cores
+def test_the_merged_export_generates_what_the_trained_policy_generates(
+    lora_run: RunFolder, tmp_path: Path
+) -> None:
+    out = tmp_path / "merged"
+    result = export_policy(lora_run.root, out, step=0, merged=True)
+    assert (result.step, result.policy_version, result.format, result.base_model) == (0, 1, "merged", None)
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= names
+    assert not any("adapter" in name for name in names)
+    config = load_config(lora_run.config_path)
+    older, newer = policy_greedy(config, lora_run, step=0), policy_greedy(config, lora_run)
+    assert older[1] != newer[1]  # --step 0 picked the older policy, not the newest
+    assert exported_greedy(out, adapter=False) == older
+
+
+def test_a_full_weight_run_exports_its_weights_without_the_training_state(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = run_with_checkpoints(tmp_path / "run", tiny_model_dir, use_lora=False, steps=1)
+    out = tmp_path / "full"
+    assert main(["export", str(folder.root), "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert f"as a full model to {out}" in printed.out and f"vllm serve {out}" in printed.out
+    assert "as with --merged" in printed.err
+    assert not (out / OPTIMIZER_FILE).exists() and not (out / "version.json").exists()
+    config = load_config(folder.config_path)
+    prompt, trained = policy_greedy(config, folder)
+    assert trained != base_greedy(tiny_model_dir)
+    assert exported_greedy(out, adapter=False) == (prompt, trained)
+
+
+def test_the_cli_prints_the_vllm_line_for_an_adapter(
+    lora_run: RunFolder, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "a"
+    out.mkdir()  # an empty folder is fine
+    assert main(["export", str(lora_run.root), "--out", str(out), "--step", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert "exported step 0 (policy version 1) as a LoRA adapter" in printed
+    assert f"--enable-lora --lora-modules policy={out} --max-lora-rank 16" in printed
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def test_a_step_without_a_checkpoint_names_the_steps_there_are(lora_run: RunFolder, tmp_path: Path) -> None:
+    with pytest.raises(ExportError, match=r"no checkpoint for step 5; it has steps 0, 1"):
+        export_policy(lora_run.root, tmp_path / "x", step=5)
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_run_without_checkpoints_is_refused(tmp_path: Path, tiny_model_dir: Path) -> None:
+    folder = run_with_checkpoints(tmp_path / "run", tiny_model_dir, use_lora=True, steps=0)
+    with pytest.raises(ExportError, match="has no checkpoint: no training step has finished"):
+        export_policy(folder.root, tmp_path / "x")
+    with pytest.raises(ExportError, match="is not a run folder"):
+        export_policy(tmp_path, tmp_path / "y")
+
+
+def test_a_non_empty_out_is_never_overwritten(
+    lora_run: RunFolder, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert main(["export", str(lora_run.root), "--out", str(out)]) == 1
+    assert "already exists and is not an empty folder" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left
