@@ -13,8 +13,13 @@ explicitly to ``mlartifacts/`` beside the database (MLflow would otherwise write
 ``./mlruns`` wherever the process happens to run).
 
 Resume safety: ``log_params`` skips values already logged and refuses a changed one;
-``log_step`` skips any metric already logged at that step, so re-running a finished step
-after a crash never draws a second point.
+``log_step`` skips a metric at or before the last step it was logged at, so re-running a
+finished step after a crash never draws a second point. Steps are logged in increasing
+order, so "at or before the last logged step" is exactly "already logged", and the last
+step of every key comes with the one ``get_run`` that resuming makes anyway (MLflow keeps
+each key's latest point, the one with the highest step): opening the run and checking a
+step cost the same at step 3 and at step 3000, where reading each key's whole history
+would make a long run's logging quadratic.
 
 Simplified: a crash between creating the MLflow run and writing ``tracking.json`` leaves
 an orphan MLflow run and the resume starts another; non-finite metric values are not
@@ -36,7 +41,7 @@ from urllib.parse import urlparse
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param
+from mlflow.entities import Metric, Param, Run
 from mlflow.exceptions import MlflowException
 
 from rollflow.storage.errors import NoDataError, StorageError
@@ -92,11 +97,13 @@ def _chunks(items: Sequence[T], size: int) -> list[Sequence[T]]:
 class RunTracker:
     """Log one rollflow run to MLflow. Build with ``RunTracker.open(run_dir)``."""
 
-    def __init__(self, folder: RunFolder, client: MlflowClient, ref: TrackingRef) -> None:
+    def __init__(
+        self, folder: RunFolder, client: MlflowClient, ref: TrackingRef, last_steps: Mapping[str, int] | None = None
+    ) -> None:
         self.folder = folder
         self.ref = ref
         self._client = client
-        self._logged_steps: dict[str, set[int]] = {}
+        self._last_steps = dict(last_steps or {})  # metric key -> last step logged
 
     @classmethod
     def open(
@@ -140,14 +147,14 @@ class RunTracker:
         _prepare_sqlite(ref.tracking_uri)
         client = MlflowClient(tracking_uri=ref.tracking_uri)
         try:
-            client.get_run(ref.mlflow_run_id)
+            run = client.get_run(ref.mlflow_run_id)
         except MlflowException as exc:
             raise StorageError(
                 f"{folder.root / TRACKING_FILE}: MLflow run {ref.mlflow_run_id} is not in "
                 f"{ref.tracking_uri} ({exc.message})"
             ) from exc
         client.update_run(ref.mlflow_run_id, status="RUNNING")
-        return cls(folder, client, ref)
+        return cls(folder, client, ref, _last_steps(run))
 
     @property
     def mlflow_run_id(self) -> str:
@@ -172,10 +179,7 @@ class RunTracker:
             self._client.log_batch(self.mlflow_run_id, params=chunk, synchronous=True)
 
     def _already_logged(self, key: str, step: int) -> bool:
-        if key not in self._logged_steps:
-            history = self._client.get_metric_history(self.mlflow_run_id, key)
-            self._logged_steps[key] = {m.step for m in history}
-        return step in self._logged_steps[key]
+        return step <= self._last_steps.get(key, -1)
 
     def log_step(self, step: int, metrics: Mapping[str, float]) -> int:
         """Log one step's metrics; returns how many points were new (0 on a replay)."""
@@ -188,7 +192,7 @@ class RunTracker:
         for chunk in _chunks(points, _METRICS_PER_BATCH):
             self._client.log_batch(self.mlflow_run_id, metrics=chunk, synchronous=True)
         for point in points:
-            self._logged_steps[point.key].add(step)
+            self._last_steps[point.key] = step
         return len(points)
 
     def metric_history(self, key: str) -> list[tuple[int, float]]:
@@ -232,6 +236,11 @@ class RunTracker:
         tb: TracebackType | None,
     ) -> None:
         self.close("FAILED" if exc_type is not None else "FINISHED")
+
+
+def _last_steps(run: Run) -> dict[str, int]:
+    """Each metric key's last logged step: the step of MLflow's latest point of that key."""
+    return {metric.key: int(metric.step) for metric in run.data.to_proto().metrics}
 
 
 def _read_ref(folder: RunFolder) -> TrackingRef | None:

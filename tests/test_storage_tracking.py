@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+import rollflow.storage.tracking as tracking_module
 from rollflow.storage.errors import NoDataError, StorageError
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.tracking import TRACKING_FILE, RunTracker, artifact_location, default_tracking_uri, project_root
@@ -88,3 +89,43 @@ def test_default_uri_is_under_the_project(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracker:5000")
     assert default_tracking_uri(project) == "http://tracker:5000"
     assert artifact_location("http://tracker:5000", "x") is None
+
+
+class PointCountingClient(MlflowClient):
+    """The real client, counting the metric points its queries hand back."""
+
+    points_read: list[int] = []
+
+    def get_metric_history(self, run_id: str, key: str) -> list:  # type: ignore[override]
+        history = super().get_metric_history(run_id, key)
+        self.points_read.append(len(history))
+        return history
+
+    def get_run(self, run_id: str):  # type: ignore[no-untyped-def]  # noqa: ANN201
+        run = super().get_run(run_id)
+        self.points_read.append(len(run.data.metrics))
+        return run
+
+
+def test_the_duplicate_check_reads_as_much_at_step_30_as_at_step_1(
+    tmp_path: Path, tracking_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each step opens the run afresh (as the metrics stage does); what that reads must
+    not grow with the steps already logged, or a long run's logging is quadratic."""
+    monkeypatch.setattr(tracking_module, "MlflowClient", PointCountingClient)
+    folder = RunFolder(tmp_path / "run-e")
+    RunTracker.open(folder, tracking_uri=tracking_uri).close()
+    metrics = {"reward/mean": 0.5, "optim/loss": 1.0, "time/rollout": 2.0}
+    read_per_step = []
+    for step in range(30):
+        PointCountingClient.points_read.clear()
+        tracker = RunTracker.open(folder)
+        assert tracker.log_step(step, metrics) == 3
+        assert tracker.log_step(step, metrics) == 0  # the replay of a crashed metrics stage
+        read_per_step.append(sum(PointCountingClient.points_read))
+    assert read_per_step[1:] == [read_per_step[1]] * 29
+    resumed = RunTracker.open(folder)
+    assert resumed.log_step(12, metrics) == 0 and resumed.log_step(29, {"reward/mean": 0.1}) == 0
+    assert resumed.log_step(30, {"reward/mean": 0.6, "new/key": 1.0}) == 2
+    assert [s for s, _ in resumed.metric_history("reward/mean")] == list(range(31))
+    assert resumed.metric_history("new/key") == [(30, 1.0)]
