@@ -41,6 +41,7 @@ from rollflow.envs.handle import (
     EnvironmentHandle,
     EpisodeLimits,
     EpisodeScore,
+    Style,
     TaskItem,
     task_id_for,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "EpisodeLimits",
     "EpisodeScore",
     "HookEnvironmentHandle",
+    "Style",
     "TaskItem",
     "handle_for",
     "handle_from_async",

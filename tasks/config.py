@@ -80,7 +80,11 @@ class RolloutConfig:
     batch_size: int = 4  # tasks per step
     # 1 never trains (no group to compare against): 4 gives a usable baseline on CPU.
     episodes_per_task: int = 4
-    max_turns: int = 6  # assistant actions per episode (the reference example's value)
+    # A cap on the assistant actions of an episode. None (the default): a hook-style
+    # environment plays its own max_episode_turns, as in the reference; set, it caps that
+    # budget (never raises it). An async-style environment has no budget of its own, so
+    # there it is required, as in the reference.
+    max_turns: int | None = None
     max_model_length: int = 2048  # context budget of a whole episode, in tokens
     max_completion_tokens: int = 256  # per assistant action, not per episode
     temperature: float = 1.0  # GRPO samples the policy as it is: the ratio assumes it
@@ -168,7 +172,7 @@ class TrainConfig:
 @dataclass(frozen=True)
 class ValidationConfig:
     validation_interval: int = 5  # steps between validations; 0 = never
-    val_max_turns: int | None = None  # None reuses [rollout].max_turns (reference)
+    val_max_turns: int | None = None  # None reuses [rollout].max_turns (reference), same rules
     sequential_validation: bool = False  # reference default
     num_tasks: int | None = None  # None = every validation task
     # Episodes played per validation task. 1 measures the policy once per task; more make
@@ -266,7 +270,8 @@ class RunConfig:
         return self.rollout.groups_in_flight or self.rollout.batch_size
 
     @property
-    def val_max_turns(self) -> int:
+    def val_max_turns(self) -> int | None:
+        """Validation's turn cap: [validation].val_max_turns, else [rollout].max_turns (or None)."""
         return self.validation.val_max_turns or self.rollout.max_turns
 
 

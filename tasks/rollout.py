@@ -35,6 +35,7 @@ from rollflow.envs.runner import (
     EnvironmentHandle,
     EpisodeLimits,
     EpisodeScore,
+    Style,
     TaskItem,
     load_environment_handle,
     play_groups,
@@ -44,7 +45,7 @@ from rollflow.storage.parquet import part_index
 from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import episode_records_to_table
-from rollflow.tasks.config import RunConfig
+from rollflow.tasks.config import ConfigError, RunConfig
 from rollflow.tasks.policy_io import open_policy
 
 PROGRESS_EVERY_S = 15.0
@@ -73,6 +74,24 @@ def select_validation_tasks(items: Sequence[TaskItem], num_tasks: int | None) ->
     return list(items if num_tasks is None else items[:num_tasks])
 
 
+def episode_limits(config: RunConfig, split: str, style: Style) -> EpisodeLimits:
+    """The turn cap of ``split``'s episodes (a ``ConfigError`` when an async env has none).
+
+    Unset, a hook environment plays its own ``max_episode_turns``; set, the cap bounds it.
+    An async environment has no budget of its own, so it needs the cap, as in the reference.
+    """
+    max_turns = config.rollout.max_turns if split == "train" else config.val_max_turns
+    if max_turns is None and style == "async":
+        key = "[rollout].max_turns"
+        if split != "train":
+            key = f"[validation].val_max_turns or {key}"
+        raise ConfigError(
+            f"{config.env.name} is an async-style environment, which has no turn limit of its own: "
+            f"set {key} (the assistant actions allowed per episode)"
+        )
+    return EpisodeLimits(max_turns=max_turns)
+
+
 def rollout_stage(
     config: RunConfig, run_dir: Path, step: int, split: str = "train", policy: Policy | None = None
 ) -> Path:
@@ -85,12 +104,11 @@ def rollout_stage(
     if split == "train":
         items = select_train_tasks(handle.tasks("train"), step, config.rollout.batch_size, config.train.seed)
         group_size, concurrency = config.rollout.episodes_per_task, config.rollout.concurrency
-        limits = EpisodeLimits(max_turns=config.rollout.max_turns)
     else:
         items = select_validation_tasks(handle.tasks("validation"), config.validation.num_tasks)
         group_size = config.validation.episodes_per_task  # a repeated measure, not a baseline
         concurrency = 1 if config.validation.sequential_validation else config.rollout.concurrency
-        limits = EpisodeLimits(max_turns=config.val_max_turns)
+    limits = episode_limits(config, split, handle.style)
     groups_per_chunk = max(1, concurrency // group_size)
     chunks = [items[i : i + groups_per_chunk] for i in range(0, len(items), groups_per_chunk)]
     written = {part_index(p) for p in folder.part_paths(step, "episodes", split)}
