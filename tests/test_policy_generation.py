@@ -10,10 +10,16 @@ import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rollflow.policy.generation import GenerationOutput, GenerationRequest, generate_batch
+from rollflow.policy.generation import (
+    GenerationOutput,
+    GenerationRequest,
+    generate_batch,
+    generate_batch_and_report,
+)
 from rollflow.policy.models import ModelRef, load_causal_lm
 from rollflow.policy.sampling import sampling_logprobs
 
+OPTIONS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "stop_token_ids": {2}, "pad_token_id": 2}
 PROMPTS = ["hello there", "a", "one two three four five six seven eight", "tools, tokens"]
 
 
@@ -34,8 +40,7 @@ def requests_for(
 def run(
     model: PreTrainedModel, requests: list[GenerationRequest], **overrides: Any
 ) -> list[GenerationOutput]:
-    options: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "stop_token_ids": {2}, "pad_token_id": 2}
-    options.update(overrides)
+    options: dict[str, Any] = {**OPTIONS, **overrides}
     return generate_batch(model, requests, **options)
 
 
@@ -125,18 +130,10 @@ def test_identical_contexts_are_prefilled_once_and_sample_independently(
     context = tuple(tokenizer.encode("a GRPO group shares its prompt"))
     group = [GenerationRequest(context, 10, seed) for seed in range(4)]
     mixed = [*group, *requests_for(tokenizer, [7, 7, 7, 7])]
-    prefill_rows: list[int] = []
-    hook = model.register_forward_pre_hook(
-        lambda _module, _args, kwargs: prefill_rows.append(kwargs["input_ids"].shape[0])
-        if kwargs["input_ids"].shape[1] > 1
-        else None,
-        with_kwargs=True,
-    )
-    try:
-        outputs = run(model, mixed)
-    finally:
-        hook.remove()
-    assert prefill_rows == [5]  # 1 shared context + 4 others
+    outputs, report = generate_batch_and_report(model, mixed, **OPTIONS)
+    others = sum(len(request.context_ids) for request in mixed[4:])
+    assert report.prefill_tokens == len(context) + others  # the shared context once
+    assert [o.prefilled_tokens for o in outputs] == [len(r.context_ids) for r in mixed]
     alone = [run(model, [request])[0] for request in mixed]
     assert [o.token_ids for o in outputs] == [o.token_ids for o in alone]
     assert len({o.token_ids for o in outputs[:4]}) == 4  # same prompt, own seeds
@@ -168,28 +165,53 @@ def test_a_stop_request_ends_decoding_at_the_next_step(
     assert draws == 3
 
 
+def of_lengths(lengths: list[int], max_new: int = 10) -> list[GenerationRequest]:
+    """Requests whose contexts have these lengths (distinct ids, no special tokens)."""
+    return [
+        GenerationRequest(tuple(range(100 + 50 * index, 100 + 50 * index + length)), max_new, index)
+        for index, length in enumerate(lengths)
+    ]
+
+
+def forward_shapes(model: PreTrainedModel, requests: list[GenerationRequest]) -> tuple[list[GenerationOutput], list[tuple[int, int]]]:
+    shapes: list[tuple[int, int]] = []  # (rows, positions) of each forward pass
+    hook = model.register_forward_pre_hook(
+        lambda _module, _args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    try:
+        return run(model, requests), shapes
+    finally:
+        hook.remove()
+
+
 def test_a_sliced_prefill_samples_what_one_pass_samples(
     tiny: tuple[PreTrainedModel, PreTrainedTokenizerBase], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import rollflow.policy.generation as generation
 
-    model, tokenizer = tiny
-    requests = requests_for(tokenizer, [12, 5, 20, 9])
-    one_pass = run(model, requests)
-    shapes: list[tuple[int, int]] = []  # (rows, positions) of each forward pass
-    hook = model.register_forward_pre_hook(
-        lambda _module, _args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
-    )
-    width = max(len(r.context_ids) for r in requests)
-    monkeypatch.setattr(generation, "PREFILL_TOKENS_PER_PASS", 2 * width)  # 2 rows a pass
-    try:
-        sliced = run(model, requests)
-    finally:
-        hook.remove()
-    assert shapes[:3] == [(2, width), (2, width), (4, 1)]  # two prefill slices, then decoding
+    model, _ = tiny
+    requests = of_lengths([5, 8, 4, 6])
+    one_pass, shapes = forward_shapes(model, requests)
+    assert shapes[:2] == [(4, 8), (4, 1)]  # one prefill pass, then decoding
+    monkeypatch.setattr(generation, "PREFILL_TOKENS_PER_PASS", 16)  # 2 rows of 8 a pass
+    sliced, shapes = forward_shapes(model, requests)
+    assert shapes[:3] == [(2, 8), (2, 5), (4, 1)]  # longest first, each slice its own width
     for a, b in zip(one_pass, sliced, strict=True):
         assert a.token_ids == b.token_ids
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
+def test_short_contexts_are_not_padded_to_a_long_one(
+    tiny: tuple[PreTrainedModel, PreTrainedTokenizerBase],
+) -> None:
+    model, _ = tiny
+    requests = of_lengths([3, 40, 2, 1])
+    outputs, shapes = forward_shapes(model, requests)
+    assert shapes[:4] == [(1, 40), (2, 3), (1, 1), (4, 1)]  # a slice's rows are >= half its width
+    _, report = generate_batch_and_report(model, requests, **OPTIONS)
+    assert (report.prefill_tokens, report.prefill_padded_tokens, report.prefill_passes) == (46, 47, 3)
+    alone = [run(model, [request])[0] for request in requests]
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in alone]
 
 
 def test_a_stop_request_during_the_prefill_ends_it_at_the_next_slice(
