@@ -7,7 +7,8 @@ not depend on the split), clips the gradient norm and takes one optimizer step.
 
 Log-probabilities are computed exactly as the sampler computed its own:
 ``log_softmax(logits / temperature)`` at the rollout's sampling temperature, so the
-importance ratio is 1 wherever trainer and sampler agree. (``top_p`` < 1 samples from a
+importance ratio is 1 wherever trainer and sampler agree. The model is in eval mode for
+those forward passes (no dropout: the sampler has none either). (``top_p`` < 1 samples from a
 truncated distribution the trainer does not rebuild: keep it at 1.0 when training.)
 
 ``train_stage`` wraps it for the flow: load the newest checkpoint (LoRA adapter or full
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from rollflow.policy.loss import BatchTotals, LossSettings, LossStats, grpo_loss
 from rollflow.policy.stopping import raise_if_stop_requested
@@ -135,13 +137,15 @@ def token_logprobs(
     """
     targets_BT = input_ids_BT[:, 1:]
     if wanted_BT is None:
-        logits_BTV = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT).logits
+        logits_BTV = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False).logits
         logits_BTV = logits_BTV[:, :-1].float() / temperature  # position t-1 predicts token t
         picked_BT = logits_BTV.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)
         return picked_BT - torch.logsumexp(logits_BTV, dim=-1)  # (B, T-1)
     keep_BT = torch.zeros_like(input_ids_BT, dtype=torch.bool)
     keep_BT[:, :-1] = wanted_BT  # position t-1 predicts token t
-    logits_NV = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, logits_to_keep=keep_BT).logits
+    logits_NV = model(
+        input_ids=input_ids_BT, attention_mask=attention_mask_BT, logits_to_keep=keep_BT, use_cache=False
+    ).logits
     logits_NV = logits_NV.float() / temperature  # (N, V): one row per wanted token, row-major
     picked_N = logits_NV.gather(-1, targets_BT[wanted_BT].unsqueeze(-1)).squeeze(-1)
     logprobs_BT = torch.zeros(targets_BT.shape, dtype=logits_NV.dtype, device=logits_NV.device)
@@ -199,6 +203,21 @@ def frozen_model_reference(reference_model: PreTrainedModel, temperature: float)
             return token_logprobs(reference_model, input_ids_BT, attention_mask_BT, temperature, wanted_BT)
 
     return reference
+
+
+def train_without_dropout(model: PreTrainedModel) -> None:
+    """Eval mode for the loss's forward passes, except for gradient checkpointing.
+
+    Dropout (attention, LoRA) would make the trainer's logprobs a random draw: the ratio
+    against the sampler (which never drops out) would start away from 1 and the KL
+    against the reference away from 0. Layers under gradient checkpointing keep their
+    training flag (set on them alone, not their children), since transformers only
+    checkpoints a layer that is training; nothing in the layer itself reads the flag.
+    """
+    model.eval()
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing:
+            module.training = True
 
 
 def _pad(rows: Sequence[Sequence[float]], width: int, value: float, dtype: torch.dtype) -> torch.Tensor:
@@ -275,7 +294,7 @@ def grpo_update(
         return UpdateStats(0.0, None, 0.0, 0.0, 0.0, len(samples), num_tokens, 0, 0,
                            time.perf_counter() - start)
     use_reference = ref_logprobs_fn is not None and settings.loss.kl_coef > 0
-    model.train()
+    train_without_dropout(model)
     losses, grad_norms, stats, num_microbatches = [], [], LossStats(), 0
     for chunk, totals in minibatches:
         loss, grad_norm, chunk_stats, count = _optimizer_step(

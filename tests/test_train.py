@@ -42,11 +42,11 @@ from rollflow.tasks.train import (
 VOCAB = 40
 
 
-def micro_model(seed: int = 0) -> LlamaForCausalLM:
+def micro_model(seed: int = 0, attention_dropout: float = 0.0) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, attention_dropout=attention_dropout,
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).eval()
