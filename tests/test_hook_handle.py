@@ -7,8 +7,10 @@ import json
 from collections.abc import Sequence
 
 from rollflow.envs.agent import PolicyAction
+from rollflow.envs.async_handle import AsyncEnvironmentHandle
+from rollflow.envs.env import AsyncEnvSuite
 from rollflow.envs.handle import UNSCORED_EPISODE, EpisodeLimits, TaskItem
-from rollflow.envs.hook_handle import HookEnvironmentHandle, to_environment_episode
+from rollflow.envs.hook_handle import HookEnvironmentHandle, HookEpisodeEnv, hook_task, to_environment_episode
 from rollflow.envs.hooks import EnvironmentMultiTurn
 from rollflow.envs.protocol import parse_action
 from rollflow.envs.scripted import ScriptedPolicy, constant_policy
@@ -126,6 +128,24 @@ def test_turn_limit_is_the_smaller_of_env_and_limits() -> None:
         assert rollout.truncated and rollout.truncation_cause is TruncationCause.MAX_TURNS
         assert rollout.turns == turns
         assert rollout.response_text == "hmm"
+
+
+def test_a_hook_episode_is_an_env_that_plays_alike_through_the_async_handle() -> None:
+    call = '<tool_call>{"name": "ping", "arguments": {}}</tool_call>'
+    env, example = PingEnv(turns=5), TaskExample(input="hello")
+    suite = AsyncEnvSuite(
+        tasks=[hook_task(example)], val_tasks=[], env_factory=lambda task: HookEpisodeEnv(env, example)
+    )
+    async_handle = AsyncEnvironmentHandle(suite)
+    for script in ((call, "thinking", "done now"), ("hmm",)):
+        item = async_handle.tasks("train")[0]
+        as_env = asyncio.run(async_handle.play(item, _script(*script), EpisodeLimits(max_turns=9)))
+        as_hook = _play(env, _script(*script))
+        assert as_env.messages == as_hook.messages and as_env.step_metadata == as_hook.step_metadata
+        assert (as_env.response_text, as_env.turns) == (as_hook.response_text, as_hook.turns)
+        assert as_env.truncation_cause == as_hook.truncation_cause
+        assert as_env.env_reward == 0.0 and as_hook.env_reward is None  # hooks are scored, not stepped
+    assert as_hook.truncation_cause is TruncationCause.MAX_TURNS and as_hook.turns == 5
 
 
 def test_parse_failure_ends_the_episode_without_stepping_the_env() -> None:
