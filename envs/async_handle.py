@@ -178,6 +178,7 @@ def _finish(trace: EpisodeTrace, last: StepResult | None, *, cause: TruncationCa
     """The rollout, with the reward and metrics of the last step taken (if any)."""
     if last is None:
         return trace.finish(cause=cause)
+    trace.stage = "Env.step"  # a bad reward or metric is that step's fault
     return trace.finish(
         terminated=cause is None,
         cause=cause,
