@@ -138,8 +138,10 @@ def make_tool_call(name: str, arguments: dict[str, Any], index: int = 0) -> Tool
 def describe_tools(tool_specs: Sequence[ToolSpec]) -> str:
     """The one text that tells a model which tools exist and how to call them.
 
-    The policy's chat codec appends it to the system prompt when a model's chat template
-    ignores ``tools=``. No tools gives the empty string: there is nothing to describe.
+    The policy's chat codec puts it in the system prompt for every chat template, and never
+    passes ``tools=`` to the template: a tool-aware template (Qwen, Llama 3.1, Mistral)
+    would ask for its own call syntax, which ``parse_action`` does not read. No tools gives
+    the empty string: there is nothing to describe.
     Raises ``ValueError`` for a spec that is not an OpenAI-style function spec.
     """
     if not tool_specs:

@@ -21,37 +21,43 @@ When the re-render does not extend the text (a template that rewrites history, e
 that strips earlier ``<think>`` blocks, or a model that stopped on a different end token),
 ``next_prompt`` returns the full render with ``reset=True``: a new training sample starts.
 
+One protocol for every template. The model is always asked, by
+``rollflow.envs.protocol.describe_tools`` in the system prompt, for the protocol's
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, because that is all
+``parse_action`` reads. A tool-aware template (Qwen2.5/3, Llama 3.1, Mistral) given
+``tools=`` asks for its own syntax instead (Llama's bare ``{"name", "parameters"}`` JSON,
+Mistral's ``[TOOL_CALLS]``, Qwen's newline-wrapped blocks), which the parser reads as final
+answers; given both, the model would see two formats that contradict each other. So the
+template is never passed ``tools=``. The alternative, a parser per template, would need one
+reader per model family and make an episode's meaning depend on its template; one text
+format keeps one parser, and training teaches it to the model anyway.
+
 Simplifications, and why:
-- A template that ignores ``tools=`` (found by rendering a probe with and without a tool)
-  gets ``rollflow.envs.protocol.describe_tools`` in its system prompt: appended to a leading system
-  message, or as a new one. That replaces a template's default system prompt, which is
-  what a caller giving tools would want anyway.
-- An assistant message whose content already carries its tool calls verbatim (the
-  protocol's ``<tool_call>`` blocks, as the runner writes it) is rendered without its
-  structured ``tool_calls``: a template that prints both would show the calls twice and
-  the render would never extend what was sampled.
+- The instructions are appended to a leading system message, or put in a new one. That
+  replaces a template's default system prompt, which is what a caller giving tools would
+  want anyway. A template that drops the system message or rewrites its text would lose
+  them: rendering then fails with ``ChatTemplateError`` rather than asking a model to call
+  tools it was never told about.
+- An assistant message with structured ``tool_calls`` reaches the template without them,
+  its calls only as protocol text in its content: a template printing ``tool_calls`` in its
+  own syntax would show the model a format it must not write, and the render would not
+  extend what was sampled. The runner's messages carry their calls verbatim already
+  (``ParsedAction.to_message``); a hand-written turn with structured calls only gets
+  ``render_tool_calls`` of them after its content (as the SFT rows do). Content whose calls
+  differ from its structured ones is refused: which of the two was meant is unknowable.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
-from rollflow.envs.protocol import ParsedAction, describe_tools, parse_action
-from rollflow.envs.types import Message, ToolSpec
-
-_PROBE_MESSAGES: tuple[Message, ...] = ({"role": "user", "content": "ping"},)
-_PROBE_TOOL: ToolSpec = {
-    "type": "function",
-    "function": {
-        "name": "rollflow_probe_tool",
-        "description": "A probe: does the chat template render tools?",
-        "parameters": {"type": "object", "properties": {}},
-    },
-}
+from rollflow.envs.protocol import ParsedAction, describe_tools, parse_action, render_tool_calls
+from rollflow.envs.types import Message, ToolCall, ToolSpec
 
 
 class ChatTemplateError(ValueError):
@@ -92,20 +98,28 @@ class ChatCodec:
         if not stops:
             raise ChatTemplateError("no stop token: the tokenizer has no eos token and none given")
         self.stop_token_ids: frozenset[int] = frozenset(stops)
-        self.template_renders_tools = self._detect_tool_rendering()
 
     # ------------------------------------------------------------ rendering
 
     def render_text(self, messages: Sequence[Message], tool_specs: Sequence[ToolSpec]) -> str:
-        """The full prompt text: the conversation, tools, and the generation prompt."""
+        """The full prompt text: the conversation, tools, and the generation prompt.
+
+        Tools are described in the system prompt, never given to the template as
+        ``tools=`` (see the module note).
+        """
         if not messages:
             raise ChatTemplateError("cannot render an empty conversation")
-        prepared = [_as_rendered(message) for message in messages]
-        tools = list(tool_specs) or None
-        if tools is not None and not self.template_renders_tools:
-            prepared = with_tools_in_system_prompt(prepared, describe_tools(tool_specs))
-            tools = None
-        return self._apply_template(prepared, tools)
+        prepared = [_as_rendered(message, index) for index, message in enumerate(messages)]
+        tools_text = describe_tools(tool_specs)
+        if tools_text:
+            prepared = with_tools_in_system_prompt(prepared, tools_text)
+        rendered = self._apply_template(prepared)
+        if tools_text not in rendered:
+            raise ChatTemplateError(
+                "the chat template did not render the system message, which carries the "
+                "tool-call instructions; a template that drops or rewrites it is not supported"
+            )
+        return rendered
 
     def render_prompt_ids(
         self, messages: Sequence[Message], tool_specs: Sequence[ToolSpec]
@@ -173,12 +187,10 @@ class ChatCodec:
             )
         )
 
-    def _apply_template(
-        self, messages: Sequence[Message], tools: list[ToolSpec] | None
-    ) -> str:
+    def _apply_template(self, messages: Sequence[Message]) -> str:
         try:
             rendered = self.tokenizer.apply_chat_template(
-                list(messages), tools=tools, tokenize=False, add_generation_prompt=True
+                list(messages), tokenize=False, add_generation_prompt=True
             )
         except Exception as error:  # jinja raises many types; name the culprit once
             roles = [message.get("role") for message in messages]
@@ -190,24 +202,42 @@ class ChatCodec:
             raise ChatTemplateError(f"the chat template returned {type(rendered).__name__}")
         return rendered
 
-    def _detect_tool_rendering(self) -> bool:
-        without = self._apply_template(_PROBE_MESSAGES, None)
-        try:
-            with_tools = self._apply_template(_PROBE_MESSAGES, [_PROBE_TOOL])
-        except ChatTemplateError:
-            return False
-        return with_tools != without
+
+def _as_rendered(message: Message, index: int) -> Message:
+    """``message`` as the template should see it: its tool calls as protocol text only."""
+    calls = message.get("tool_calls")
+    if message.get("role") != "assistant" or not calls:
+        return message
+    content = message.get("content") or ""
+    without_calls = cast(Message, {key: value for key, value in message.items() if key != "tool_calls"})
+    carried = parse_action(content)
+    if carried.kind == "tool_calls" and _same_calls(carried.tool_calls, calls):
+        return without_calls
+    if carried.kind != "final":
+        found = carried.error or f"{len(carried.tool_calls)} different ones"
+        raise ChatTemplateError(
+            f"assistant message {index} has {len(calls)} structured tool_calls but its content's "
+            f"calls disagree ({found}); give the calls once, or the same in both"
+        )
+    try:
+        calls_text = render_tool_calls(calls)
+    except ValueError as error:
+        raise ChatTemplateError(f"assistant message {index}: {error}") from error
+    return cast(Message, {**without_calls, "content": "\n".join(p for p in (content, calls_text) if p)})
 
 
-def _as_rendered(message: Message) -> Message:
-    """``message`` as the template should see it (see the module note on tool calls)."""
-    if message.get("role") != "assistant" or not message.get("tool_calls"):
-        return message
-    carried = parse_action(message.get("content") or "")
-    if len(carried.tool_calls) != len(message["tool_calls"]):
-        return message
-    without_calls = {key: value for key, value in message.items() if key != "tool_calls"}
-    return cast(Message, without_calls)
+def _same_calls(carried: Sequence[ToolCall], structured: Sequence[ToolCall]) -> bool:
+    """The same calls in the same order: equal names, arguments equal as JSON values."""
+    if len(carried) != len(structured):
+        return False
+    try:
+        return all(
+            ours["function"]["name"] == theirs["function"]["name"]
+            and json.loads(ours["function"]["arguments"]) == json.loads(theirs["function"]["arguments"])
+            for ours, theirs in zip(carried, structured, strict=True)
+        )
+    except (KeyError, TypeError, ValueError):
+        return False
 
 
 def with_tools_in_system_prompt(messages: Sequence[Message], tools_text: str) -> list[Message]:

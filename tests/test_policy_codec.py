@@ -1,9 +1,11 @@
 """The chat codec against Hugging Face ``apply_chat_template``, on two real templates.
 
 - the bundled SmolLM2 ChatML template, which ignores ``tools=``;
-- a Qwen-style template written here: tools rendered natively, tool calls printed from
-  ``tool_calls``, tool results wrapped as user turns, and ``<think>`` blocks stripped from
-  assistant turns that precede the last user message.
+- a Qwen-style template written here: tools rendered natively (which the codec must not
+  use), tool calls printed from ``tool_calls``, tool results wrapped as user turns, and
+  ``<think>`` blocks stripped from assistant turns that precede the last user message.
+
+Real tool-aware templates (Qwen2.5, Qwen3, Llama 3.1) are in test_codec_tool_templates.py.
 
 Actions are simulated with real token ids: the canonical encoding of a text plus the stop
 token, or deliberately non-canonical splits to show the ids are kept, not re-encoded.
@@ -17,7 +19,7 @@ from typing import cast
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from rollflow.envs.protocol import describe_tools
+from rollflow.envs.protocol import describe_tools, render_tool_calls
 from rollflow.envs.types import Message, ToolSpec
 from rollflow.policy.codec import ChatCodec, ChatTemplateError, TokenState
 from rollflow.policy.models import ModelRef, load_tokenizer
@@ -95,7 +97,7 @@ def hf_ids(
 def hf_reference(
     codec: ChatCodec, messages: Sequence[Message], tools: list[ToolSpec]
 ) -> list[int]:
-    """HF's ids for the conversation, with tools where the template itself would put them.
+    """HF's ids for the conversation, tools described in a new system message, never ``tools=``.
 
     Assistant turns carry their calls verbatim in the content, so HF is given them
     without the structured copy (see the codec's note on rendering tool calls once).
@@ -104,8 +106,6 @@ def hf_reference(
         cast(Message, {key: value for key, value in message.items() if key != "tool_calls"})
         for message in messages
     ]
-    if codec.template_renders_tools:
-        return hf_ids(codec.tokenizer, messages, tools)
     system: Message = {"role": "system", "content": describe_tools(tools)}
     return hf_ids(codec.tokenizer, [system, *messages], None)
 
@@ -149,7 +149,6 @@ def test_smollm2_template_ignores_tools_so_they_go_into_the_system_prompt(
     bundled_tokenizer: PreTrainedTokenizerBase,
 ) -> None:
     codec = ChatCodec(bundled_tokenizer)
-    assert codec.template_renders_tools is False
     user: Message = {"role": "user", "content": "Which depot?"}
     text = codec.render_text([user], [LOOKUP])
     assert text.startswith("<|im_start|>system\n" + describe_tools([LOOKUP]) + "<|im_end|>")
@@ -161,16 +160,22 @@ def test_smollm2_template_ignores_tools_so_they_go_into_the_system_prompt(
     assert text.count("<|im_start|>system") == 1
 
 
-def test_qwen_style_template_renders_tools_itself(
+def test_a_template_that_renders_tools_gets_our_instructions_not_tools(
     qwen_style_tokenizer: PreTrainedTokenizerBase,
 ) -> None:
     codec = ChatCodec(qwen_style_tokenizer)
-    assert codec.template_renders_tools is True
     messages: list[Message] = [{"role": "user", "content": "Which depot?"}]
-    assert codec.render_prompt_ids(messages, [LOOKUP]) == hf_ids(
-        qwen_style_tokenizer, messages, [LOOKUP]
+    own = qwen_style_tokenizer.apply_chat_template(
+        messages, tools=[LOOKUP], tokenize=False, add_generation_prompt=True
     )
-    assert describe_tools([LOOKUP]) not in codec.render_text(messages, [LOOKUP])
+    assert "# Tools" in own  # the template would describe tools its own way
+    text = codec.render_text(messages, [LOOKUP])
+    assert "# Tools" not in text and "<tools>" not in text
+    assert text.startswith("<|im_start|>system\n" + describe_tools([LOOKUP]) + "<|im_end|>")
+    system: Message = {"role": "system", "content": describe_tools([LOOKUP])}
+    assert codec.render_prompt_ids(messages, [LOOKUP]) == hf_ids(
+        qwen_style_tokenizer, [system, *messages], None
+    )
 
 
 def test_without_a_chat_template_the_codec_refuses(bundled_tokenizer: PreTrainedTokenizerBase) -> None:
@@ -297,12 +302,14 @@ def test_tool_calls_carried_in_the_content_are_rendered_once(
     parsed, message = codec.parse_action(CALL_TEXT)
     assert parsed.kind == "tool_calls" and "tool_calls" in message
     conversation: list[Message] = [{"role": "user", "content": "Go"}, message]
-    assert codec.render_text(conversation, [LOOKUP]).count('"lookup"') == 2  # spec + call
+    assert codec.render_text(conversation, [LOOKUP]).count('"lookup"') == 1  # the call, once
 
-    # A few-shot assistant turn written with structured calls only still shows them.
+    # A few-shot assistant turn written with structured calls only shows them in our format,
+    # never in the template's own (newline-wrapped) one.
     structured: Message = {"role": "assistant", "content": "", "tool_calls": message["tool_calls"]}
     text = codec.render_text([{"role": "user", "content": "Go"}, structured], [LOOKUP])
-    assert '<tool_call>\n{"name": "lookup", "arguments": {"key": "depot"}}\n</tool_call>' in text
+    assert "<|im_start|>assistant\n" + render_tool_calls(message["tool_calls"]) + "<|im_end|>" in text
+    assert "<tool_call>\n" not in text
 
 
 def test_parse_action_keeps_the_raw_text_as_content(bundled_tokenizer: PreTrainedTokenizerBase) -> None:
