@@ -40,6 +40,16 @@ def _step(text: str) -> int:
     return value
 
 
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--temperature must be a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"--temperature must be >= 0 (0 = greedy), got {value}")
+    return value
+
+
 # ---------------------------------------------------------------- export
 
 
@@ -77,3 +87,53 @@ def _format_text(kind: str) -> str:
 
 register(Command("export", "write a checkpoint as a LoRA adapter or merged model folder (for vLLM)",
                  _export_arguments, run_export))
+
+
+# ---------------------------------------------------------------- chat
+
+
+def _chat_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", help="the run folder (its config names the model and environment)")
+    parser.add_argument("--step", type=_step, help="the checkpoint of training step N (default: the newest)")
+    parser.add_argument("--env", help="the environment as module:function (default: the run's [env]; 'none': no env)")
+    parser.add_argument("--base-url", help="an OpenAI-compatible server instead, e.g. http://127.0.0.1:8000/v1")
+    parser.add_argument("--api-model", help="the model name that server expects")
+    parser.add_argument("--tools-in-system-prompt", action="store_true",
+                        help="(server) describe the tools in the system prompt, for templates that ignore them")
+    parser.add_argument("--temperature", type=_temperature, help="sampling temperature (default: the run's; 0 = greedy)")
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    """Load the policy and the environment, then hand the terminal to the chat loop."""
+    import asyncio
+
+    try:
+        from rollflow.flows.chat import chat_environment, chat_loop, chat_policy
+        from rollflow.tasks.config import load_config
+
+        policy = chat_policy(args.run_dir, args.step, base_url=args.base_url, api_model=args.api_model,
+                             temperature=args.temperature, tools_in_system_prompt=args.tools_in_system_prompt)
+        if args.env is None:
+            env_config = load_config(f"{args.run_dir}/config.toml").env
+            environment = chat_environment(env_config.name, env_config.kwargs)
+        else:
+            environment = chat_environment(args.env)
+    except _user_errors() as exc:
+        raise UserError(str(exc)) from exc
+    print(f"chatting with {policy.description}")
+    for line in environment.describe():
+        print(line)
+    print("commands: /reset starts over, /exit (or Ctrl-D) ends", flush=True)
+    try:
+        asyncio.run(chat_loop(policy.policy, environment, input, _write))
+    except KeyboardInterrupt:
+        print()
+    return 0
+
+
+def _write(text: str) -> None:
+    print(text, flush=True)
+
+
+register(Command("chat", "talk to a run's policy in the terminal, running its environment's tools",
+                 _chat_arguments, run_chat))
