@@ -6,7 +6,8 @@
 package exposing ``load_environment``; its test plays it through the runner with a
 scripted policy, and finds it by its own package name, so it works wherever the folder
 lands (``envs/NAME`` -> spec ``envs.NAME:load_environment``; a top-level folder ->
-``NAME:load_environment``).
+``NAME:load_environment``; ``starter_spec`` says which). The written code imports the
+reference docs' names the way a user's own code should: ``from rollflow import ...``.
 
 The starters are real modules rather than text templates so that they are type-checked
 and tested with the rest of the code (``tests/test_scaffold.py`` runs the written copies).
@@ -57,6 +58,21 @@ def write_starter(name: str, dest_dir: Path, style: StarterStyle) -> list[Path]:
     return written
 
 
+def starter_spec(name: str, dest_dir: Path) -> tuple[str, Path | None]:
+    """The ``[env].name`` that loads ``dest_dir/name``, and the folder to run from when
+    that is not the working directory (``dest_dir`` itself for a folder elsewhere)."""
+    dest = Path(dest_dir)
+    if dest.is_absolute():
+        try:
+            dest = dest.resolve().relative_to(Path.cwd().resolve())
+        except ValueError:
+            return f"{name}:load_environment", Path(dest_dir)
+    parts = [part for part in dest.parts if part != "."]
+    if not all(part.isidentifier() for part in parts):
+        return f"{name}:load_environment", Path(dest_dir)
+    return ".".join([*parts, name]) + ":load_environment", None
+
+
 def _check_name(name: str) -> None:
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValueError(
@@ -65,7 +81,7 @@ def _check_name(name: str) -> None:
     if (
         keyword.iskeyword(name)
         or name in sys.stdlib_module_names
-        or name in {"envs", "tasks", "flows", "storage", "policy"}
+        or name in {"rollflow", "envs", "tasks", "flows", "storage", "policy"}
     ):
         raise ValueError(
             f"environment name {name!r} would shadow a Python or rollflow module; choose another"

@@ -1,7 +1,8 @@
 """``rollflow train``, ``resume`` and ``env new``: the subcommands that start work.
 
 They register themselves in ``rollflow.flows.cli``'s table when this module is imported (the
-table's loader does that). Prefect is imported only when a flow actually runs, so
+table's loader does that). ``env new`` ends by saying which ``[env].name`` loads what it
+wrote (on stderr: stdout lists the files, one a line). Prefect is imported only when a flow actually runs, so
 ``rollflow sql`` stays fast.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from rollflow.flows.cli import Command, UserError, register
@@ -71,11 +73,12 @@ def _env_arguments(parser: argparse.ArgumentParser) -> None:
                        help="hook style: start_episode / step_episode / score_episode (default)")
     style.add_argument("--async", dest="style", action="store_const", const="async",
                        help="async style: Env with reset / step / tool_specs")
-    new.add_argument("--dest", default="envs", help="the folder to write the package into (default: envs)")
+    new.add_argument("--dest", default="envs", help="the folder to write the package into (default: envs, "
+                     "loaded as [env] name = 'envs.NAME:load_environment')")
 
 
 def run_env(args: argparse.Namespace) -> int:
-    from rollflow.envs.scaffold import write_starter
+    from rollflow.envs.scaffold import starter_spec, write_starter
 
     try:
         written = write_starter(args.name, Path(args.dest), args.style or "hook")
@@ -83,6 +86,10 @@ def run_env(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from exc
     for path in written:
         print(path)
+    spec, run_from = starter_spec(args.name, Path(args.dest))
+    where = f" and run rollflow from {run_from}" if run_from is not None else ""
+    print(f'train it: put name = "{spec}" under [env] in your config{where}; '
+          f"play it: python -m pytest {written[0].parent}", file=sys.stderr)
     return 0
 
 

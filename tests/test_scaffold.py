@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,11 @@ import pytest
 from rollflow.envs.runner import EpisodeLimits, load_environment_handle
 from rollflow.envs.scaffold import write_starter
 from rollflow.envs.scripted import constant_policy
+from rollflow.flows.cli import main
+
+# What a written test may import besides ``rollflow`` itself: the runner and scripted
+# policies that play the environment (not reference-doc names, so not re-exported).
+TEST_HELPERS = {"rollflow.envs.runner", "rollflow.envs.scripted"}
 
 
 @pytest.mark.parametrize(("style", "expected_style"), [("hook", "hook"), ("async", "async")])
@@ -64,6 +70,7 @@ def test_the_written_tests_pass_under_pytest(tmp_path: Path) -> None:
         ("class", "would shadow"),
         ("json", "would shadow"),
         ("envs", "would shadow"),
+        ("rollflow", "would shadow"),
     ],
 )
 def test_bad_names_are_refused(tmp_path: Path, name: str, problem: str) -> None:
@@ -84,3 +91,37 @@ def test_nothing_is_overwritten_and_the_style_is_checked(tmp_path: Path) -> None
 def test_missing_destination_folders_are_created(tmp_path: Path) -> None:
     written = write_starter("nested_env", tmp_path / "a" / "b", "async")
     assert written[0] == tmp_path / "a" / "b" / "nested_env" / "__init__.py"
+
+
+@pytest.mark.parametrize("style", ["hook", "async"])
+def test_the_starter_imports_the_reference_names_from_rollflow_itself(tmp_path: Path, style: str) -> None:
+    """What a user copies reads like the reference docs: ``from rollflow import ...``."""
+    write_starter("my_env", tmp_path, style)  # type: ignore[arg-type]
+    package = tmp_path / "my_env"
+    imported = {
+        path.name: re.findall(r"^from (rollflow[\w.]*) import", path.read_text(), re.MULTILINE)
+        for path in package.glob("*.py")
+    }
+    assert imported["environment.py"] == ["rollflow"]
+    assert imported["__init__.py"] == []
+    assert "rollflow" in imported["test_environment.py"]
+    assert set(imported["test_environment.py"]) - {"rollflow"} <= TEST_HELPERS
+
+
+def test_env_new_says_which_spec_loads_what_it_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    assert main(["env", "new", "my_env", "--multi-turn"]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[0] == str(Path("envs") / "my_env" / "__init__.py")
+    assert 'name = "envs.my_env:load_environment"' in err
+    assert main(["env", "new", "top_env", "--async", "--dest", "."]) == 0
+    assert 'name = "top_env:load_environment"' in capsys.readouterr().err
+    assert main(["env", "new", "deep_env", "--dest", str(tmp_path / "work" / "my_envs")]) == 0
+    assert 'name = "my_envs.deep_env:load_environment"' in capsys.readouterr().err
+    assert main(["env", "new", "far_env", "--dest", str(tmp_path / "elsewhere")]) == 0
+    err = capsys.readouterr().err
+    assert 'name = "far_env:load_environment"' in err
+    assert f"run rollflow from {tmp_path / 'elsewhere'};" in err

@@ -18,12 +18,27 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from typing import Any
 
-from rollflow.envs.arithmetic import last_number
-from rollflow.envs.env import AsyncEnvSuite, Env
-from rollflow.envs.tools import execute_tool_calls
-from rollflow.envs.types import Message, StepResult, Task, Tool, ToolResult, ToolSpec, tool_to_spec
+from rollflow import (
+    AsyncEnvSuite,
+    Env,
+    Message,
+    StepResult,
+    Task,
+    Tool,
+    ToolResult,
+    ToolSpec,
+    execute_tool_calls,
+    tool_to_spec,
+)
+
+
+def last_number(text: str) -> float | None:
+    """The last number written in ``text`` (the reply's answer), or None."""
+    found = re.findall(r"-?\d+(?:\.\d+)?", text)
+    return float(found[-1]) if found else None
 
 
 class AddTool:

@@ -7,9 +7,9 @@ import json
 import re
 from collections.abc import Sequence
 
+from rollflow import Message
 from rollflow.envs.runner import EpisodeLimits, load_environment_handle, play_groups
 from rollflow.envs.scripted import ScriptedPolicy
-from rollflow.envs.types import Message
 
 SPEC = f"{__package__}:load_environment"
 

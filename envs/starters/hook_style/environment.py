@@ -17,25 +17,31 @@ is the only state. Run ``python -m pytest`` on this folder to play it.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
-from rollflow.envs.arithmetic import last_number
-from rollflow.envs.hooks import EnvironmentMultiTurn
-from rollflow.envs.protocol import parse_action
-from rollflow.envs.tools import execute_tool_calls
-from rollflow.envs.types import (
+from rollflow import (
     EnvironmentEpisode,
+    EnvironmentMultiTurn,
     EnvironmentStepResult,
     Message,
     RewardResult,
     TaskExample,
     ToolResult,
     ToolSpec,
+    execute_tool_calls,
+    parse_action,
     tool_to_spec,
 )
 
 WORDS = ("banana", "tool", "rollout", "environment", "policy", "gradient", "token", "reward")
+
+
+def last_number(text: str) -> float | None:
+    """The last number written in ``text`` (the reply's answer), or None."""
+    found = re.findall(r"-?\d+(?:\.\d+)?", text)
+    return float(found[-1]) if found else None
 
 
 class CountLettersTool:
