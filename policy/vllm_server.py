@@ -1,0 +1,326 @@
+"""Start, health-check and stop a vLLM OpenAI-compatible server as a subprocess.
+
+rollflow never imports vLLM: the server runs from its own Python environment (by default
+the repository's ``.venv-vllm``, built by ``make vllm-setup``), because vLLM 0.32 pins
+``transformers < 5.20`` and older setuptools than the project uses. Our code only speaks
+HTTP to it (``rollflow.policy.vllm_backend``).
+
+Which Python runs the server, first match wins: ``$ROLLFLOW_VLLM_PYTHON``; the
+``python`` argument (``[rollout].vllm_python``); ``<repo>/.venv-vllm/bin/python``. A missing
+interpreter raises ``VLLMServerError`` saying how to build one.
+
+The command (``VLLMServerSpec.command``)::
+
+    python -m vllm.entrypoints.openai.api_server --model DIR --served-model-name NAME
+        --host 127.0.0.1 --port P --max-model-len N --dtype float32 --enforce-eager
+        --logprobs-mode processed_logprobs --generation-config vllm
+        [--enable-lora --max-lora-rank R --max-loras K]
+
+- ``vllm serve`` fails in the CPU wheel (it looks up a distribution named ``vllm``), so the
+  module is run directly.
+- ``--enforce-eager``: a compiled start takes 110-240 s here and recompiles every time
+  (torch 2.13 does not reload its artefact); with LoRA the CPU platform forces eager anyway.
+- ``--logprobs-mode processed_logprobs``: logprobs of the distribution sampled from (after
+  temperature and top-p), which is what GRPO's importance ratio needs; vLLM's default
+  returns the raw model's logprobs.
+- ``--generation-config vllm``: the model folder's ``generation_config.json`` must not
+  slip its own sampling defaults (top_k, repetition penalty) into our requests.
+- float32: bfloat16 is no faster on this CPU and its logprobs are off by about 0.1.
+
+Environment: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache; the server's RSS is about
+3 GB plus this), ``HF_HUB_OFFLINE=1`` (never reach for the Hub), with LoRA
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (enables ``/v1/load_lora_adapter``), and
+``VLLM_CPU_OMP_THREADS_BIND`` = every CPU this process may use (vLLM's default binds its
+worker to one core); a value already in the environment wins.
+
+Lifetime: the server runs in its own session (``start_new_session=True``), so a Ctrl-C in
+the terminal reaches only rollflow, which then stops it; its output goes to a log file (the
+run folder's ``logs/`` when there is one). ``start`` waits for ``GET /health``; a server
+that exits first or is not healthy within ``startup_timeout_s`` is stopped and
+``VLLMServerError`` quotes the log's tail and the command. ``stop`` sends SIGTERM to the
+whole process group, waits for every member (vLLM's engine worker outlives the API process
+by 1-2 s) and SIGKILLs what is left after a grace period. Every started server is also
+stopped by ``atexit``, which runs on a normal exit, an uncaught exception, Ctrl-C, and
+SIGTERM (``start`` installs ``rollflow.policy.stopping.exit_on_sigterm`` when the process
+still has Python's default SIGTERM action, which would skip ``atexit``). A SIGKILLed
+rollflow cannot stop anything: its server is left running.
+
+Simplifications, and why:
+- The port is found by binding port 0 and closing the socket; another process could take
+  it in between. The server then fails to start and the error quotes its log.
+- One spec, one server: a new model folder (full-weight checkpoints) means a restart.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+from rollflow.policy.stopping import exit_on_sigterm
+
+PYTHON_ENV = "ROLLFLOW_VLLM_PYTHON"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+LOG_TAIL_CHARS = 3000
+# vLLM's --max-lora-rank accepts only these values.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+_POLL_S = 0.5
+_KILL_WAIT_S = 10.0
+
+
+class VLLMServerError(RuntimeError):
+    """The server could not be started, did not become healthy, or its Python is missing."""
+
+
+@dataclass(frozen=True)
+class VLLMServerSpec:
+    """Everything that decides which server runs; equal specs can share one server."""
+
+    model_dir: str
+    served_model_name: str = "policy"
+    max_model_len: int = 2048
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    max_loras: int = 1
+    kvcache_space_gib: int = 2
+    python: str | None = None  # None: $ROLLFLOW_VLLM_PYTHON, then the repo's .venv-vllm
+
+    def __post_init__(self) -> None:
+        if not (Path(self.model_dir) / "config.json").is_file():
+            raise VLLMServerError(f"{self.model_dir} is not a Hugging Face model folder (no config.json)")
+        if self.max_model_len < 2 or self.kvcache_space_gib < 1 or self.max_loras < 1:
+            raise VLLMServerError(
+                f"max_model_len must be >= 2, kvcache_space_gib and max_loras >= 1; got "
+                f"{self.max_model_len}, {self.kvcache_space_gib}, {self.max_loras}"
+            )
+        if self.enable_lora and self.max_lora_rank not in LORA_RANKS:
+            raise VLLMServerError(f"max_lora_rank must be one of {LORA_RANKS}; got {self.max_lora_rank}")
+
+    def command(self, python: Path, port: int) -> list[str]:
+        args = [
+            str(python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model_dir,
+            "--served-model-name", self.served_model_name,
+            "--host", "127.0.0.1",
+            "--port", str(port),
+            "--max-model-len", str(self.max_model_len),
+            "--dtype", "float32",
+            "--enforce-eager",
+            "--logprobs-mode", "processed_logprobs",
+            "--generation-config", "vllm",
+        ]  # fmt: skip
+        if self.enable_lora:
+            args += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank),
+                     "--max-loras", str(self.max_loras)]  # fmt: skip
+        return args
+
+    def environment(self, base: Mapping[str, str]) -> dict[str, str]:
+        env = dict(base)
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kvcache_space_gib)
+        env["HF_HUB_OFFLINE"] = "1"
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list(os.sched_getaffinity(0)))
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        if self.enable_lora:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        return env
+
+
+def lora_rank_limit(rank: int) -> int:
+    """The smallest ``--max-lora-rank`` vLLM accepts that holds an adapter of ``rank``."""
+    for limit in LORA_RANKS:
+        if limit >= rank:
+            return limit
+    raise VLLMServerError(f"LoRA rank {rank} is above vLLM's largest --max-lora-rank {LORA_RANKS[-1]}")
+
+
+def cpu_list(cpus: set[int]) -> str:
+    """``{0, 1, 2, 5}`` -> ``"0-2,5"`` (the format of VLLM_CPU_OMP_THREADS_BIND)."""
+    ordered, runs = sorted(cpus), []
+    start = previous = ordered[0]
+    for cpu in [*ordered[1:], None]:
+        if cpu is not None and cpu == previous + 1:
+            previous = cpu
+            continue
+        runs.append(str(start) if start == previous else f"{start}-{previous}")
+        if cpu is not None:
+            start = previous = cpu
+    return ",".join(runs)
+
+
+def resolve_python(configured: str | None) -> Path:
+    """The interpreter that has vLLM (see the module docstring for the order)."""
+    from_env = os.environ.get(PYTHON_ENV)
+    candidate = Path(from_env or configured or DEFAULT_PYTHON)
+    source = f"${PYTHON_ENV}" if from_env else ("[rollout].vllm_python" if configured else "the default")
+    if not candidate.is_file():
+        raise VLLMServerError(
+            f"no vLLM Python at {candidate} ({source}); build the default one with "
+            f"`make vllm-setup` (creates {DEFAULT_PYTHON.parent.parent}), or point "
+            f"[rollout].vllm_python or ${PYTHON_ENV} at a Python that has vllm installed"
+        )
+    return candidate
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class VLLMServer:
+    """One managed vLLM server; use as a context manager, or ``start`` / ``stop``."""
+
+    def __init__(
+        self, spec: VLLMServerSpec, *, log_path: Path | None = None, startup_timeout_s: float = 600.0
+    ) -> None:
+        self.spec = spec
+        self.python = resolve_python(spec.python)
+        self.log_path = log_path
+        self.startup_timeout_s = startup_timeout_s
+        self.port: int | None = None
+        self.startup_s: float | None = None  # seconds from spawn to healthy
+        self._process: subprocess.Popen[bytes] | None = None
+        self._command: list[str] = []
+
+    @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:P/v1``: what the policy's requests go to."""
+        if self.port is None:
+            raise VLLMServerError("the server has not been started")
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def start(self) -> VLLMServer:
+        if self._process is not None:
+            raise VLLMServerError("start() on a server that was already started")
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            exit_on_sigterm()  # else a `kill` would skip atexit and leave the server running
+        self.port = free_port()
+        self._command = self.spec.command(self.python, self.port)
+        if self.log_path is None:
+            handle, name = tempfile.mkstemp(prefix="rollflow-vllm-", suffix=".log")
+            os.close(handle)
+            self.log_path = Path(name)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        with self.log_path.open("ab") as log:
+            self._process = subprocess.Popen(
+                self._command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self.spec.environment(os.environ), start_new_session=True,
+            )  # fmt: skip
+        _LIVE.add(self)
+        try:
+            self._wait_healthy(started)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - started
+        return self
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM to the process group, wait for all of it, SIGKILL after ``grace_s``."""
+        process, self._process = self._process, None
+        _LIVE.discard(self)
+        if process is None:
+            return
+        group = process.pid  # start_new_session: the group id is the leader's pid
+        _signal_group(group, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and not _group_gone(process, group):
+            time.sleep(0.1)
+        if not _group_gone(process, group):
+            _signal_group(group, signal.SIGKILL)
+            deadline = time.monotonic() + _KILL_WAIT_S
+            while time.monotonic() < deadline and not _group_gone(process, group):
+                time.sleep(0.1)
+
+    def __enter__(self) -> VLLMServer:
+        return self if self.running else self.start()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+        if self.log_path is None or not self.log_path.is_file():
+            return "(no log)"
+        size = self.log_path.stat().st_size
+        with self.log_path.open("rb") as log:
+            log.seek(max(0, size - chars))
+            return log.read().decode("utf-8", errors="replace")
+
+    def _wait_healthy(self, started: float) -> None:
+        assert self._process is not None
+        url = f"http://127.0.0.1:{self.port}/health"
+        while True:
+            code = self._process.poll()
+            if code is not None:
+                raise self._failure(f"exited with code {code} before it became healthy")
+            if time.monotonic() - started > self.startup_timeout_s:
+                raise self._failure(f"was not healthy within {self.startup_timeout_s:.0f} s")
+            try:
+                if httpx.get(url, timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(_POLL_S)
+
+    def _failure(self, what: str) -> VLLMServerError:
+        return VLLMServerError(
+            f"the vLLM server for {self.spec.model_dir} {what}.\n"
+            f"command: {' '.join(self._command)}\nlog: {self.log_path}\n"
+            f"--- last {LOG_TAIL_CHARS} characters of the log ---\n{self.log_tail()}"
+        )
+
+
+def _signal_group(group: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(group, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_gone(process: subprocess.Popen[bytes], group: int) -> bool:
+    """True once the leader is reaped and no live (non-zombie) process of its group is left."""
+    process.poll()  # reap the leader, else it lingers as a zombie member of the group
+    proc = Path("/proc")
+    if not proc.is_dir():  # not Linux: ask the kernel, which also counts zombies
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return True
+        return False
+    return not any(_live_member(stat, group) for stat in proc.glob("[0-9]*/stat"))
+
+
+def _live_member(stat: Path, group: int) -> bool:
+    try:
+        fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (name)"
+    except (OSError, IndexError):
+        return False  # the process ended while we looked
+    state, pgrp = fields[0], int(fields[2])
+    return pgrp == group and state != "Z"
+
+
+_LIVE: set[VLLMServer] = set()
+
+
+@atexit.register
+def _stop_live_servers() -> None:
+    for server in list(_LIVE):
+        server.stop()
