@@ -16,16 +16,18 @@ Then, per episode:
 2. **its final reward**: ``shape_reward(ending, env_reward, context_tokens, settings)``,
    one pure function reading this table (``SHAPING_RULES``), one row per ending:
 
-   ==================  =====================  ================  ========  ======
-   ending              reward                 overlong penalty  baseline  passes
-   ==================  =====================  ================  ========  ======
-   terminated          the environment's      none              counted   if env
-   env                 the environment's      none              counted   if env
-   max_turns           the environment's      by length         counted   if env
-   context_overflow    the environment's      full (``-f``)     counted   if env
-   parse_failure       ``failed_parse_reward``  none            counted   never
-   error               0.0                    none              left out  never
-   ==================  =====================  ================  ========  ======
+   ================  =======================  ================  ========  ======
+   ending            reward                   overlong penalty  baseline  passes
+   ================  =======================  ================  ========  ======
+   terminated        the environment's        none              counted   if env
+   env               the environment's        none              counted   if env
+   max_turns         the environment's        by length         counted   if env
+   context_overflow  the environment's        full (``-f``)     counted   if env
+   parse_failure     ``failed_parse_reward``  none              counted   never
+   error             0.0                      none              left out  never
+   ================  =======================  ================  ========  ======
+
+   ("if env": the environment's reward against its threshold; see 3.)
 
    **Soft overlong penalty** (DAPO's soft overlong punishment, applied as the reference
    docs say: only to the two length-budget truncations). With ``L`` the context length the
@@ -38,9 +40,10 @@ Then, per episode:
    0 until the context enters the last ``B`` tokens of the budget, then linear to ``-f``
    at the budget. A ``context_overflow`` episode spent the budget by definition: ``-f``.
    ``B = overlong_buffer_tokens``, by default ``L_max // 5``, about DAPO's setting (a
-   4k-token buffer for 20k-token responses): only an episode that came close to the budget
-   pays. A buffer of the whole budget would make every ``max_turns`` episode pay in
-   proportion to its length, a penalty near ``-f`` that swamps a reward of a few tenths.
+   4,096-token buffer for 20,480-token responses): only an episode that came close to the
+   budget pays. A buffer of the whole budget (this stage's old default) makes every
+   ``max_turns`` episode pay ``f * L / L_max``, half the factor at half the budget, which
+   swamps reward terms of a few tenths: the policy learns to be short, not to be right.
 3. **passed** is the environment's verdict, not the shaped reward's: its reward ``>=`` its
    threshold (no threshold: ``> 0``), where the table says an ending can pass at all. So
    ``reward/pass_rate`` does not move with the overlong penalty or ``failed_parse_reward``.

@@ -43,7 +43,9 @@ def test_the_table_has_one_row_per_ending() -> None:
         (Ending.ERROR, 0.9, 2040, ShapedReward(0.0, 0.0, False)),  # left out of the baseline
     ],
 )
-def test_each_row_shapes_as_documented(ending: Ending, env_reward: float, context: int, expected: ShapedReward) -> None:
+def test_each_row_shapes_as_documented(
+    ending: Ending, env_reward: float, context: int, expected: ShapedReward
+) -> None:
     shaped = shape_reward(ending, env_reward, context, SETTINGS)
     assert shaped.counted == expected.counted
     assert (shaped.final_reward, shaped.overlong_penalty) == pytest.approx(

@@ -237,9 +237,12 @@ class RefundEnv(EnvironmentMultiTurn):
     def max_episode_turns(self, example: TaskExample) -> int:
         return 3
 
-    def step_episode(self, example: TaskExample, messages: list[Message], assistant_response: str) -> EnvironmentStepResult:
+    def step_episode(
+        self, example: TaskExample, messages: list[Message], assistant_response: str
+    ) -> EnvironmentStepResult:
         if TOOL_CALL.findall(assistant_response):
-            return EnvironmentStepResult(done=False, messages=({"role": "user", "content": "<tool_result>ok</tool_result>"},))
+            result: Message = {"role": "user", "content": "<tool_result>ok</tool_result>"}
+            return EnvironmentStepResult(done=False, messages=(result,))
         return EnvironmentStepResult(done=True, final_response_text=assistant_response)
 
     def score_episode(self, example: TaskExample, episode: EnvironmentEpisode) -> RewardResult:
@@ -312,7 +315,9 @@ def test_default_buffer_spares_a_short_max_turns_episode() -> None:
 
 def test_passed_is_the_environments_verdict_not_the_shaped_reward() -> None:
     eps = group(rollout(MAX_TURNS, tokens=2040), rollout(PARSE), rollout(), rollout(error="RuntimeError: boom"))
-    scores = [env_score(1.0, 1.0), env_score(1.0, 1.0), env_score(0.9, 1.0), env_score(1.0, 1.0, error="not scored")]
+    scores = [
+        env_score(1.0, 1.0), env_score(1.0, 1.0), env_score(0.9, 1.0), env_score(1.0, 1.0, error="not scored"),
+    ]
     settings = ScoringSettings(max_model_length=2048, overlong_buffer_tokens=512, failed_parse_reward=2.0)
     records = score_episodes_to_records(eps, scores, settings)
     assert records[0].final_reward < 1.0 and records[1].final_reward == 2.0

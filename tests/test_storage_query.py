@@ -158,7 +158,8 @@ def test_tokens_mean_is_the_final_context_length(tmp_path: Path) -> None:
     base = _episode("run", 0, "train", ("T", 0, "term", 4, 10, 1.0, 1.0, None))
     first = ActionTokens(tuple(range(1100)), False, (1,) * 50, (-0.5,) * 50, "stop")
     again = ActionTokens(tuple(range(1100)), True, (1,) * 50, (-0.5,) * 50, "stop")  # re-rendered
-    record = dataclasses.replace(base, rollout=dataclasses.replace(base.rollout, actions=(first, again, again, again)))
+    rerendered = dataclasses.replace(base.rollout, actions=(first, again, again, again))
+    record = dataclasses.replace(base, rollout=rerendered)
     folder.write_stage(episode_records_to_table([record]), 0, "episodes", "train")
     con = open_run_sql(folder.root)
     assert step_metrics(con, step=0)["tokens_mean"] == 1150.0  # not the 4,600 processed
