@@ -101,6 +101,19 @@ def torch_dtype(config: RunConfig) -> torch.dtype:
     ]
 
 
+def training_dtype(config: RunConfig) -> torch.dtype:
+    """The dtype the trainer holds the policy in: float32 for full weights, always.
+
+    AdamW's step on a bfloat16 weight rounds away any update under about 1/256 of the
+    weight (8 bits of mantissa): at lr 2e-5 most weights never move. So full-weight
+    training keeps float32 weights (and saves them: a checkpoint is the master copy,
+    which resume reloads exactly), and ``[model].dtype`` applies when a policy is loaded
+    to act (``policy_model_ref`` + ``torch_dtype``, a cast). With LoRA the frozen base
+    stays in ``[model].dtype``: peft keeps the trained adapter weights in float32 anyway.
+    """
+    return torch_dtype(config) if config.train.use_lora else torch.float32
+
+
 def load_policy_for_training(
     config: RunConfig, checkpoint: Checkpoint | None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -111,7 +124,7 @@ def load_policy_for_training(
             f"says [train].use_lora = {config.train.use_lora}"
         )
     ref = policy_model_ref(config, checkpoint)
-    model, tokenizer = load_causal_lm(ref, torch_dtype(config), adapter_trainable=True)
+    model, tokenizer = load_causal_lm(ref, training_dtype(config), adapter_trainable=True)
     if config.train.use_lora and checkpoint is None and ref.adapter is None:
         model = _fresh_lora(model, config)
     if not config.train.use_lora:

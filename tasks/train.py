@@ -20,6 +20,11 @@ off; from a starting adapter (``[model].adapter``, an SFT warm start) a frozen s
 that adapter in the same peft model; with full weights a second, frozen copy of the starting
 model. It is loaded or built only when ``kl_coef > 0``.
 
+Full weights are trained (and checkpointed) in float32 whatever ``[model].dtype`` says,
+which only sets how a policy is loaded to act (``training_dtype``): AdamW on bfloat16
+weights rounds most small updates away. The sampler then scores in bfloat16 and the
+trainer in float32, a gap the ratio's clip absorbs (mean |log ratio| 7e-4 on the tiny model).
+
 One optimizer step per batch by default; ``[train].minibatches = K`` splits the batch into
 K minibatches with a step each (PPO-style: more learning per rolled-out episode, for the
 same forward and backward compute). Simplified on purpose: no PPO epochs over the same data,
@@ -55,7 +60,7 @@ from rollflow.tasks.checkpoints import (
     prune_checkpoints,
     save_checkpoint,
     seed_everything,
-    torch_dtype,
+    training_dtype,
 )
 from rollflow.tasks.config import RunConfig
 
@@ -419,7 +424,7 @@ def kl_reference(config: RunConfig, model: PreTrainedModel) -> RefLogprobsFn | N
         return adapter_off_reference(model, config.rollout.temperature)
     from rollflow.policy.models import load_causal_lm
 
-    reference_model, _ = load_causal_lm(base_model_ref(config), torch_dtype(config))
+    reference_model, _ = load_causal_lm(base_model_ref(config), training_dtype(config))
     return frozen_model_reference(reference_model, config.rollout.temperature)
 
 

@@ -3,16 +3,20 @@ loss's forward passes, float32 weights under AdamW, and top_p = 1 when training.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from test_train import batch, micro_model, stage_samples, tiny_config
+from test_train import batch, micro_model, stage_samples, tiny_config, write_samples
 
 from rollflow.policy.loss import LossSettings
-from rollflow.tasks.checkpoints import load_policy_for_training
-from rollflow.tasks.train import UpdateSettings, adapter_off_reference, grpo_update, make_optimizer
+from rollflow.policy.models import load_causal_lm
+from rollflow.storage.runfolder import RunFolder
+from rollflow.tasks.checkpoints import latest_checkpoint, load_policy_for_training, policy_model_ref, torch_dtype
+from rollflow.tasks.config import RunConfig
+from rollflow.tasks.train import UpdateSettings, adapter_off_reference, grpo_update, make_optimizer, train_stage
 
 DROPOUT = 0.5
 
@@ -62,3 +66,52 @@ def test_gradient_checkpointing_still_recomputes_without_dropout(tiny_model_dir:
     assert stats.num_microbatches == 1
     assert calls == [False, False]  # the forward, then its recomputation in backward; no dropout
     assert not model.training
+
+
+def moved_fraction(trained: torch.nn.Module, start: torch.nn.Module) -> float:
+    """The share of weights (elements) whose value differs from the start's."""
+    start_weights = dict(start.named_parameters())
+    moved = total = 0
+    for name, param in trained.named_parameters():
+        moved += int((param.float() != start_weights[name].float()).sum())
+        total += param.numel()
+    return moved / total
+
+
+def train_steps(config: RunConfig, run_dir: Path, steps: int) -> torch.nn.Module:
+    """``steps`` train stages, each resuming from the checkpoint on disk; the last policy."""
+    for step in range(steps):
+        write_samples(run_dir, step)
+        train_stage(config, run_dir, step)
+    latest = latest_checkpoint(RunFolder(run_dir))
+    assert latest is not None and latest.policy_version == steps
+    return load_policy_for_training(config, latest)[0]
+
+
+def test_full_weight_training_in_bfloat16_updates_float32_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """AdamW on bfloat16 weights rounds most updates of lr 2e-5 away; the trainer keeps
+    float32 weights, so [model].dtype changes how the policy samples, not how it learns."""
+    config = tiny_config(tiny_model_dir, use_lora=False, learning_rate=2e-5)
+    low = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype="bfloat16"))
+    full = dataclasses.replace(low, model=dataclasses.replace(low.model, dtype="float32"))
+    trained = train_steps(low, tmp_path / "bf16", 5)
+    start = load_policy_for_training(low, None)[0]
+    fraction = moved_fraction(trained, start)
+    print(f"bfloat16 full-weight training, 5 steps at lr 2e-5: {fraction:.1%} of weights moved")
+    assert fraction > 0.99
+    assert {p.dtype for p in trained.parameters()} == {torch.float32}
+    expected = dict(train_steps(full, tmp_path / "f32", 5).named_parameters())
+    for name, param in trained.named_parameters():
+        assert torch.equal(param, expected[name]), name
+    # The rollout acts with the checkpoint cast to [model].dtype.
+    latest = latest_checkpoint(RunFolder(tmp_path / "bf16"))
+    acting, _ = load_causal_lm(policy_model_ref(low, latest), torch_dtype(low))
+    assert {p.dtype for p in acting.parameters()} == {torch.bfloat16}
+
+
+def test_lora_weights_stay_float32_on_a_bfloat16_base(tiny_model_dir: Path) -> None:
+    config = tiny_config(tiny_model_dir)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype="bfloat16"))
+    model, _ = load_policy_for_training(config, None)
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    assert dtypes == {torch.float32}
