@@ -46,13 +46,16 @@ def _fetch_episode(run_dir: Path, episode_id: str) -> dict[str, Any]:
 
 
 def _header(e: Mapping[str, Any]) -> list[str]:
-    prompt, completion = e["prompt_tokens"], e["completion_tokens"]
+    context, prompt = e["context_tokens"], e["prompt_tokens"]  # the final context, its unsampled part
+    tokens = f"{context} tokens ({prompt} context + {context - prompt} sampled"
+    if e["total_tokens"] != context:  # the chat template re-rendered the prompt
+        tokens += f"; {e['completion_tokens']} sampled in all, {e['total_tokens']} processed"
     return [
         f"Episode {e['episode_id']}",
         f"run {e['run_id']} · step {e['step']} · {e['split']} · task {e['task_id']} · "
         f"group {e['group_id']}",
         f"policy version {e['policy_version']} · {e['turns']} turns · "
-        f"{e['total_tokens']} tokens ({prompt} context + {completion} sampled) · "
+        f"{tokens}) · "
         f"{e['latency_s']:.2f} s · {e['sampling_attempts']} sampling attempts",
     ]
 
