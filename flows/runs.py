@@ -18,7 +18,14 @@ from pathlib import Path
 
 from rollflow.storage.errors import ConfigMismatchError
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import ConfigError, RunConfig, config_to_toml, flatten_config, load_config
+from rollflow.tasks.config import (
+    ConfigError,
+    RunConfig,
+    check_training_sampling,
+    config_to_toml,
+    flatten_config,
+    load_config,
+)
 from rollflow.tasks.metrics import METRICS_JSON  # written last in a step: the step is finished
 
 
@@ -102,6 +109,7 @@ def freeze_config(folder: RunFolder, config: RunConfig) -> None:
 
 
 def check_supported(config: RunConfig) -> None:
+    check_training_sampling(config)
     if config.rollout.max_steps_off_policy is not None:
         raise ConfigError(
             "[rollout] max_steps_off_policy: async (off-policy) collection is not supported "

@@ -127,7 +127,7 @@ class TrainConfig:
     use_lora: bool = True  # reference default; full weights double the CPU memory
     lora_rank: int = 16
     lora_alpha: float = 32.0
-    lora_dropout: float = 0.0  # dropout would make the importance ratio noisy at 1.0
+    lora_dropout: float = 0.0  # rollflow sft only: GRPO's loss runs without dropout
     lora_target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     loss: LossName = "grpo"  # the paper's sequence-mean; "dapo" / "dr_grpo" reduce length bias
     clip_eps_low: float = 0.2  # PPO's value
@@ -325,6 +325,23 @@ def flatten_config(config: RunConfig) -> dict[str, str]:
         for key, value in _section_dict(getattr(config, name)).items():
             _flatten_into(flat, f"{name}.{key}", value)
     return flat
+
+
+def check_training_sampling(config: RunConfig) -> None:
+    """Refuse sampling settings a training run cannot learn from (evaluation may use them).
+
+    The trainer scores each sampled token under ``log_softmax(logits / temperature)``,
+    the whole distribution. With ``top_p < 1`` the sampler drew from the renormalised
+    nucleus instead, so the importance ratio would start at the nucleus mass (below 1),
+    not 1, and the clip would act on that bias rather than on the policy's drift.
+    """
+    top_p = config.rollout.top_p
+    if top_p < 1.0:
+        raise ConfigError(
+            f"[rollout].top_p = {top_p}: training needs 1.0. The trainer scores tokens under "
+            "the whole distribution, so with a nucleus the importance ratio would start at the "
+            "nucleus mass instead of 1; top_p < 1 is for `rollflow eval`"
+        )
 
 
 # ---------------------------------------------------------------- parsing

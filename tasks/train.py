@@ -8,8 +8,9 @@ not depend on the split), clips the gradient norm and takes one optimizer step.
 Log-probabilities are computed exactly as the sampler computed its own:
 ``log_softmax(logits / temperature)`` at the rollout's sampling temperature, so the
 importance ratio is 1 wherever trainer and sampler agree. The model is in eval mode for
-those forward passes (no dropout: the sampler has none either). (``top_p`` < 1 samples from a
-truncated distribution the trainer does not rebuild: keep it at 1.0 when training.)
+those forward passes (no dropout: the sampler has none either). ``top_p`` < 1 samples from
+a truncated distribution the trainer does not rebuild, so a training run refuses it
+(``check_training_sampling``).
 
 ``train_stage`` wraps it for the flow: load the newest checkpoint (LoRA adapter or full
 weights) with its optimizer and RNG state, or start version 0 from the base model with a
@@ -62,7 +63,7 @@ from rollflow.tasks.checkpoints import (
     seed_everything,
     training_dtype,
 )
-from rollflow.tasks.config import RunConfig
+from rollflow.tasks.config import RunConfig, check_training_sampling
 
 # (input_ids_BT, attention_mask_BT, wanted_BT) -> reference logprobs of tokens 1..T-1, (B, T-1)
 RefLogprobsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -374,6 +375,7 @@ def train_stage(config: RunConfig, run_dir: Path, step: int) -> Path:
     Every step makes a new policy version, even one with nothing to train (its weights
     are then the previous version's), so step ``s`` always acts with version ``s``.
     """
+    check_training_sampling(config)  # a run started through the API, not `rollflow train`
     folder = RunFolder(run_dir)
     if folder.is_complete(step, "train"):
         return folder.stage_path(step, "train")

@@ -11,11 +11,12 @@ import torch
 from peft import LoraConfig, get_peft_model
 from test_train import batch, micro_model, stage_samples, tiny_config, write_samples
 
+from rollflow.flows.runs import open_run
 from rollflow.policy.loss import LossSettings
 from rollflow.policy.models import load_causal_lm
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.checkpoints import latest_checkpoint, load_policy_for_training, policy_model_ref, torch_dtype
-from rollflow.tasks.config import RunConfig
+from rollflow.tasks.config import ConfigError, RunConfig, config_to_toml, load_config
 from rollflow.tasks.train import UpdateSettings, adapter_off_reference, grpo_update, make_optimizer, train_stage
 
 DROPOUT = 0.5
@@ -115,3 +116,19 @@ def test_lora_weights_stay_float32_on_a_bfloat16_base(tiny_model_dir: Path) -> N
     model, _ = load_policy_for_training(config, None)
     dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
     assert dtypes == {torch.float32}
+
+
+def test_training_refuses_top_p_below_1_and_evaluation_keeps_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The trainer scores tokens under the whole distribution: with a nucleus the ratio
+    would start at the nucleus mass, not 1."""
+    config = tiny_config(tiny_model_dir)
+    config = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, top_p=0.9))
+    path = tmp_path / "top_p.toml"
+    path.write_text(config_to_toml(config))
+    assert load_config(path).rollout.top_p == 0.9  # rollflow eval reads it as it is
+    refusal = r"\[rollout\]\.top_p = 0\.9.*training.*1\.0.*nucleus"
+    with pytest.raises(ConfigError, match=refusal):
+        open_run(path, tmp_path / "run")  # rollflow train / resume
+    write_samples(tmp_path / "api", 0)
+    with pytest.raises(ConfigError, match=refusal):
+        train_stage(config, tmp_path / "api", 0)
