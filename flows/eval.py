@@ -54,7 +54,7 @@ SELECT e.episode_id, e.task_id, s.final_reward,
             WHEN s.scoring_error IS NOT NULL THEN 'scoring error'
             WHEN e.terminated THEN 'terminated'
             ELSE e.truncation_cause END AS ending,
-       e.turns, e.total_tokens
+       e.turns, e.context_tokens
 FROM episodes AS e
 JOIN scores AS s USING (run_id, split, step, episode_id)
 WHERE e.split = 'validation' AND e.step = $step

@@ -36,7 +36,7 @@ def hand_count(run_dir: Path) -> dict[str, Any]:
         "pass_rate": sum(s["passed"] for s in scores) / len(counted),
         "terminated_ratio": sum(e.rollout.terminated for e in episodes) / len(episodes),
         "turns_mean": sum(e.rollout.turns for e in episodes) / len(episodes),
-        "tokens_mean": sum(e.rollout.total_tokens for e in episodes) / len(episodes),
+        "tokens_mean": sum(e.rollout.context_tokens for e in episodes) / len(episodes),
         "finals": finals,
         "ids": [e.episode_id for e in episodes],
     }
