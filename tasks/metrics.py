@@ -2,17 +2,20 @@
 
 The episode and reward numbers are the DuckDB queries of ``storage/query.py`` over the
 step's Parquet files (one definition each, shared with ``rollflow sql`` users); the
-optimisation numbers come from the step's ``train.json``; stage wall times from the step's
-``stage_seconds.json``. The dict is written to ``metrics.json`` in the step folder last of all, after MLflow has
-it: that file existing is what marks a step finished. A replay after a crash logs no
-duplicate point (``RunTracker.log_step`` skips steps already logged).
+optimisation numbers come from the step's ``train.json``; stage wall times from the
+step's ``stage_seconds.json``. The dict is written to ``metrics.json`` in the step folder
+last of all, after MLflow has it: that file existing is what marks a step finished. A
+replay after a crash logs no duplicate point (``RunTracker.log_step`` skips steps already
+logged).
 
 Stage times are recorded in the run folder as each stage finishes (``run_timed``), not
 measured around the calls of the run that logs them: a resumed step's stages that had
 already finished return at once, and their ``time/...`` must be what they took when they
 really ran, not ~0 s. Simplified: a crash between a stage's output landing and its time
 being recorded leaves that stage without a figure; its ``time/<stage>`` and ``time/step``
-are then left out rather than logged as a false number.
+are then left out rather than logged as a false number. A sharded rollout resumed from
+its finished parts records the time of the call that finished it, not of the parts an
+earlier process wrote.
 
 Validation passes get the same episode and reward numbers under ``val/``, and the text
 of their best and worst episodes as an artifact.

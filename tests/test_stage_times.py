@@ -7,6 +7,7 @@ file exists. Its ``time/rollout`` must still be the time the rollout took when i
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -15,13 +16,11 @@ import pytest
 
 import rollflow.flows.train as train_module
 from rollflow.flows.train import train_flow
+from rollflow.storage.errors import SchemaMismatchError
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.tracking import RunTracker
 from rollflow.tasks.config import config_to_toml, load_config
-from rollflow.tasks.metrics import STAGE_SECONDS_JSON, recorded_stage_seconds
-
-pytestmark = pytest.mark.usefixtures("prefect_harness")
-
+from rollflow.tasks.metrics import STAGE_SECONDS_JSON, recorded_stage_seconds, run_timed
 
 class KilledInTraining(RuntimeError):
     pass
@@ -39,6 +38,7 @@ def one_step_config(tiny_config_path: Path) -> Path:
     return tiny_config_path
 
 
+@pytest.mark.usefixtures("prefect_harness")
 def test_a_step_resumed_after_its_rollout_logs_the_rollout_s_real_time(
     one_step_config: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -80,6 +80,7 @@ def test_a_step_resumed_after_its_rollout_logs_the_rollout_s_real_time(
     assert logged == [(0, recorded["rollout"])]
 
 
+@pytest.mark.usefixtures("prefect_harness")
 def test_a_stage_finished_without_a_recorded_time_logs_no_time(
     one_step_config: Path, tmp_path: Path
 ) -> None:
@@ -98,3 +99,13 @@ def test_a_stage_finished_without_a_recorded_time_logs_no_time(
     metrics = json.loads((folder.step_dir(0) / "metrics.json").read_text())
     assert "time/rollout" not in metrics and "time/step" not in metrics
     assert metrics["time/train"] == recorded["train"]
+
+
+def test_a_stage_times_file_that_is_not_stage_to_seconds_is_refused_by_path(tmp_path: Path) -> None:
+    folder = RunFolder(tmp_path / "run")
+    assert recorded_stage_seconds(folder, 0) == {}
+    path = folder.write_json_atomic(folder.step_dir(0) / STAGE_SECONDS_JSON, {"rollout": "fast"})
+    with pytest.raises(SchemaMismatchError, match=re.escape(f"{path}: expected stage name -> seconds")):
+        recorded_stage_seconds(folder, 0)
+    with pytest.raises(ValueError, match="stages are \\['rollout', 'scoring', 'flatten', 'train'\\], got 'metrics'"):
+        run_timed(folder, 0, "metrics", lambda: path)
