@@ -94,7 +94,9 @@ def mark_run_kind(root: Path | str, kind: str) -> None:
     """Say what made the run folder at ``root`` (a ``RUN_KINDS`` name), for ``run_status``."""
     if kind not in RUN_KINDS:
         raise ValueError(f"run kind must be one of {RUN_KINDS}, got {kind!r}")
-    write_bytes_atomic(kind.encode(), Path(root) / KIND_FILE)
+    marker = Path(root) / KIND_FILE
+    if not (marker.is_file() and marker.read_text().strip() == kind):  # a resume rewrites nothing
+        write_bytes_atomic(kind.encode(), marker)
 
 
 def run_kind(root: Path | str) -> str:

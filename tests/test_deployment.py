@@ -10,129 +10,38 @@ whatever happens.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
-from typing import TypeVar
 
 import httpx
 import pytest
 import yaml
+from prefect_server import (
+    POOL,
+    PREFECT,
+    REPO,
+    PrefectServer,
+    background,
+    prefect,
+    running_prefect_server,
+    tail,
+    wait_for_final_state,
+)
 
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.config import config_to_toml, load_config
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
-PREFECT = str(Path(sys.executable).parent / "prefect")
-POOL = "rollflow-process"
 DEPLOYMENT = "rollflow-train/nightly-train"
-FINAL_STATES = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
-T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class PrefectServer:
-    api_url: str
-    env: dict[str, str]  # what every prefect command of the test runs with
-    home: Path
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def stop_group(process: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
-    """SIGTERM the process group, SIGKILL it after ``grace_s``; children never outlive it."""
-    with suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
-    with suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    with suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=10)
-
-
-@contextmanager
-def background(command: Sequence[str], env: dict[str, str], log: Path, cwd: Path) -> Iterator[subprocess.Popen[bytes]]:
-    with log.open("wb") as sink:
-        process = subprocess.Popen(
-            list(command), env=env, cwd=cwd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    try:
-        yield process
-    finally:
-        stop_group(process)
-
-
-def tail(path: Path, chars: int = 4000) -> str:
-    return path.read_text(errors="replace")[-chars:] if path.exists() else "(no log)"
-
-
-def wait_for(probe: Callable[[], T | None], timeout_s: float, what: str, log: Path | None = None) -> T:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = probe()
-        if value is not None:
-            return value
-        time.sleep(1.0)
-    pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}\n{tail(log) if log else ''}")
-
-
-def prefect(server: PrefectServer, *args: str, timeout_s: float = 300) -> str:
-    done = subprocess.run(
-        [PREFECT, *args], env=server.env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s
-    )
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, f"prefect {' '.join(args)} failed ({done.returncode}):\n{output[-4000:]}"
-    return output
 
 
 @pytest.fixture(scope="module")
 def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
-    home = tmp_path_factory.mktemp("prefect-server")
-    api_url = f"http://127.0.0.1:{free_port()}/api"
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(home / "home"),
-        "PREFECT_API_URL": api_url,
-        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_SERVER_UI_ENABLED": "false",
-        # no nightly runs created behind the test's back: only the one it triggers
-        "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
-        "PREFECT_CLI_PROMPT": "false",
-        "PREFECT_LOGGING_LEVEL": "INFO",
-        "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
-    }
-    port = api_url.rsplit(":", 1)[1].split("/")[0]
-    command = [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", port]
-    log = home / "server.log"
-    with background(command, env, log, cwd=home) as process:
-
-        def healthy() -> bool | None:
-            if process.poll() is not None:
-                pytest.fail(f"prefect server exited with {process.returncode}:\n{tail(log)}")
-            with suppress(httpx.HTTPError):
-                return httpx.get(f"{api_url}/health", timeout=5).json() is True or None
-            return None
-
-        wait_for(healthy, 240, "the Prefect server's /health", log)
-        yield PrefectServer(api_url=api_url, env=env, home=home)
+    with running_prefect_server(tmp_path_factory.mktemp("prefect-server")) as server:
+        yield server
 
 
 def test_prefect_yaml_shares_one_pool_and_differs_only_in_parameters_and_schedules() -> None:
@@ -182,14 +91,7 @@ def test_nightly_training_deployment_runs_on_a_real_server(
     log = tmp_path / "worker.log"
     worker = [PREFECT, "worker", "start", "--pool", POOL, "--run-once"]
     with background(worker, prefect_server.env, log, cwd=tmp_path):
-
-        def final_state() -> str | None:
-            with suppress(httpx.HTTPError):
-                state = httpx.get(flow_run, timeout=10).json()["state"]["type"]
-                return state if state in FINAL_STATES else None
-            return None
-
-        state = wait_for(final_state, 600, "the flow run to finish", log)
+        state = wait_for_final_state(prefect_server, match.group(1), 600, log)
     assert state == "COMPLETED", tail(log)
     assert httpx.get(flow_run, timeout=10).json()["parameters"] == {"config_path": str(config_path)}
 

@@ -1,0 +1,82 @@
+"""The nightly pipeline (flows/pipeline.py) end to end on a tiny model, under Prefect's engine.
+
+GRPO, evaluation of the champion, the gate and the registry all run for real (MLflow on a
+SQLite file in the test's folder); the gate's margin is set so that one night must
+promote and the next must not, whatever the tiny random model scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from rollflow.flows.runs import RunSetupError
+from rollflow.storage.registry import PolicyRegistry
+from rollflow.storage.runs import run_status
+from rollflow.tasks.config import PipelineConfig, config_to_toml, load_config
+
+pytestmark = pytest.mark.slow
+
+
+def pipeline_config(tmp_path: Path, model_dir: Path, name: str, **pipeline: object) -> Path:
+    from tiny_run import tiny_config_at
+
+    base = load_config(tiny_config_at(tmp_path, model_dir))
+    config = replace(
+        base,
+        train=replace(base.train, num_steps=1),
+        validation=replace(base.validation, validation_interval=1),
+        tracking=replace(base.tracking, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"),
+        pipeline=PipelineConfig(model_name="tiny-policy", **pipeline),  # type: ignore[arg-type]
+    )
+    path = tmp_path / f"{name}.toml"
+    path.write_text(config_to_toml(config))
+    return path
+
+
+def files_with_mtimes(root: Path) -> dict[str, float]:
+    """Every file but the curves, which each finish redraws from MLflow's points."""
+    return {str(p.relative_to(root)): p.stat().st_mtime for p in root.rglob("*") if p.is_file() and p.suffix != ".png"}
+
+
+def test_every_night_registers_and_only_the_gate_moves_the_champion(
+    prefect_harness: object, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from rollflow.flows.pipeline import pipeline_flow
+
+    registry = PolicyRegistry("tiny-policy", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    night1 = tmp_path / "night1"
+    first = pipeline_flow(config_path=str(pipeline_config(tmp_path, tiny_model_dir, "n1", gate_min_gain=-10.0)),
+                          run_dir=str(night1))
+    assert first["version"] == 1 and first["promoted"] is True and first["champion"] == 1
+    assert not (night1 / "eval-champion").exists()  # no champion yet: gated against GRPO's step 0
+    assert (night1 / "policy" / "adapter_config.json").is_file() and (night1 / "policy" / "tokenizer_config.json").is_file()
+    assert registry.champion().source == (night1 / "policy").resolve()
+    assert run_status(night1).complete
+
+    night2 = tmp_path / "night2"
+    config2 = pipeline_config(tmp_path, tiny_model_dir, "n2", gate_min_gain=10.0, start_from_champion=True)
+    second = pipeline_flow(config_path=str(config2), run_dir=str(night2))
+    assert second["version"] == 2 and second["promoted"] is False and second["champion"] == 1
+    assert load_config(night2 / "grpo.toml").model.adapter == str((night1 / "policy").resolve())
+    assert (night2 / "eval-champion" / "validation" / "step=000000" / "scores.parquet").is_file()
+    assert registry.version(2).tags["gate.promote"] == "false"
+    assert registry.champion().version == 1
+
+    before = files_with_mtimes(night2)
+    again = pipeline_flow(config_path=str(config2), run_dir=str(night2))  # a retry of a finished night
+    assert again == second
+    assert files_with_mtimes(night2) == before  # nothing redone, nothing rewritten
+    assert [v.version for v in registry.versions()] == [1, 2]
+
+
+def test_the_pipeline_needs_validation_for_its_gate(prefect_harness: object, tiny_model_dir: Path, tmp_path: Path) -> None:
+    from rollflow.flows.pipeline import pipeline_flow
+
+    config = load_config(pipeline_config(tmp_path, tiny_model_dir, "noval"))
+    path = tmp_path / "noval.toml"
+    path.write_text(config_to_toml(replace(config, validation=replace(config.validation, validation_interval=0))))
+    with pytest.raises(RunSetupError, match="validation_interval"):
+        pipeline_flow(config_path=str(path), run_dir=str(tmp_path / "x"))
