@@ -96,3 +96,20 @@ def test_kl_is_zero_at_the_first_update_and_the_reference_stays_the_start(
     assert sorted(p.name for p in latest.path.iterdir() if p.is_dir()) == []
     acting = logprobs_of(ModelRef(path=str(tiny_model_dir), adapter=str(latest.path)))
     assert not torch.allclose(acting, start, atol=1e-4)
+
+
+def test_full_weight_training_from_an_adapter_starts_at_kl_0(
+    tiny_model_dir: Path, start_adapter: Path, tmp_path: Path
+) -> None:
+    """Full weights fold the starting adapter into the weights; the reference is the same
+    starting policy, loaded as base + adapter."""
+    config = warm_start_config(tiny_model_dir, start_adapter)
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, use_lora=False))
+    model, _ = load_policy_for_training(config, None)
+    reference = kl_reference(config, model)
+    assert reference is not None
+    start = logprobs_of(ModelRef(path=str(tiny_model_dir), adapter=str(start_adapter)))
+    assert torch.allclose(reference(IDS_BT, torch.ones_like(IDS_BT), WANTED_BT), start, atol=1e-6)
+    write_samples(tmp_path, 0)
+    train_stage(config, tmp_path, 0)
+    assert RunFolder(tmp_path).read_train_result(0).kl == pytest.approx(0.0, abs=1e-6)
