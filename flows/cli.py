@@ -208,7 +208,9 @@ register(Command("runs", "list runs with their status and last finished step", _
 
 
 # Subcommands kept in their own modules; each registers itself when imported.
-COMMAND_MODULES = ("rollflow.flows.cli_train", "rollflow.flows.cli_eval", "rollflow.flows.cli_serve")
+COMMAND_MODULES = (
+    "rollflow.flows.cli_train", "rollflow.flows.cli_eval", "rollflow.flows.cli_serve", "rollflow.flows.cli_pipeline",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -143,7 +143,8 @@ def metrics_stage(config: RunConfig, run_dir: Path, step: int) -> Path:
 
 
 def validation_metrics_stage(config: RunConfig, run_dir: Path, step: int) -> Path:
-    """Log the validation pass of ``step`` and a few of its transcripts (best and worst)."""
+    """Log the validation pass of ``step``, a few of its transcripts (best and worst) as text and
+    as MLflow traces (``storage/traces.py``)."""
     folder = RunFolder(run_dir)
     path = folder.step_dir(step, "validation") / METRICS_JSON
     if path.exists():
@@ -151,7 +152,24 @@ def validation_metrics_stage(config: RunConfig, run_dir: Path, step: int) -> Pat
     metrics = {f"val/{key}": value for key, value in rollout_metrics(run_dir, step, "validation").items()}
     transcripts = write_sample_transcripts(folder, step)
     _log(config, folder, step, metrics, artifacts=[transcripts])
+    _log_traces(config, folder, step)
     return folder.write_json_atomic(path, _json_safe(metrics))
+
+
+def _log_traces(config: RunConfig, folder: RunFolder, step: int) -> None:
+    """The pass's best, worst and a sample of episodes as MLflow traces of the run."""
+    if not config.tracking.enabled:
+        return
+    from rollflow.storage.schemas import table_to_episode_records, table_to_score_records
+    from rollflow.storage.traces import TraceSelection, log_validation_traces
+    from rollflow.storage.tracking import RunTracker
+
+    tracker = RunTracker.open(folder, experiment=config.tracking.experiment, tracking_uri=config.tracking.tracking_uri)
+    episodes = table_to_episode_records(folder.read_stage(step, "episodes", "validation"))
+    scores = table_to_score_records(folder.read_stage(step, "scores", "validation"))
+    ref = tracker.ref
+    log_validation_traces(ref.tracking_uri, ref.experiment_id, ref.mlflow_run_id, folder.step_dir(step, "validation"),
+                          episodes, scores, TraceSelection(seed=config.train.seed))
 
 
 def write_sample_transcripts(folder: RunFolder, step: int, count: int = SAMPLE_TRANSCRIPTS) -> Path:

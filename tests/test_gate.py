@@ -95,3 +95,23 @@ def test_registry_versions_the_champion_alias_and_rollback(tmp_path: Path) -> No
     assert registry.champion().version == 1
     with pytest.raises(RegistryError, match="no version 7"):
         registry.promote(7)
+
+
+def test_rollflow_registry_lists_versions_and_promote_moves_the_champion(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rollflow.flows.cli import main
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    registry = PolicyRegistry("game-policy", uri)
+    for night in ("night-1", "night-2"):
+        registry.register(tmp_path, tmp_path / night, tags={"gate.change": "0.1", "gate.promote": "true"})
+    registry.promote(2)
+    assert main(["registry", "game-policy", "--tracking-uri", uri, "--promote", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:2] == ["1", "champion"] and lines[1].split()[1] == "gate"  # 2 is no longer marked
+    assert registry.champion().version == 1
+    assert main(["registry", "game-policy", "--tracking-uri", uri, "--promote", "9"]) == 1
+    assert "no version 9" in capsys.readouterr().err
+    assert main(["registry", "unknown-policy", "--tracking-uri", uri]) == 1
+    assert "no registered versions of 'unknown-policy'" in capsys.readouterr().err

@@ -7,10 +7,12 @@ promote and the next must not, whatever the tiny random model scores.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from mlflow import MlflowClient
 
 from rollflow.flows.runs import RunSetupError
 from rollflow.storage.registry import PolicyRegistry
@@ -55,6 +57,10 @@ def test_every_night_registers_and_only_the_gate_moves_the_champion(
     assert (night1 / "policy" / "adapter_config.json").is_file() and (night1 / "policy" / "tokenizer_config.json").is_file()
     assert registry.champion().source == (night1 / "policy").resolve()
     assert run_status(night1).complete
+    ref = json.loads((night1 / "grpo" / "tracking.json").read_text())
+    traces = MlflowClient(ref["tracking_uri"]).search_traces(locations=[ref["experiment_id"]], run_id=ref["mlflow_run_id"])
+    episodes = {t.data.spans[0].name for t in traces}  # both validation passes, every episode (2 tasks x 1)
+    assert episodes == {f"episode validation/{step}/{task}/0" for step in (0, 1) for task in (0, 1)}
 
     night2 = tmp_path / "night2"
     config2 = pipeline_config(tmp_path, tiny_model_dir, "n2", gate_min_gain=10.0, start_from_champion=True)
