@@ -19,7 +19,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 # Prefect's local server can take longer than its default 20 s to start on a busy 2-core box.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
-.PHONY: setup vllm-setup demo quick test test-fast clean
+.PHONY: setup vllm-setup browser demo quick test test-fast clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,13 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
 	touch $(VLLM_STAMP)
 
+# Debian's Chromium, for the one test that renders the MLflow UI in a headless browser
+# (tests/test_mlflow_ui.py). Root installs it directly, anyone else through sudo.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium >/dev/null; }
+
 demo: setup vllm-setup
 	mkdir -p $(PREFECT_HOME)
 	$(BIN)/rollflow train configs/default.toml
@@ -55,9 +62,9 @@ quick: setup .rollflow/tiny-model/config.json
 	$(BIN)/rollflow train configs/tiny.toml
 
 .rollflow/tiny-model/config.json: | $(STAMP)
-	$(BIN)/python -c "from pathlib import Path; from policy.models import build_tiny_model; build_tiny_model(Path('.rollflow/tiny-model'))"
+	$(BIN)/python -c "from pathlib import Path; from rollflow.policy.models import build_tiny_model; build_tiny_model(Path('.rollflow/tiny-model'))"
 
-test: setup vllm-setup
+test: setup vllm-setup browser
 	$(BIN)/python -m pytest
 
 test-fast: setup
