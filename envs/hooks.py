@@ -2,8 +2,10 @@
 
 Subclass ``EnvironmentMultiTurn`` and implement four hooks: ``start_episode`` (the opening
 messages), ``max_episode_turns``, ``step_episode`` (react to the action that was just
-appended to ``messages``) and ``score_episode`` (grade a finished transcript). The loop
-itself lives in ``rollflow.envs.runner``; its semantics are the reference's exactly.
+appended to ``messages``) and ``score_episode`` (grade a finished transcript). The runner
+plays each episode through its one loop (``rollflow.envs.hook_handle`` adapts the hooks to
+it); its semantics are the reference's exactly. ``max_episode_turns`` is the episode's
+budget; ``[rollout].max_turns``, when set, caps it.
 
 Environments are stateless between calls: many episodes of one example run at the same
 time, so the transcript is the only episode state. That is also why hooks may run on
