@@ -37,6 +37,9 @@ class SamplingSettings:
     seed: int = 0
     generation_timeout_s: float | None = None  # per attempt; None = no deadline
     max_sampling_attempts: int = 2  # attempts per action, the first one included
+    # keep each open episode's KV cache between its turns and prefill only the new tokens
+    # (policy/generation.py); False re-prefills the whole transcript every turn
+    kv_reuse: bool = True
 
     def __post_init__(self) -> None:
         problems = []

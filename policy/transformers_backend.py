@@ -19,6 +19,15 @@ episode's identity (its opening prompt and occurrence, ``rollflow.policy.samplin
 the turn and the attempt; ``reseed`` starts over from a new seed, so a step replays the
 same samples whatever ran in the process before it.
 
+KV reuse (``SamplingSettings.kv_reuse``, on by default): the policy keeps each open
+session's KV cache, as its last batch left it (the transcript up to its last sampled
+token), and the next request prefills only what is new: that token, the environment's
+reply and the next assistant header. The cache is dropped when the session closes, when
+the chat template rewrote history (``reset``: a full prefill), and for every session when
+new weights or an adapter arrive. A timed-out attempt keeps the session's previous cache,
+still a prefix of its context. Caches are stored per session without padding and
+re-padded into each batch (policy/generation.py says how, and what it costs in floats).
+
 Deadlines: with ``generation_timeout_s`` set, a row still generating when its batch's
 deadline passes is discarded (its tokens never leave this module) and queued again, up
 to ``max_sampling_attempts`` attempts in all; then ``act`` raises ``GenerationTimeoutError``
@@ -30,6 +39,9 @@ Simplifications, and why:
 - Weight swaps (``set_weights`` / ``load_adapter``) take the same lock as generation, so
   a batch never mixes versions; the version number is read by the runner per episode.
 - A policy serves one event loop at a time (its scheduler task lives in that loop).
+- A reset drops the whole cache, though the rewritten render often shares its opening
+  with it: templates that rewrite history are rare, and a prefix match would have to be
+  found in tokens, not text.
 """
 
 from __future__ import annotations
@@ -48,7 +60,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rollflow.envs.agent import FinishReason, PolicyAction
 from rollflow.envs.types import Message, ToolSpec
 from rollflow.policy.codec import ChatCodec, TokenState
-from rollflow.policy.generation import GenerationOutput, GenerationRequest, generate_batch
+from rollflow.policy.generation import (
+    BatchReport,
+    CachedPrefix,
+    GenerationOutput,
+    GenerationRequest,
+    generate_batch_and_report,
+)
 from rollflow.policy.models import ModelRef, generation_stop_ids, load_causal_lm
 from rollflow.policy.sampling import EpisodeSeeds, SamplingSettings, request_seed
 from rollflow.policy.stopping import StopRequested
@@ -64,6 +82,7 @@ class GenerationTimeoutError(RuntimeError):
 class _Pending:
     """One queued request and the future its session awaits."""
 
+    session: int  # the session's serial number: the key of its KV cache
     episode: tuple[int, int]  # EpisodeSeeds identity
     turn: int
     context_ids: tuple[int, ...]
@@ -74,10 +93,23 @@ class _Pending:
 
 @dataclass
 class _Stats:
-    """Counters for benchmarks and tests: batches run and their sizes."""
+    """Counters for benchmarks and tests: batches run, their sizes and what they computed."""
 
     batch_sizes: list[int] = field(default_factory=list)
     generated_tokens: int = 0
+    batches: list[BatchReport] = field(default_factory=list)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(batch.prefill_tokens for batch in self.batches)
+
+    @property
+    def prefill_s(self) -> float:
+        return sum(batch.prefill_s for batch in self.batches)
+
+    @property
+    def decode_s(self) -> float:
+        return sum(batch.decode_s for batch in self.batches)
 
 
 class TransformersPolicy:
@@ -108,7 +140,10 @@ class TransformersPolicy:
         self.max_batch_size = max_batch_size
         self.stats = _Stats()
         self._pending: list[_Pending] = []
-        self._open_sessions = 0
+        self._open_sessions: set[int] = set()
+        self._next_session = 0
+        self._caches: dict[int, CachedPrefix] = {}  # open session -> its KV cache
+        self._caches_lock = threading.Lock()
         self.episode_seeds = EpisodeSeeds()
         self._scheduler: asyncio.Task[None] | None = None
         self._model_lock = threading.Lock()
@@ -127,8 +162,16 @@ class TransformersPolicy:
         return cls(model, tokenizer, settings, version=version, batch_window_s=batch_window_s)
 
     def open_session(self, tool_specs: Sequence[ToolSpec]) -> TransformersSession:
-        self._open_sessions += 1
-        return TransformersSession(self, tuple(tool_specs))
+        with self._caches_lock:
+            number, self._next_session = self._next_session, self._next_session + 1
+            self._open_sessions.add(number)
+        return TransformersSession(self, number, tuple(tool_specs))
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens whose keys and values are held for open sessions (memory: see generation.py)."""
+        with self._caches_lock:
+            return sum(len(cache) for cache in self._caches.values())
 
     def reseed(self, seed: int) -> None:
         """Sample from ``seed`` from now on, as a fresh policy with that seed would."""
@@ -143,6 +186,7 @@ class TransformersPolicy:
             result = self.model.load_state_dict(dict(state_dict), strict=False)
             if result.unexpected_keys:
                 raise KeyError(f"set_weights: unknown parameter names {result.unexpected_keys[:5]}")
+            self._drop_caches()  # computed by the old weights
             self.version = version
 
     def load_adapter(self, adapter_dir: str | Path, version: int) -> None:
@@ -162,19 +206,21 @@ class TransformersPolicy:
             else:
                 self.model = PeftModel.from_pretrained(self.model, str(adapter_dir), adapter_name=name)
             self.model.eval()
+            self._drop_caches()  # computed without this adapter
             self.version = version
 
     # ------------------------------------------------------------ batching
 
     async def _generate(
-        self, episode: tuple[int, int], turn: int, context_ids: tuple[int, ...], max_new_tokens: int
+        self, session: int, episode: tuple[int, int], turn: int, context_ids: tuple[int, ...],
+        max_new_tokens: int,
     ) -> tuple[GenerationOutput, int]:
         """Queue one request; resolves to (output, attempts used)."""
         loop = asyncio.get_running_loop()
         if self._scheduler is not None and not self._scheduler.done():
             if self._scheduler.get_loop() is not loop:
                 raise RuntimeError("a TransformersPolicy serves one event loop at a time")
-        pending = _Pending(episode, turn, context_ids, max_new_tokens, loop.create_future())
+        pending = _Pending(session, episode, turn, context_ids, max_new_tokens, loop.create_future())
         self._pending.append(pending)
         if self._scheduler is None or self._scheduler.done():
             self._scheduler = loop.create_task(self._schedule())
@@ -209,22 +255,24 @@ class TransformersPolicy:
 
     async def _wait_for_batch(self) -> None:
         started = time.monotonic()
-        while len(self._pending) < min(self._open_sessions, self.max_batch_size):
+        while len(self._pending) < min(len(self._open_sessions), self.max_batch_size):
             if time.monotonic() - started >= self.batch_window_s:
                 return
             await asyncio.sleep(_POLL_S)
 
     def _run_batch(self, batch: Sequence[_Pending]) -> list[GenerationOutput]:
-        requests = [
-            GenerationRequest(
-                context_ids=p.context_ids,
-                max_new_tokens=p.max_new_tokens,
-                seed=request_seed(self.settings.seed, *p.episode, p.turn, p.attempt),
-            )
-            for p in batch
-        ]
-        with self._model_lock:
-            outputs = generate_batch(
+        reuse = self.settings.kv_reuse
+        with self._model_lock:  # caches are read and written under it: no weight swap between
+            requests = [
+                GenerationRequest(
+                    context_ids=p.context_ids,
+                    max_new_tokens=p.max_new_tokens,
+                    seed=request_seed(self.settings.seed, *p.episode, p.turn, p.attempt),
+                    prefix=self._cache_for(p) if reuse else None,
+                )
+                for p in batch
+            ]
+            outputs, report = generate_batch_and_report(
                 self.model,
                 requests,
                 temperature=self.settings.temperature,
@@ -232,10 +280,37 @@ class TransformersPolicy:
                 stop_token_ids=self.codec.stop_token_ids,
                 pad_token_id=int(self.tokenizer.pad_token_id),
                 timeout_s=self.settings.generation_timeout_s,
+                keep_caches=reuse,
             )
+            if reuse:
+                self._keep_caches(batch, outputs)
         self.stats.batch_sizes.append(len(batch))
+        self.stats.batches.append(report)
         self.stats.generated_tokens += sum(len(o.token_ids) for o in outputs)
         return outputs
+
+    def _cache_for(self, pending: _Pending) -> CachedPrefix | None:
+        with self._caches_lock:
+            cache = self._caches.get(pending.session)
+        if cache is None or pending.context_ids[: len(cache)] != cache.token_ids:
+            return None
+        return cache
+
+    def _keep_caches(self, batch: Sequence[_Pending], outputs: Sequence[GenerationOutput]) -> None:
+        with self._caches_lock:
+            for pending, output in zip(batch, outputs, strict=True):
+                # a session closed meanwhile (cancelled) keeps nothing; a timed-out row has no
+                # cache, so its session keeps the previous one, still a prefix of its context
+                if output.cache is not None and pending.session in self._open_sessions:
+                    self._caches[pending.session] = output.cache
+
+    def _drop_caches(self, session: int | None = None) -> None:
+        """Forget one session's KV cache, or every session's (``None``)."""
+        with self._caches_lock:
+            if session is None:
+                self._caches.clear()
+            else:
+                self._caches.pop(session, None)
 
     def _deliver(self, pending: _Pending, output: GenerationOutput) -> None:
         if pending.future.done():  # the episode gave up waiting (cancelled)
@@ -254,15 +329,18 @@ class TransformersPolicy:
                 )
             )
 
-    def _session_closed(self) -> None:
-        self._open_sessions -= 1
+    def _session_closed(self, session: int) -> None:
+        with self._caches_lock:
+            self._open_sessions.discard(session)
+            self._caches.pop(session, None)
 
 
 class TransformersSession:
     """One episode's view of a ``TransformersPolicy`` (a ``PolicySession``)."""
 
-    def __init__(self, policy: TransformersPolicy, tool_specs: tuple[ToolSpec, ...]):
+    def __init__(self, policy: TransformersPolicy, number: int, tool_specs: tuple[ToolSpec, ...]):
         self._policy = policy
+        self._number = number  # the policy's key for this session's KV cache
         self._episode: tuple[int, int] | None = None  # seed identity, from the first prompt
         self._tool_specs = tool_specs
         self._state: TokenState | None = None
@@ -276,6 +354,8 @@ class TransformersSession:
         policy = self._policy
         state, delta, reset = policy.codec.next_prompt(self._state, messages, self._tool_specs)
         self._state = state
+        if reset:  # the template rewrote history: the cache no longer spells the context
+            policy._drop_caches(self._number)
         if self._episode is None:
             self._episode = policy.episode_seeds.identity(state.text)
         budget = policy.settings.max_model_length - len(state)
@@ -290,7 +370,9 @@ class TransformersSession:
             )
         max_new = min(policy.settings.max_completion_tokens, budget)
         turn, self._turn = self._turn, self._turn + 1
-        output, attempts = await policy._generate(self._episode, turn, state.token_ids, max_new)
+        output, attempts = await policy._generate(
+            self._number, self._episode, turn, state.token_ids, max_new
+        )
         self._state = policy.codec.record_action(state, output.token_ids)
         return PolicyAction(
             text=policy.codec.action_text(output.token_ids),
@@ -306,7 +388,7 @@ class TransformersSession:
     async def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._policy._session_closed()
+            self._policy._session_closed(self._number)
 
 
 def _finish_reason(output: GenerationOutput, max_new: int, budget: int) -> FinishReason:

@@ -152,17 +152,17 @@ def test_generation_that_fills_the_context_ends_with_context(tiny_model_dir: Pat
 def test_timed_out_output_is_discarded_and_retried(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = backend.generate_batch
+    real = backend.generate_batch_and_report
     calls: list[int] = []
 
     def first_attempt_times_out(model, requests, **options):  # type: ignore[no-untyped-def]
         calls.append(len(requests))
-        outputs = real(model, requests, **options)
+        outputs, report = real(model, requests, **options)
         if len(calls) == 1:  # tokens were sampled, then the deadline passed
-            return [GenerationOutput((), (), stopped=False, timed_out=True) for _ in outputs]
-        return outputs
+            return [GenerationOutput((), (), stopped=False, timed_out=True) for _ in outputs], report
+        return outputs, report
 
-    monkeypatch.setattr(backend, "generate_batch", first_attempt_times_out)
+    monkeypatch.setattr(backend, "generate_batch_and_report", first_attempt_times_out)
     policy = make_policy(tiny_model_dir, generation_timeout_s=30.0, max_sampling_attempts=2)
     [[action]] = asyncio.run(play(policy, episodes=1, turns=1))
     assert calls == [1, 1] and action.sampling_attempts == 2 and len(action.token_ids) == 12
