@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from rollflow.envs.agent import PolicyAction
 from rollflow.envs.arithmetic import CalculatorTool
 from rollflow.envs.arithmetic_answer import SYSTEM_PROMPT as ARITHMETIC_PROMPT
 from rollflow.envs.hooks import EnvironmentMultiTurn
@@ -156,6 +157,19 @@ def test_a_policy_calling_tools_forever_hands_the_turn_back() -> None:
     written = play(constant_policy(call), calculator_environment(), ["loop"])
     assert written.count("  tool result [calculator]: 2") == MAX_TOOL_ROUNDS
     assert written[-2] == f"(stopped after {MAX_TOOL_ROUNDS} tool rounds; your turn)"
+
+
+def test_a_full_context_asks_for_a_reset_until_one_comes() -> None:
+    calls: list[int] = []
+
+    def script(messages: Sequence[Message], turn: int) -> PolicyAction:
+        calls.append(len(messages))
+        return PolicyAction(text="cut", finish_reason="context")
+
+    written = play(ScriptedPolicy(script), chat_environment(ARITHMETIC), ["long", "more", "/reset", "x"])
+    full = "(the conversation fills the model's context; /reset to start over)"
+    assert written == ["assistant> cut", full, full, "(started over)", "assistant> cut", full, ""]
+    assert calls == [2, 2]  # "more" never reached the policy; after /reset: system + "x"
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -163,6 +163,31 @@ def test_sft_rows_are_the_prompt_then_the_bare_answer(bundled_tokenizer: object)
     assert trained == f"{env_example.output}<|im_end|>"
 
 
+@pytest.mark.slow  # three LoRA SFT steps: 10-30 s on 2 busy cores
+def test_sft_on_the_arithmetic_answers_lowers_their_loss(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from rollflow.policy.models import ModelRef, load_causal_lm
+    from rollflow.tasks.config import ModelConfig, SFTConfig, load_config
+    from rollflow.tasks.sft import mean_completion_loss, read_sft_result, sft_rows, sft_stage
+    from tiny_run import REPO
+
+    config = load_config(REPO / "configs" / "tiny.toml")
+    config = replace(
+        config,
+        model=ModelConfig(path=str(tiny_model_dir)),
+        env=replace(config.env, name=SPEC, kwargs=SMALL),
+        sft=SFTConfig(epochs=3, learning_rate=3e-2, batch_size=2, max_rows=2),
+        tracking=replace(config.tracking, enabled=False),
+    )
+    base, tokenizer = load_causal_lm(ModelRef(path=str(tiny_model_dir)))
+    rows, _ = sft_rows(config, ChatCodec(tokenizer))
+    before = mean_completion_loss(base, rows, tokenizer.pad_token_id)
+    policy = sft_stage(config, tmp_path / "run")
+    tuned, _ = load_causal_lm(ModelRef(path=str(tiny_model_dir), adapter=str(policy)))
+    after = mean_completion_loss(tuned, rows, tokenizer.pad_token_id)
+    assert read_sft_result(policy).rows == 2
+    assert after < before - 0.2, (before, after)
+
+
 # ---------------------------------------------------------------- GRPO through the real flow
 
 
