@@ -1,0 +1,449 @@
+"""The vLLM policy: our codec renders token ids, vLLM servers sample, tokens come back as ids.
+
+Token in, token out, as in the transformers backend: each session renders only what is
+new with ``rollflow.policy.codec.ChatCodec`` (``prompt_delta_ids``, ``reset``) and posts
+the whole context *as token ids* to ``{base_url}/completions``::
+
+    {"model": M, "prompt": [ids], "max_tokens": n, "temperature": t, "top_p": p,
+     "seed": s, "logprobs": 0, "return_token_ids": true,
+     "return_tokens_as_token_ids": true, "stop_token_ids": [...], ...}
+
+The answer's ``token_ids`` (the end-of-turn token included) and ``token_logprobs`` become
+the action; the server never re-renders or re-tokenizes anything, so training sees
+exactly what was sampled. ``M`` is the loaded adapter's name (``policy-v{version}``) once
+an adapter is loaded, else the served model name: a server is never sent base and
+adapter requests together (on CPU vLLM 0.32 serves a base request batched with adapter
+requests with an adapter; upstream bug).
+
+Budgets and endings are the transformers backend's: ``max_tokens = min(max_completion_tokens,
+max_model_length - len(context))``; no room for one token -> ``"context"`` with no tokens;
+``stop`` = the action ends with a stop token; ``length`` = ``max_completion_tokens`` hit;
+``context`` = the episode's budget ran out (also when both limits coincide).
+
+Logprobs: vLLM returns the raw model's logprobs unless the server runs with
+``--logprobs-mode processed_logprobs`` (then: after temperature and top-p, the
+distribution actually sampled from). Managed servers (``rollflow.policy.vllm_server``)
+always run with it. An external server is probed on first contact (``connect``): one
+1-token request at temperature 1 and one at 0.5 with the top-2 logprobs; with processed
+logprobs the gap between the two top tokens doubles at 0.5, with raw ones it does not
+move, and ``connect`` refuses the server (run it with the flag). At temperature 0
+(greedy) the recorded logprob is 0, the point mass sampled from, as in the transformers
+backend.
+
+Several servers (``base_urls``, replicas of one model): sessions are dealt to them round
+robin, so every turn of an episode goes to the same server (its prefix cache holds the
+episode); a retried request moves on to the next server. Connection errors, timeouts
+(``generation_timeout_s`` per request), 408/429/5xx are retried up to
+``max_sampling_attempts`` attempts in all; then ``act`` raises ``VLLMPolicyError`` (the
+runner records it on the episode). Other HTTP errors raise at once with the server's
+message.
+
+Where an action was sampled: the episode record has no column for it (its schema is
+owned elsewhere), so ``VLLMPolicy.stats.sampled_by`` counts actions per (server, model
+name, version); the version is also on every episode (``Policy.version``).
+
+Weight sync (``load_adapter``): ``POST /v1/load_lora_adapter`` on every server under
+``policy-v{version}``, then ``POST /v1/unload_lora_adapter`` of the previous version. The
+server must be able to read the adapter folder (same machine or a shared filesystem), and
+must run with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``. Full
+weights cannot be pushed over HTTP here: a managed server restarts on the new checkpoint
+folder (``rollflow.tasks.policy_io``).
+
+Simplifications, and why:
+- One HTTP client per session (sessions live in one event loop; the rollout stage runs a
+  new loop per chunk), closed with the session.
+- Seeds are 31-bit (``request_seed % 2**31``), like the OpenAI backend: the same seed
+  gives the same tokens on one server, but not the transformers backend's tokens (the two
+  draw differently).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from transformers import PreTrainedTokenizerBase
+
+from rollflow.envs.agent import FinishReason, PolicyAction
+from rollflow.envs.types import Message, ToolSpec
+from rollflow.policy.codec import ChatCodec, TokenState
+from rollflow.policy.sampling import EpisodeSeeds, SamplingSettings, request_seed
+from rollflow.policy.stopping import raise_if_stop_requested
+
+_RETRIED_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+_CONNECT_TIMEOUT_S = 10.0
+_ADMIN_TIMEOUT_S = 60.0
+_PROBE_TEMPERATURE = 0.5
+_PROBE_MESSAGES: tuple[Message, ...] = ({"role": "user", "content": "Name a colour."},)
+
+
+class VLLMPolicyError(RuntimeError):
+    """A vLLM server refused, failed or is unfit; the message names the URL and the reason."""
+
+
+@dataclass(frozen=True)
+class SampledBy:
+    """Which server and model name sampled an action, and the policy version it was."""
+
+    base_url: str
+    model: str
+    version: int
+
+
+@dataclass
+class VLLMStats:
+    """Counters for benchmarks and tests."""
+
+    sampled_by: Counter[SampledBy] = field(default_factory=Counter)
+    generated_tokens: int = 0
+    prompt_tokens: int = 0  # the whole context of every request (vLLM caches prefixes)
+    retries: int = 0
+    request_s: float = 0.0  # summed wall time of successful requests
+
+
+@dataclass(frozen=True)
+class _Completion:
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    server_finish: str  # vLLM's finish_reason: "stop" or "length"
+
+
+def api_root(base_url: str) -> str:
+    """``http://h:p``, ``http://h:p/`` or ``http://h:p/v1`` -> ``http://h:p/v1``."""
+    if not base_url.startswith(("http://", "https://")):
+        raise VLLMPolicyError(f"base_url must start with http:// or https://, got {base_url!r}")
+    root = base_url.rstrip("/")
+    return root if root.endswith("/v1") else root + "/v1"
+
+
+class VLLMPolicy:
+    """A ``Policy`` (envs/agent.py) served by one or more vLLM servers of one model."""
+
+    def __init__(
+        self,
+        base_urls: Sequence[str],
+        tokenizer: PreTrainedTokenizerBase,
+        settings: SamplingSettings | None = None,
+        *,
+        served_model: str,
+        version: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        max_lora_rank: int | None = None,
+    ) -> None:
+        if not base_urls:
+            raise VLLMPolicyError("a VLLMPolicy needs at least one base_url")
+        self.base_urls = tuple(api_root(url) for url in base_urls)
+        self.settings = settings or SamplingSettings()
+        self.codec = ChatCodec(tokenizer, stop_token_ids=stop_token_ids)
+        self.served_model = served_model
+        self.adapter_name: str | None = None
+        self.max_lora_rank = max_lora_rank  # known for managed servers; None: ask the server
+        self.version = version
+        self.stats = VLLMStats()
+        self.episode_seeds = EpisodeSeeds()
+        self._sessions_opened = 0
+
+    @property
+    def request_model(self) -> str:
+        """The ``model`` of every request: the adapter once one is loaded."""
+        return self.adapter_name or self.served_model
+
+    def open_session(self, tool_specs: Sequence[ToolSpec]) -> VLLMSession:
+        first_server = self._sessions_opened % len(self.base_urls)
+        self._sessions_opened += 1
+        return VLLMSession(self, tuple(tool_specs), first_server)
+
+    def reseed(self, seed: int) -> None:
+        """Sample from ``seed`` from now on, as a fresh policy with that seed would."""
+        self.settings = dataclasses.replace(self.settings, seed=seed)
+        self.episode_seeds.reset()
+
+    # ------------------------------------------------------------ first contact
+
+    def connect(self, *, check_logprobs_mode: bool) -> None:
+        """Fail now, naming the server, unless each one answers and serves our model.
+
+        Checks: ``GET /models`` answers and lists ``served_model`` with a
+        ``max_model_len`` that holds ``max_model_length``; with ``check_logprobs_mode``,
+        the server returns processed logprobs (see the module docstring).
+        """
+        for url in self.base_urls:
+            listed = _models(url)
+            if self.served_model not in listed:
+                raise VLLMPolicyError(f"{url} does not serve {self.served_model!r}; it serves {sorted(listed)}")
+            limit = listed[self.served_model]
+            if limit is not None and limit < self.settings.max_model_length:
+                raise VLLMPolicyError(
+                    f"{url} serves {self.served_model!r} with max_model_len={limit}, below "
+                    f"[rollout].max_model_length={self.settings.max_model_length}"
+                )
+            if check_logprobs_mode:
+                self._check_processed_logprobs(url)
+
+    def _check_processed_logprobs(self, url: str) -> None:
+        prompt = self.codec.render_prompt_ids(_PROBE_MESSAGES, ())
+        gaps = [_top2_gap(url, self.served_model, prompt, t) for t in (1.0, _PROBE_TEMPERATURE)]
+        expected = gaps[0] / _PROBE_TEMPERATURE
+        if abs(gaps[1] - expected) > 1e-3 * max(1.0, expected):
+            raise VLLMPolicyError(
+                f"{url} returns logprobs that ignore the temperature (top-2 gap {gaps[0]:.4f} "
+                f"at 1.0, {gaps[1]:.4f} at {_PROBE_TEMPERATURE}, expected {expected:.4f}): "
+                "run the server with --logprobs-mode processed_logprobs, or GRPO's importance "
+                "ratios compare against the wrong distribution"
+            )
+
+    # ------------------------------------------------------------ new policy versions
+
+    def load_adapter(self, adapter_dir: str | Path, version: int) -> None:
+        """Act with the LoRA adapter in ``adapter_dir`` as ``policy-v{version}`` from now on."""
+        adapter = Path(adapter_dir).resolve()
+        rank = _adapter_rank(adapter)
+        if self.max_lora_rank is not None and rank > self.max_lora_rank:
+            raise VLLMPolicyError(
+                f"{adapter} has LoRA rank {rank}, above the server's --max-lora-rank {self.max_lora_rank}"
+            )
+        name, previous = f"policy-v{version}", self.adapter_name
+        for url in self.base_urls:
+            body = {"lora_name": name, "lora_path": str(adapter), "load_inplace": True}
+            _admin_post(f"{url}/load_lora_adapter", body, what=f"loading adapter {adapter}")
+        if previous is not None and previous != name:
+            for url in self.base_urls:
+                _admin_post(f"{url}/unload_lora_adapter", {"lora_name": previous}, what=f"unloading {previous}")
+        self.adapter_name, self.version = name, version
+
+    def unload_adapter(self) -> None:
+        """Act with the base model again (the loaded adapter, if any, is unloaded)."""
+        if self.adapter_name is None:
+            return
+        for url in self.base_urls:
+            _admin_post(f"{url}/unload_lora_adapter", {"lora_name": self.adapter_name}, what=f"unloading {self.adapter_name}")
+        self.adapter_name = None
+
+
+class VLLMSession:
+    """One episode against the servers (a ``PolicySession``); owns one HTTP client."""
+
+    def __init__(self, policy: VLLMPolicy, tool_specs: tuple[ToolSpec, ...], first_server: int):
+        self._policy = policy
+        self._tool_specs = tool_specs
+        self._first_server = first_server
+        self._episode: tuple[int, int] | None = None  # seed identity, from the first prompt
+        self._state: TokenState | None = None
+        self._turn = 0
+        self._client: httpx.AsyncClient | None = None
+        self._closed = False
+
+    async def act(self, messages: Sequence[Message]) -> PolicyAction:
+        if self._closed:
+            raise RuntimeError("act() on a closed policy session")
+        started = time.perf_counter()
+        policy = self._policy
+        state, delta, reset = policy.codec.next_prompt(self._state, messages, self._tool_specs)
+        self._state = state
+        if self._episode is None:
+            self._episode = policy.episode_seeds.identity(state.text)
+        budget = policy.settings.max_model_length - len(state)
+        if budget <= 0:  # not even one token fits: the prompt is never cut
+            return PolicyAction(
+                text="", prompt_delta_ids=delta, reset=reset, finish_reason="context",
+                latency_s=time.perf_counter() - started, sampling_attempts=0,
+            )  # fmt: skip
+        max_new = min(policy.settings.max_completion_tokens, budget)
+        turn, self._turn = self._turn, self._turn + 1
+        completion, attempts = await self._complete(state.token_ids, max_new, turn)
+        self._state = policy.codec.record_action(state, completion.token_ids)
+        return PolicyAction(
+            text=policy.codec.action_text(completion.token_ids),
+            token_ids=completion.token_ids,
+            logprobs=completion.logprobs,
+            prompt_delta_ids=delta,
+            reset=reset,
+            finish_reason=self._finish_reason(completion, max_new, budget),
+            latency_s=time.perf_counter() - started,
+            sampling_attempts=attempts,
+        )
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def _finish_reason(self, completion: _Completion, max_new: int, budget: int) -> FinishReason:
+        codec = self._policy.codec
+        if codec.ends_with_stop(completion.token_ids):
+            return "stop"
+        if completion.server_finish == "stop":
+            raise VLLMPolicyError(
+                f"the server ended an action on token {completion.token_ids[-1:]} , which is not one "
+                f"of our stop tokens {sorted(codec.stop_token_ids)} (a stop string set on the server?)"
+            )
+        if len(completion.token_ids) < max_new:  # the server's own context limit cut it
+            return "context"
+        return "context" if max_new == budget else "length"
+
+    async def _complete(self, context_ids: tuple[int, ...], max_new: int, turn: int) -> tuple[_Completion, int]:
+        policy = self._policy
+        assert self._episode is not None
+        attempts, last_error = policy.settings.max_sampling_attempts, ""
+        for attempt in range(1, attempts + 1):
+            url = policy.base_urls[(self._first_server + attempt - 1) % len(policy.base_urls)]
+            seed = request_seed(policy.settings.seed, *self._episode, turn, attempt) % 2**31
+            body = completion_body(policy.request_model, context_ids, max_new, seed, policy.settings)
+            body["stop_token_ids"] = sorted(policy.codec.stop_token_ids)
+            raise_if_stop_requested()
+            sent = time.perf_counter()
+            try:
+                response = await self._http().post(f"{url}/completions", json=body)
+            except httpx.TimeoutException:
+                last_error = f"{url}: no answer within generation_timeout_s={policy.settings.generation_timeout_s}"
+            except httpx.TransportError as error:
+                last_error = f"{url}: {type(error).__name__}: {error}"
+            else:
+                if response.status_code not in _RETRIED_STATUS:
+                    completion = _parse_completion(url, response, policy.settings.temperature)
+                    self._count(url, completion, len(context_ids), time.perf_counter() - sent)
+                    return completion, attempt
+                last_error = f"{url}: HTTP {response.status_code}: {_error_message(response)}"
+            policy.stats.retries += 1
+        raise VLLMPolicyError(f"all {attempts} attempts at an action failed; last: {last_error}")
+
+    def _count(self, url: str, completion: _Completion, prompt_tokens: int, seconds: float) -> None:
+        stats = self._policy.stats
+        stats.sampled_by[SampledBy(url, self._policy.request_model, self._policy.version)] += 1
+        stats.generated_tokens += len(completion.token_ids)
+        stats.prompt_tokens += prompt_tokens
+        stats.request_s += seconds
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self._policy.settings.generation_timeout_s)
+        return self._client
+
+
+def completion_body(
+    model: str, context_ids: Sequence[int], max_new: int, seed: int, settings: SamplingSettings
+) -> dict[str, Any]:
+    """The ``/completions`` request; every sampling knob explicit, so no server default leaks in."""
+    return {
+        "model": model,
+        "prompt": list(context_ids),
+        "max_tokens": max_new,
+        "temperature": settings.temperature,
+        "top_p": settings.top_p,
+        "top_k": -1,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "seed": seed,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "skip_special_tokens": False,
+    }
+
+
+def _parse_completion(url: str, response: httpx.Response, temperature: float) -> _Completion:
+    if response.status_code != 200:
+        raise VLLMPolicyError(f"{url} answered HTTP {response.status_code}: {_error_message(response)}")
+    try:
+        choice = response.json()["choices"][0]
+        token_ids = tuple(int(t) for t in choice["token_ids"])
+        logprobs = tuple(float(lp) for lp in choice["logprobs"]["token_logprobs"])
+        spelled = tuple(int(str(t).removeprefix("token_id:")) for t in choice["logprobs"]["tokens"])
+        finish = str(choice["finish_reason"])
+    except (ValueError, KeyError, IndexError, TypeError) as error:
+        raise VLLMPolicyError(
+            f"{url} sent no completion with token ids and logprobs (a vLLM server?): {response.text[:300]!r}"
+        ) from error
+    if spelled != token_ids or len(logprobs) != len(token_ids) or not token_ids:
+        raise VLLMPolicyError(
+            f"{url}: {len(token_ids)} token ids, {len(spelled)} logprob tokens and {len(logprobs)} "
+            "logprobs do not pair up one to one"
+        )
+    if temperature == 0:  # greedy: the distribution sampled from is a point mass
+        logprobs = tuple(0.0 for _ in token_ids)
+    return _Completion(token_ids, logprobs, finish)
+
+
+def discover_served_model(base_url: str) -> str:
+    """The one base model (not a LoRA adapter) ``base_url`` serves; else name it in api_model."""
+    url = api_root(base_url)
+    response = _get_models(url)
+    try:
+        bases = [str(e["id"]) for e in response.json()["data"] if e.get("parent") is None]
+    except (ValueError, KeyError, TypeError) as error:
+        raise VLLMPolicyError(f"{url}/models is not an OpenAI model list: {response.text[:300]!r}") from error
+    if len(bases) != 1:
+        raise VLLMPolicyError(f"{url} serves base models {bases}: name the one to use in [rollout].api_model")
+    return bases[0]
+
+
+def _get_models(url: str) -> httpx.Response:
+    try:
+        response = httpx.get(f"{url}/models", timeout=_CONNECT_TIMEOUT_S)
+    except httpx.HTTPError as error:
+        raise VLLMPolicyError(f"{url} does not answer: {type(error).__name__}: {error}") from error
+    if response.status_code != 200:
+        raise VLLMPolicyError(f"{url}/models answered HTTP {response.status_code}: {_error_message(response)}")
+    return response
+
+
+def _models(url: str) -> dict[str, int | None]:
+    """``GET /models``: served name -> max_model_len (None when the server does not say)."""
+    response = _get_models(url)
+    try:
+        entries = response.json()["data"]
+        return {str(e["id"]): e.get("max_model_len") for e in entries}
+    except (ValueError, KeyError, TypeError) as error:
+        raise VLLMPolicyError(f"{url}/models is not an OpenAI model list: {response.text[:300]!r}") from error
+
+
+def _top2_gap(url: str, model: str, prompt: Sequence[int], temperature: float) -> float:
+    """The logprob gap between the two likeliest first tokens at ``temperature``."""
+    settings = SamplingSettings(temperature=temperature)
+    body = completion_body(model, prompt, 1, 0, settings) | {"logprobs": 2}
+    try:
+        response = httpx.post(f"{url}/completions", json=body, timeout=_ADMIN_TIMEOUT_S)
+        top = response.json()["choices"][0]["logprobs"]["top_logprobs"][0]
+        first, second = sorted((float(v) for v in top.values()), reverse=True)[:2]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as error:
+        raise VLLMPolicyError(f"{url}: the logprobs probe request failed: {error}") from error
+    return first - second
+
+
+def _admin_post(url: str, body: dict[str, Any], *, what: str) -> None:
+    try:
+        response = httpx.post(url, json=body, timeout=_ADMIN_TIMEOUT_S)
+    except httpx.HTTPError as error:
+        raise VLLMPolicyError(f"{url}: {what} failed: {type(error).__name__}: {error}") from error
+    if response.status_code != 200:
+        raise VLLMPolicyError(
+            f"{url}: {what} failed, HTTP {response.status_code}: {_error_message(response)} "
+            "(does the server run with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True?)"
+        )
+
+
+def _adapter_rank(adapter: Path) -> int:
+    try:
+        return int(json.loads((adapter / "adapter_config.json").read_text())["r"])
+    except (OSError, ValueError, KeyError) as error:
+        raise VLLMPolicyError(f"{adapter} is not a peft LoRA adapter folder: {error}") from error
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        payload = response.json()
+    except ValueError:
+        return response.text[:300]
+    error = payload.get("error", payload) if isinstance(payload, dict) else payload
+    message = error.get("message") if isinstance(error, dict) else None
+    return str(message or payload)[:300]
