@@ -27,6 +27,7 @@ from rollflow.tasks.config import (
     load_config,
 )
 from rollflow.tasks.metrics import METRICS_JSON  # written last in a step: the step is finished
+from rollflow.tasks.policy_io import check_training_backend
 
 
 class RunSetupError(ValueError):
@@ -110,6 +111,7 @@ def freeze_config(folder: RunFolder, config: RunConfig) -> None:
 
 def check_supported(config: RunConfig) -> None:
     check_training_sampling(config)
+    check_training_backend(config)
     if config.rollout.max_steps_off_policy is not None:
         raise ConfigError(
             "[rollout] max_steps_off_policy: async (off-policy) collection is not supported "

@@ -141,6 +141,15 @@ def load_causal_lm(
     return model, load_tokenizer(model_ref)
 
 
+def hf_model_folder(model_ref: ModelRef) -> Path:
+    """The Hugging Face folder of ``model_ref``'s base weights (a GGUF file's cached copy).
+
+    What a vLLM server loads; ``model_ref.adapter`` is not part of it.
+    """
+    gguf = _gguf_path(model_ref)
+    return _cached_gguf_model(gguf) if gguf is not None else _hf_folder(model_ref)
+
+
 def build_tiny_model(
     dest: Path,
     *,

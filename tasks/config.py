@@ -32,7 +32,7 @@ from typing import Any, Literal
 from rollflow.tasks.config_toml import toml_document
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-Backend = Literal["transformers", "openai"]
+Backend = Literal["transformers", "vllm", "openai"]
 LossName = Literal["grpo", "dr_grpo", "dapo"]
 Compression = Literal["zstd", "snappy", "gzip", "lz4", "brotli", "none"]
 
@@ -92,9 +92,15 @@ class RolloutConfig:
     max_sampling_attempts: int = 2  # a timed-out generation is retried once
     generation_timeout_s: float = 600.0
     concurrency: int = 8  # episodes played at once
+    # "transformers": in-process; "vllm": vLLM servers, managed or external (policy/vllm_backend.py);
+    # "openai": a chat-completions server, for evaluation only (it never receives new weights)
     backend: Backend = "transformers"
     base_url: str | None = None  # the OpenAI-compatible server (backend "openai")
-    api_model: str | None = None  # the model name that server expects
+    api_model: str | None = None  # the model name that server expects (vllm: its served name)
+    base_urls: tuple[str, ...] = ()  # backend "vllm": external servers; empty = rollflow starts one
+    vllm_python: str | None = None  # the Python that has vLLM; None = .venv-vllm ($ROLLFLOW_VLLM_PYTHON wins)
+    vllm_kvcache_space_gib: int = 2  # a managed server's KV cache (its RSS is ~3 GB more)
+    vllm_startup_timeout_s: float = 600.0  # a managed server must be healthy within this
     groups_in_flight: int | None = None  # None resolves to batch_size (reference)
     max_steps_off_policy: int | None = None  # None = lockstep (reference)
 
@@ -118,6 +124,13 @@ class RolloutConfig:
             raise ConfigError(
                 "[rollout].backend = 'openai' needs [rollout].base_url and [rollout].api_model"
             )
+        _at_least(self, "rollout", "vllm_kvcache_space_gib", 1)
+        _in_range(self, "rollout", "vllm_startup_timeout_s", 0.0, None, low_open=True)
+        for url in self.base_urls:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"[rollout].base_urls entries must start with http:// or https://; got {url!r}")
+        if self.base_urls and self.backend != "vllm":
+            raise ConfigError("[rollout].base_urls is for backend = 'vllm' (backend 'openai' takes base_url)")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,73 @@
+"""The vLLM generator's config keys, and which backends ``rollflow train`` accepts (no server)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rollflow.flows.runs import open_run
+from rollflow.policy.vllm_server import VLLMServerSpec, cpu_list, lora_rank_limit
+from rollflow.tasks.config import ConfigError, config_to_toml, parse_config
+
+
+def test_vllm_backend_with_base_urls_round_trips() -> None:
+    config = parse_config(
+        {"rollout": {"backend": "vllm", "base_urls": ["http://a:8000/v1", "http://b:8000"]}}
+    )
+    assert config.rollout.base_urls == ("http://a:8000/v1", "http://b:8000")
+    assert parse_config(_toml_dict(config_to_toml(config))) == config
+
+
+def test_base_urls_must_be_http() -> None:
+    with pytest.raises(ConfigError, match=r"\[rollout\]\.base_urls .*'localhost:8000'"):
+        parse_config({"rollout": {"backend": "vllm", "base_urls": ["localhost:8000"]}})
+
+
+def test_base_urls_belong_to_the_vllm_backend() -> None:
+    with pytest.raises(ConfigError, match="backend = 'vllm'"):
+        parse_config({"rollout": {"base_urls": ["http://a:8000"]}})
+
+
+def test_train_refuses_the_openai_backend(tmp_path: Path) -> None:
+    """Issue 13 bug 4: it trained silently off-policy (no weights reach the server)."""
+    config = parse_config(
+        {
+            "rollout": {"backend": "openai", "base_url": "http://127.0.0.1:9/v1", "api_model": "m"},
+            "storage": {"runs_dir": str(tmp_path / "runs")},
+        }
+    )
+    path = tmp_path / "openai.toml"
+    path.write_text(config_to_toml(config))
+    with pytest.raises(ConfigError, match=r"cannot train.*backend = 'vllm'"):
+        open_run(path, None)
+
+
+def test_server_command_has_the_flags_training_needs(tiny_model_dir: Path) -> None:
+    spec = VLLMServerSpec(str(tiny_model_dir), enable_lora=True, max_lora_rank=16, max_loras=1)
+    command = spec.command(Path("/py"), 1234)
+    joined = " ".join(command)
+    assert "--logprobs-mode processed_logprobs" in joined
+    assert "--dtype float32" in joined and "--enforce-eager" in joined
+    assert "--enable-lora --max-lora-rank 16 --max-loras 1" in joined
+    env = spec.environment({})
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True" and env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_a_folder_without_config_json_is_refused_before_any_start(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="no config.json"):
+        VLLMServerSpec(str(tmp_path))
+
+
+def test_cpu_list_and_rank_limits() -> None:
+    assert cpu_list({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
+    assert cpu_list({3}) == "3"
+    assert lora_rank_limit(4) == 8 and lora_rank_limit(16) == 16 and lora_rank_limit(17) == 32
+    with pytest.raises(RuntimeError, match="above vLLM's largest"):
+        lora_rank_limit(1024)
+
+
+def _toml_dict(text: str) -> dict[str, object]:
+    import tomllib
+
+    return tomllib.loads(text)
