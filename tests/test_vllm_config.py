@@ -71,3 +71,15 @@ def _toml_dict(text: str) -> dict[str, object]:
     import tomllib
 
     return tomllib.loads(text)
+
+
+def test_a_base_url_that_does_not_answer_fails_before_any_episode(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from rollflow.policy.vllm_backend import VLLMPolicyError
+    from rollflow.policy.vllm_server import free_port
+    from rollflow.tasks.rollout import rollout_stage
+
+    silent = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    config = parse_config({"model": {"path": str(tiny_model_dir)}, "rollout": {"backend": "vllm", "base_urls": [silent]}})
+    with pytest.raises(VLLMPolicyError, match=f"{silent} does not answer"):
+        rollout_stage(config, tmp_path / "run", 0)
+    assert not list((tmp_path / "run").rglob("*.parquet"))
