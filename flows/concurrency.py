@@ -13,9 +13,11 @@ A killed holder's slot is a lease that expires ``LEASE_S`` after its last renewa
 Prefect server's repossessor frees it), so a retried run waits at most about that long
 for the slot its crashed attempt held.
 
-Simplified: the limit is machine-wide only when every flow talks to the same Prefect API
-(a server, as deployments do); two ``rollflow train`` processes on temporary local
-servers share it only through the same ``PREFECT_HOME`` database.
+Only where a Prefect server is configured (``PREFECT_API_URL``: deployments, workers, a
+shared server): that is where several flows can meet. A run on Prefect's temporary local
+server (plain ``rollflow train`` on a laptop) takes no slot: its server dies with it, and
+with it the background service that frees a crashed holder's lease, so a slot taken there
+could block the next run of that ``PREFECT_HOME`` for good.
 """
 
 from __future__ import annotations
@@ -43,9 +45,19 @@ def ensure_training_limit(slots: int = 1) -> None:
             client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=TRAINING_LIMIT, limit=slots))
 
 
+def server_configured() -> bool:
+    from prefect.settings import get_current_settings
+
+    return bool(get_current_settings().api.url)
+
+
 @contextmanager
 def one_training_at_a_time(what: str) -> Iterator[None]:
-    """Hold the machine's training slot for the body (at once if this thread holds it)."""
+    """Hold the machine's training slot for the body (at once if this thread holds it;
+    a no-op without a configured Prefect server)."""
+    if not server_configured():
+        yield
+        return
     if getattr(_held, "depth", 0) > 0:
         _held.depth += 1
         try:

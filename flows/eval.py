@@ -37,6 +37,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
+from rollflow.flows.concurrency import one_training_at_a_time
 from rollflow.flows.runs import freeze_config
 from rollflow.flows.train import validate
 from rollflow.storage.query import open_run_sql, step_metrics
@@ -141,7 +142,8 @@ def eval_flow(
     start_tracking(config, folder.root)
     succeeded = False
     try:
-        validate(config, folder.root, EVAL_STEP)
+        with one_training_at_a_time(f"eval {folder.root.name}"):
+            validate(config, folder.root, EVAL_STEP)
         succeeded = True
     finally:
         finish_tracking(config, folder.root, succeeded)

@@ -18,6 +18,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from rollflow.flows.concurrency import one_training_at_a_time
 from rollflow.flows.runs import freeze_config
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.runs import mark_run_kind
@@ -52,7 +53,8 @@ def sft_flow(config_path: str, run_dir: str | None = None) -> str:
     start_tracking(config, root)
     succeeded = False
     try:
-        policy = supervised_finetune(config, root)
+        with one_training_at_a_time(f"sft {root.name}"):
+            policy = supervised_finetune(config, root)
         log_sft_metrics(config, root, read_sft_result(policy))
         succeeded = True
     finally:
