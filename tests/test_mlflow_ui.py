@@ -15,10 +15,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from mlflow import MlflowClient
 from prefect_server import background, free_port, tail, wait_for
 
-from test_traces import validation_pass
+from test_traces import mlflow_run, validation_pass
 
 from rollflow.storage.traces import TraceSelection, log_validation_traces
 
@@ -38,10 +37,7 @@ def rendered_dom(url: str, profile: Path) -> str:
 
 
 def test_the_runs_traces_tab_lists_the_validation_episodes(tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = MlflowClient(uri)
-    experiment = client.create_experiment("ui", artifact_location=(tmp_path / "artifacts").as_uri())
-    run_id = client.create_run(experiment).info.run_id
+    uri, _, experiment, run_id = mlflow_run(tmp_path)
     episodes, scores = validation_pass(6)
     pass_dir = tmp_path / "validation" / "step=000005"
     pass_dir.mkdir(parents=True)

@@ -19,6 +19,14 @@ def validation_pass(count: int) -> tuple[list, list]:
     return episodes, scores
 
 
+def mlflow_run(tmp_path: Path) -> tuple[str, MlflowClient, str, str]:
+    """A SQLite MLflow store in ``tmp_path`` with one experiment and one run in it."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("traces", artifact_location=(tmp_path / "artifacts").as_uri())
+    return uri, client, experiment, client.create_run(experiment).info.run_id
+
+
 def test_selection_takes_the_best_the_worst_and_a_seeded_sample() -> None:
     _, scores = validation_pass(12)
     chosen = select_episodes(scores, TraceSelection(best=2, worst=2, sample=3, seed=1))
@@ -30,10 +38,7 @@ def test_selection_takes_the_best_the_worst_and_a_seeded_sample() -> None:
 
 
 def test_each_episode_is_a_trace_with_a_span_per_turn_and_tool_call(tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = MlflowClient(uri)
-    experiment = client.create_experiment("traces", artifact_location=(tmp_path / "artifacts").as_uri())
-    run_id = client.create_run(experiment).info.run_id
+    uri, client, experiment, run_id = mlflow_run(tmp_path)
     episodes, scores = validation_pass(4)
     pass_dir = tmp_path / "validation" / "step=000005"
     pass_dir.mkdir(parents=True)
