@@ -330,3 +330,44 @@ def test_an_adapter_above_the_servers_rank_limit_is_refused(
     (adapter / "adapter_config.json").write_text(json.dumps({"r": LORA_RANK * 4}))
     with pytest.raises(VLLMPolicyError, match=f"rank {LORA_RANK * 4}, above the server's --max-lora-rank {LORA_RANK}"):
         _policy(server, tokenizer).load_adapter(adapter, version=9)
+
+
+def test_rollflow_train_on_the_vllm_server_stamps_each_step_with_the_version_that_sampled_it(
+    server: VLLMServer, run_config: RunConfig, model_dir: Path, prefect_harness: object, tmp_path: Path
+) -> None:
+    """Two GRPO steps through the real flow; step 1's tokens are scored against step 0's adapter."""
+    from rollflow.flows.train import train_flow
+    from rollflow.storage.schemas import table_to_episode_records
+    from rollflow.tasks.config import ValidationConfig, config_to_toml
+
+    config = replace(
+        run_config,
+        env=replace(run_config.env, name="varied_reward_env:load_environment"),
+        rollout=replace(run_config.rollout, batch_size=2, episodes_per_task=2, max_turns=2, concurrency=4),
+        train=replace(run_config.train, num_steps=2, learning_rate=1e-2),
+        validation=ValidationConfig(validation_interval=0),
+        tracking=replace(run_config.tracking, enabled=False),
+        storage=replace(run_config.storage, runs_dir=str(tmp_path / "runs")),
+    )  # the session server's spec: the flow reuses it
+    config_path = tmp_path / "vllm.toml"
+    config_path.write_text(config_to_toml(config))
+    try:
+        run_dir = Path(train_flow(config_path=str(config_path), run_dir=str(tmp_path / "run")))
+        assert policy_io._GENERATOR[0].server is server, "the flow reused the running server"
+    finally:
+        policy_io.load_vllm_policy(run_config, None, 0)  # base again: adapter unloaded
+    folder = RunFolder(run_dir)
+    for step in (0, 1):
+        episodes = table_to_episode_records(folder.read_stage(step, "episodes"))
+        assert len(episodes) == 4 and {e.rollout.error for e in episodes} == {None}
+        assert {e.rollout.policy_version for e in episodes} == {step}
+    checkpoint = folder.checkpoint_dir(0)
+    sampler = _with_adapter(model_dir, checkpoint)
+    for record in table_to_episode_records(folder.read_stage(1, "episodes")):
+        context: list[int] = []
+        for action in record.rollout.actions:
+            context += action.prompt_delta_ids
+            expected = _hf_logprobs(sampler, context, action.token_ids, 1.0, 1.0)
+            worst = max(abs(a - b) for a, b in zip(action.logprobs, expected, strict=True))
+            assert worst < TOLERANCE, f"{record.episode_id}: step 1 was not sampled by version 1 ({worst:.2e})"
+            context += action.token_ids
