@@ -73,12 +73,21 @@ def run_export(args: argparse.Namespace) -> int:
     if result.is_adapter:
         print(f"  base model: {result.base_model}")
         print(f"  serve: vllm serve {result.base_model} --enable-lora "
-              f"--lora-modules policy={result.out} --max-lora-rank {max(16, result.lora_rank or 0)}")
+              f"--lora-modules policy={result.out} --max-lora-rank {vllm_lora_rank(result.lora_rank or 1)}")
     else:
         print(f"  serve: vllm serve {result.out}")
     if result.format == "weights" and not args.merged:
         print("  (a full-weight run: the checkpoint's weights were copied, as with --merged)", file=sys.stderr)
     return 0
+
+
+# The values vLLM's --max-lora-rank accepts (vLLM 0.32), smallest first.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest ``--max-lora-rank`` vLLM accepts that holds an adapter of ``rank``."""
+    return next((limit for limit in VLLM_LORA_RANKS if limit >= rank), rank)
 
 
 def _format_text(kind: str) -> str:
