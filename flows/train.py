@@ -1,4 +1,7 @@
-"""The GRPO training flow: per step, rollout -> scoring -> flatten -> train -> metrics.
+"""The GRPO training flow: per step, rollout -> scoring -> flatten -> [teacher] -> train -> metrics.
+
+The teacher stage (``tasks/teacher.py``) runs only where ``[train]`` names a teacher:
+on-policy distillation (``objective = "opd"``), or a GRPO run measuring its distance to one.
 
 The flow body only orchestrates: each stage is a plain function in ``tasks/`` taking
 ``(config, run_dir, step)`` and returning the path of the file it wrote, wrapped here in a
@@ -24,6 +27,7 @@ message rather than silently ignored.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -43,6 +47,7 @@ from rollflow.tasks.metrics import (
 )
 from rollflow.tasks.rollout import rollout_stage
 from rollflow.tasks.scoring import score_stage
+from rollflow.tasks.teacher import check_teacher, teacher_stage
 from rollflow.tasks.train import train_stage
 
 # The files are the cache: Prefect must neither hash configs nor persist results.
@@ -62,6 +67,11 @@ def scoring(config: RunConfig, run_dir: Path, step: int, split: str = "train") -
 @task(name="flatten", task_run_name="flatten step {step}", **_STAGE)
 def flatten(config: RunConfig, run_dir: Path, step: int) -> Path:
     return flatten_stage(config, run_dir, step)
+
+
+@task(name="teacher", task_run_name="teacher step {step}", **_STAGE)
+def teacher(config: RunConfig, run_dir: Path, step: int) -> Path:
+    return teacher_stage(config, run_dir, step)
 
 
 @task(name="train", task_run_name="train step {step}", **_STAGE)
@@ -113,14 +123,21 @@ def train_flow(config_path: str | None = None, run_dir: str | None = None) -> st
     return str(handle.root)
 
 
+def step_stages(config: RunConfig) -> tuple[tuple[str, Callable[..., Path]], ...]:
+    """A training step's stages in order; the teacher's only where one is configured (OPD)."""
+    scored = (("teacher", teacher),) if config.train.has_teacher else ()
+    return (("rollout", rollout), ("scoring", scoring), ("flatten", flatten), *scored, ("train", train))
+
+
 def run_training(handle: RunHandle) -> None:
     config, root = handle.config, handle.root
+    check_teacher(config)  # a teacher with another tokenizer is refused before any rollout
     for step in range(config.train.num_steps):
         if handle.step_finished(step):
             continue
         if validation_due(config, step):
             validate(config, root, step)
-        for name, stage in (("rollout", rollout), ("scoring", scoring), ("flatten", flatten), ("train", train)):
+        for name, stage in step_stages(config):
             run_timed(handle.folder, step, name, partial(stage, config, root, step))
         metrics(config, root, step)
         seconds = recorded_stage_seconds(handle.folder, step)

@@ -29,6 +29,11 @@ The metrics are two SQL texts kept here as constants, one per family, so the pip
   ``ScoreRecord.zero_variance``).
   ``reward_std`` is the population standard deviation.
 
+- ``TEACHER_METRICS_SQL`` (OPD runs, ``teacher_metrics``): ``teacher_kl``, the mean over
+  the step's action tokens of ``sampler_logprob - teacher_logprob`` (each sample's mean
+  weighted by its action tokens), logged as ``opd/teacher_kl``. A step without a teacher
+  table has no such metric, rather than a NaN in every GRPO run.
+
 Reading only ``scores`` (no join with ``episodes``) keeps the reward query at one pass
 over a few narrow columns.
 
@@ -137,6 +142,19 @@ FROM groups
 LEFT JOIN rewards USING (run_id, step)
 ORDER BY run_id, step
 """
+
+TEACHER_METRICS_SQL = """
+SELECT
+    run_id,
+    step,
+    sum(teacher_kl * num_action_tokens) / nullif(sum(num_action_tokens), 0) AS teacher_kl
+FROM teacher
+WHERE ($step IS NULL OR step = $step)
+  AND ($run_id IS NULL OR run_id = $run_id)
+GROUP BY run_id, step
+ORDER BY run_id, step
+"""
+TEACHER_METRIC_KEYS = {"teacher_kl": "opd/teacher_kl"}
 
 _READ_ONLY_HINT = "only SELECT, WITH, FROM, VALUES, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN"
 # EXPLAIN [ANALYZE] [(options)]: ANALYZE runs the statement it explains, so that is checked too
@@ -273,3 +291,16 @@ def step_metrics(
     run = _one_run(rows, what + (f" of run {run_id!r}" if run_id else ""))
     latest = max(s for r, s in rows if r == run)
     return rows[(run, latest)]
+
+
+def teacher_metrics(
+    con: duckdb.DuckDBPyConnection, step: int, run_id: str | None = None
+) -> dict[str, float]:
+    """``{"opd/teacher_kl": ...}`` for a training step with a teacher table; ``{}`` without."""
+    rows = _family(con, TEACHER_METRICS_SQL, {"step": step, "run_id": run_id})
+    if not rows:
+        return {}
+    if len(rows) > 1:
+        raise StorageError(f"step {step} matches several runs {sorted(r for r, _ in rows)}; pass run_id")
+    (values,) = rows.values()
+    return {TEACHER_METRIC_KEYS[name]: value for name, value in values.items()}

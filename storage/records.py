@@ -82,6 +82,23 @@ class SampleRecord:
 
 
 @dataclass(frozen=True)
+class TeacherRecord:
+    """A teacher's logprobs of one sample's sampled tokens (``teacher.parquet``, OPD only).
+
+    ``teacher_logprobs[t]`` is the teacher's ``log p(input_ids[t] | input_ids[:t])``,
+    aligned to the sample's ``input_ids`` like ``sampler_logprobs``; 0 on context tokens.
+    """
+
+    run_id: str
+    step: int
+    sample_id: str
+    episode_id: str
+    teacher_logprobs: tuple[float, ...]  # (T,) 0 on context
+    teacher_kl: float  # mean over action tokens of sampler_logprob - teacher_logprob
+    num_action_tokens: int  # the tokens teacher_kl averages over (a step's mean weighs by it)
+
+
+@dataclass(frozen=True)
 class TrainResult:
     """What one GRPO update did (``train.json``)."""
 

@@ -58,6 +58,8 @@ from rollflow.storage.schemas import KIND_KEY, RecordKind, train_result_from_jso
 
 SPLIT_DIRS = {"train": "steps", "validation": "validation"}
 STAGES = {"train": ("episodes", "scores", "samples", "train"), "validation": ("episodes", "scores")}
+# Stages only some runs have (OPD's teacher scores): allowed, but never what a run waits on.
+OPTIONAL_STAGES = {"train": ("teacher",), "validation": ()}
 TRAIN_JSON = "train.json"
 _STEP_RE = re.compile(r"^step=(\d+)$")
 
@@ -153,7 +155,7 @@ class RunFolder:
         return self.split_dir(split) / step_dirname(step)
 
     def _check_stage(self, stage: str, split: str) -> None:
-        allowed = STAGES[split] if split in STAGES else ()
+        allowed = STAGES[split] + OPTIONAL_STAGES[split] if split in STAGES else ()
         if stage not in allowed:
             self.split_dir(split)  # names a bad split first
             raise ValueError(f"{split} stages are {list(allowed)}, got {stage!r}")

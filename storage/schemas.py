@@ -39,7 +39,14 @@ from rollflow.envs.episode import EpisodeRollout
 from rollflow.envs.types import TruncationCause
 from rollflow.storage.errors import SchemaMismatchError
 from rollflow.storage.nested import action_to_row, dump_json, message_to_row, row_to_action, row_to_message
-from rollflow.storage.records import SCHEMA_VERSION, EpisodeRecord, SampleRecord, ScoreRecord, TrainResult
+from rollflow.storage.records import (
+    SCHEMA_VERSION,
+    EpisodeRecord,
+    SampleRecord,
+    ScoreRecord,
+    TeacherRecord,
+    TrainResult,
+)
 
 KIND_KEY = b"rollflow.record"
 VERSION_KEY = b"rollflow.schema_version"
@@ -49,6 +56,7 @@ class RecordKind(enum.StrEnum):
     EPISODES = "episodes"
     SCORES = "scores"
     SAMPLES = "samples"
+    TEACHER = "teacher"  # OPD: the teacher's logprobs of each sample
     TRAIN = "train"  # train.json rows; the `steps` view
 
 
@@ -154,6 +162,17 @@ SAMPLE_SCHEMA = _schema(
         ("num_action_tokens", pa.int32()),
     ],
 )
+TEACHER_SCHEMA = _schema(
+    RecordKind.TEACHER,
+    _KEYS
+    + [
+        ("sample_id", pa.string()),
+        ("episode_id", pa.string()),
+        ("teacher_logprobs", pa.list_(pa.float32())),
+        ("teacher_kl", pa.float64()),
+        ("num_action_tokens", pa.int32()),
+    ],
+)
 TRAIN_RESULT_SCHEMA = _schema(
     RecordKind.TRAIN,
     _KEYS
@@ -175,6 +194,7 @@ SCHEMAS: dict[RecordKind, pa.Schema] = {
     RecordKind.EPISODES: EPISODE_SCHEMA,
     RecordKind.SCORES: SCORE_SCHEMA,
     RecordKind.SAMPLES: SAMPLE_SCHEMA,
+    RecordKind.TEACHER: TEACHER_SCHEMA,
     RecordKind.TRAIN: TRAIN_RESULT_SCHEMA,
 }
 
@@ -342,6 +362,29 @@ def table_to_sample_records(table: pa.Table) -> list[SampleRecord]:
         )
         for row in table.to_pylist()
     ]
+
+
+_TEACHER_FIELDS = [n for n in TEACHER_SCHEMA.names if n != "schema_version"]
+
+
+def teacher_records_to_table(records: Sequence[TeacherRecord]) -> pa.Table:
+    rows = []
+    for record in records:
+        row: dict[str, Any] = {"schema_version": SCHEMA_VERSION}
+        row.update({name: getattr(record, name) for name in _TEACHER_FIELDS})
+        row["teacher_logprobs"] = list(record.teacher_logprobs)
+        rows.append(row)
+    return _to_table(_rows_to_columns(rows, TEACHER_SCHEMA), RecordKind.TEACHER)
+
+
+def table_to_teacher_records(table: pa.Table) -> list[TeacherRecord]:
+    _check_table(table, RecordKind.TEACHER)
+    records = []
+    for row in table.to_pylist():
+        fields = {name: row[name] for name in _TEACHER_FIELDS}
+        fields["teacher_logprobs"] = tuple(row["teacher_logprobs"])
+        records.append(TeacherRecord(**fields))
+    return records
 
 
 _TRAIN_FIELDS = [n for n in TRAIN_RESULT_SCHEMA.names if n != "schema_version"]

@@ -1,4 +1,5 @@
-"""The DuckDB views over one or more run folders: ``episodes``, ``scores``, ``samples``, ``steps``.
+"""The DuckDB views over one or more run folders: ``episodes``, ``scores``, ``samples``,
+``teacher`` (OPD runs only; empty elsewhere), ``steps``.
 
 Each view is a ``UNION ALL`` over (run, split) of one ``read_parquet`` (or ``read_json``
 for ``train.json``) of the files listed here, so a half-written temporary is never read
@@ -29,7 +30,7 @@ import pyarrow as pa
 
 from rollflow.storage.errors import SchemaMismatchError, StorageError
 from rollflow.storage.parquet import check_file
-from rollflow.storage.runfolder import SPLIT_DIRS, STAGES, RunFolder, parse_step_dirname
+from rollflow.storage.runfolder import OPTIONAL_STAGES, SPLIT_DIRS, STAGES, RunFolder, parse_step_dirname
 from rollflow.storage.runs import looks_like_run
 from rollflow.storage.schemas import SCHEMAS, TRAIN_RESULT_SCHEMA, RecordKind
 
@@ -37,6 +38,7 @@ VIEW_KINDS = {
     "episodes": RecordKind.EPISODES,
     "scores": RecordKind.SCORES,
     "samples": RecordKind.SAMPLES,
+    "teacher": RecordKind.TEACHER,
     "steps": RecordKind.TRAIN,
 }
 _JSON_TYPES = {
@@ -82,7 +84,7 @@ def collect_files(folders: Sequence[RunFolder], view: str) -> list[ViewFiles]:
     groups = []
     for folder in folders:
         for split in SPLIT_DIRS:
-            if stage not in STAGES[split]:
+            if stage not in STAGES[split] + OPTIONAL_STAGES[split]:
                 continue
             paths = _stage_files(folder, split, stage)
             for path in paths:

@@ -34,6 +34,7 @@ from rollflow.tasks.config_toml import toml_document
 Dtype = Literal["float32", "bfloat16", "float16"]
 Backend = Literal["transformers", "vllm", "openai"]
 LossName = Literal["grpo", "dr_grpo", "dapo"]
+Objective = Literal["grpo", "opd"]  # tasks/train.py's OBJECTIVES
 Compression = Literal["zstd", "snappy", "gzip", "lz4", "brotli", "none"]
 
 
@@ -163,9 +164,26 @@ class TrainConfig:
     seed: int = 0
     gradient_checkpointing: bool = False
     keep_checkpoints: int = 2  # the newest N policy versions stay on disk (resume needs 1)
+    # "grpo": the environment's group-relative advantage. "opd": on-policy distillation, the
+    # per-token reverse-KL signal kl_penalty_coef * (teacher_logp - sampler_logp) from a
+    # teacher scoring the student's own episodes (tasks/teacher.py). A teacher named under
+    # "grpo" is scored too (teacher.parquet, opd/teacher_kl) but only measured, not trained on.
+    objective: Objective = "grpo"
+    teacher_path: str | None = None  # an HF folder or a .gguf file; None = the bundled model
+    teacher_adapter: str | None = None  # a peft adapter folder on teacher_path
+    teacher_base_url: str | None = None  # or a vLLM server (prompt_logprobs of /v1/completions)
+    teacher_api_model: str | None = None  # the model name that server serves
+    kl_penalty_coef: float = 1.0  # weight of the reverse-KL signal (tinker-cookbook's name)
+    opd_discount: float = 0.0  # 0: per-token; else the discounted sum of later tokens' signal in the action
+    opd_reward_coef: float = 0.0  # weight of the environment's GRPO advantage mixed in
+
+    @property
+    def has_teacher(self) -> bool:
+        return any(v is not None for v in (self.teacher_path, self.teacher_adapter, self.teacher_base_url))
 
     def __post_init__(self) -> None:
         _check_types(self, "train")
+        self._check_teacher()
         for key in ("num_steps", "lora_rank", "max_tokens_per_microbatch", "minibatches",
                     "keep_checkpoints", "overlong_buffer_tokens"):
             _at_least(self, "train", key, 1)
@@ -180,6 +198,33 @@ class TrainConfig:
         _in_range(self, "train", "overlong_penalty_factor", 0.0, None)
         if not self.lora_target_modules:
             raise ConfigError("[train].lora_target_modules must name at least one module")
+
+    def _check_teacher(self) -> None:
+        _in_range(self, "train", "kl_penalty_coef", 0.0, None)
+        _in_range(self, "train", "opd_discount", 0.0, 1.0)
+        _in_range(self, "train", "opd_reward_coef", 0.0, None)
+        if self.objective == "opd" and not self.has_teacher:
+            raise ConfigError(
+                "[train].objective = 'opd' needs a teacher: [train].teacher_path and/or "
+                "teacher_adapter (a local model), or teacher_base_url + teacher_api_model (vLLM)"
+            )
+        if self.teacher_base_url is not None:
+            if self.teacher_path is not None or self.teacher_adapter is not None:
+                raise ConfigError(
+                    "[train].teacher_base_url names a server teacher; leave teacher_path and "
+                    "teacher_adapter unset (they name a local one)"
+                )
+            if self.teacher_api_model is None:
+                raise ConfigError("[train].teacher_base_url needs [train].teacher_api_model")
+            if not self.teacher_base_url.startswith(("http://", "https://")):
+                raise ConfigError(
+                    f"[train].teacher_base_url must start with http:// or https://; got {self.teacher_base_url!r}"
+                )
+        if self.objective == "opd" and self.dynamic_sampling:
+            raise ConfigError(
+                "[train].dynamic_sampling drops zero-variance groups, and OPD's groups of one "
+                "always are: its signal is the teacher's, not the reward's variance; set it false"
+            )
 
 
 @dataclass(frozen=True)

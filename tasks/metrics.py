@@ -30,7 +30,7 @@ from pathlib import Path
 
 from rollflow.storage.errors import NoDataError, SchemaMismatchError
 from rollflow.storage.parquet import write_bytes_atomic
-from rollflow.storage.query import open_run_sql, run_query, step_metrics
+from rollflow.storage.query import open_run_sql, run_query, step_metrics, teacher_metrics
 from rollflow.storage.records import TrainResult
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.transcript import render_episode
@@ -40,6 +40,7 @@ METRICS_JSON = "metrics.json"
 STAGE_SECONDS_JSON = "stage_seconds.json"  # stage name -> wall seconds of its one real run
 # A training step's stages, in order, with the output that marks each finished.
 STEP_STAGES = {"rollout": "episodes", "scoring": "scores", "flatten": "samples", "train": "train"}
+OPTIONAL_STEP_STAGES = {"teacher": "teacher"}  # only where a teacher is configured (OPD)
 REWARD_CURVE = "reward_curve.png"
 TRANSCRIPTS_TXT = "transcripts.txt"
 SAMPLE_TRANSCRIPTS = 2  # best and worst validation episodes each logged as text
@@ -76,6 +77,15 @@ def rollout_metrics(run_dir: Path, step: int, split: str) -> dict[str, float]:
     return {_EPISODE_KEYS[name]: value for name, value in raw.items()}
 
 
+def teacher_step_metrics(run_dir: Path, step: int) -> dict[str, float]:
+    """``opd/teacher_kl`` where the step has a teacher table (``{}`` otherwise)."""
+    con = open_run_sql([run_dir])
+    try:
+        return teacher_metrics(con, step)
+    finally:
+        con.close()
+
+
 def optim_metrics(result: TrainResult) -> dict[str, float]:
     metrics = {
         "optim/loss": result.loss,
@@ -97,9 +107,10 @@ def optim_metrics(result: TrainResult) -> dict[str, float]:
 def run_timed(folder: RunFolder, step: int, stage: str, run: Callable[[], Path]) -> Path:
     """Run one training-step stage; when it really works (its output was not there yet),
     record its wall seconds in the step's ``stage_seconds.json``."""
-    if stage not in STEP_STAGES:
-        raise ValueError(f"a training step's stages are {list(STEP_STAGES)}, got {stage!r}")
-    if folder.is_complete(step, STEP_STAGES[stage]):
+    outputs = STEP_STAGES | OPTIONAL_STEP_STAGES
+    if stage not in outputs:
+        raise ValueError(f"a training step's stages are {list(outputs)}, got {stage!r}")
+    if folder.is_complete(step, outputs[stage]):
         return run()  # finished before a crash: the stage skips itself, its figure stands
     started = time.perf_counter()
     path = run()
@@ -125,7 +136,7 @@ def time_metrics(folder: RunFolder, step: int) -> dict[str, float]:
     seconds = recorded_stage_seconds(folder, step)
     metrics = {f"time/{stage}": value for stage, value in seconds.items()}
     if set(STEP_STAGES) <= set(seconds):
-        metrics["time/step"] = sum(seconds[stage] for stage in STEP_STAGES)
+        metrics["time/step"] = sum(seconds[stage] for stage in STEP_STAGES | OPTIONAL_STEP_STAGES if stage in seconds)
     return metrics
 
 
@@ -136,6 +147,7 @@ def metrics_stage(config: RunConfig, run_dir: Path, step: int) -> Path:
     if path.exists():
         return path
     metrics = rollout_metrics(run_dir, step, "train")
+    metrics.update(teacher_step_metrics(run_dir, step))
     metrics.update(optim_metrics(folder.read_train_result(step)))
     metrics.update(time_metrics(folder, step))
     _log(config, folder, step, metrics)

@@ -107,5 +107,5 @@ def test_a_stage_times_file_that_is_not_stage_to_seconds_is_refused_by_path(tmp_
     path = folder.write_json_atomic(folder.step_dir(0) / STAGE_SECONDS_JSON, {"rollout": "fast"})
     with pytest.raises(SchemaMismatchError, match=re.escape(f"{path}: expected stage name -> seconds")):
         recorded_stage_seconds(folder, 0)
-    with pytest.raises(ValueError, match="stages are \\['rollout', 'scoring', 'flatten', 'train'\\], got 'metrics'"):
+    with pytest.raises(ValueError, match="stages are \\['rollout', 'scoring', 'flatten', 'train', 'teacher'\\], got 'metrics'"):
         run_timed(folder, 0, "metrics", lambda: path)

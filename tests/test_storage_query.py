@@ -186,7 +186,7 @@ def test_views_carry_run_step_and_split(run: RunFolder) -> None:
     _, rows = run_query(con, "SELECT run_id, step, loss, timings['fwd'] FROM steps")
     assert rows == [("run-a", 0, 0.25, 1.0)]
     columns = describe_views(con)
-    assert set(columns) == {"episodes", "scores", "samples", "steps"}
+    assert set(columns) == {"episodes", "scores", "samples", "teacher", "steps"}
     assert ("split", "VARCHAR") in columns["samples"]  # added from the folder
     _, rows = run_query(con, "SELECT count(*) FROM samples")
     assert rows == [(0,)]  # no samples stage anywhere: empty, still queryable
