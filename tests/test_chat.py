@@ -182,6 +182,21 @@ def test_bad_arguments_are_one_line_errors(tmp_path: Path, capsys: pytest.Captur
     assert "--temperature must be >= 0" in capsys.readouterr().err
 
 
+def test_a_server_policy_needs_both_its_url_and_model_name(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from rollflow.policy.openai_backend import OpenAIChatPolicy
+    from test_export import run_with_checkpoints
+
+    folder = run_with_checkpoints(tmp_path / "run", tiny_model_dir, use_lora=True, steps=0)
+    with pytest.raises(ExportError, match="needs both --base-url and --api-model"):
+        chat_policy(folder.root, base_url="http://127.0.0.1:8000/v1")
+    served = chat_policy(folder.root, base_url="http://127.0.0.1:8000/v1", api_model="trained", temperature=0.0)
+    assert isinstance(served.policy, OpenAIChatPolicy) and served.description == "trained at http://127.0.0.1:8000/v1"
+    assert served.policy.url == "http://127.0.0.1:8000/v1/chat/completions"
+    assert served.policy.settings.temperature == 0.0
+    with pytest.raises(ExportError, match="has no checkpoint"):
+        chat_policy(folder.root, step=0)
+
+
 # ---------------------------------------------------------------- a real terminal
 
 
