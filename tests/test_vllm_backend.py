@@ -371,3 +371,32 @@ def test_rollflow_train_on_the_vllm_server_stamps_each_step_with_the_version_tha
             worst = max(abs(a - b) for a, b in zip(action.logprobs, expected, strict=True))
             assert worst < TOLERANCE, f"{record.episode_id}: step 1 was not sampled by version 1 ({worst:.2e})"
             context += action.token_ids
+
+
+def test_full_weights_restart_the_server_on_the_checkpoint(
+    server: VLLMServer, run_config: RunConfig, model_dir: Path, tokenizer: PreTrainedTokenizerBase, tmp_path: Path
+) -> None:
+    """Last: it replaces the session's server (one at a time) with one on the new weights."""
+    import time
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.add_(torch.randn_like(weight) * 0.05)
+    folder = RunFolder(tmp_path / "run")
+    tmp = folder.new_checkpoint_tmp(0)
+    model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    (tmp / "version.json").write_text(json.dumps({"policy_version": 1, "step": 0, "use_lora": False}))
+    folder.commit_checkpoint(tmp, 0)
+    full = replace(run_config, train=replace(run_config.train, use_lora=False))
+
+    started = time.monotonic()
+    policy = policy_io.load_vllm_policy(full, folder, 1)
+    restart_s = time.monotonic() - started
+    restarted = policy_io._GENERATOR[0].server
+    assert restarted is not None and restarted is not server and not server.running
+    print(f"full-weight sync by restart: {restart_s:.1f} s (healthy after {restarted.startup_s:.1f} s)")
+    assert isinstance(policy, VLLMPolicy) and policy.version == 1 and policy.adapter_name is None
+    actions = _act_all(policy, _conversations())
+    _assert_exact(AutoModelForCausalLM.from_pretrained(str(folder.checkpoint_dir(0))).eval(), actions, 1.0)
