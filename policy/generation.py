@@ -44,9 +44,11 @@ Simplifications, and why:
   46 KB a token for SmolLM2-135M in float32. Only full-attention caches are supported
   (``DynamicCache`` layers that keep every position); a sliding-window layer is refused.
 - Reuse changes float sums, not the maths: a cached key was computed in another pass,
-  in another batch shape. Logprobs agree with a full forward pass to ~1e-6 in float32,
-  and a draw flips only where its uniform number falls within that of a boundary of the
-  cumulative distribution. A replay computes the same passes, so it stays bit-exact.
+  in another batch shape. Logprobs agree with a full forward pass to ~1e-6 in float32.
+  A draw can change only where such a difference crosses a boundary: the drawn token's
+  edge in the cumulative distribution, or, with top_p < 1, a near-tie at the nucleus's
+  edge that swaps which token is in (on the near-uniform tiny test model, 3 of 12
+  actions; none with top_p = 1). A replay computes the same passes: it stays bit-exact.
 """
 
 from __future__ import annotations
