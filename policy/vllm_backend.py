@@ -282,8 +282,8 @@ class VLLMSession:
             return "stop"
         if completion.server_finish == "stop":
             raise VLLMPolicyError(
-                f"the server ended an action on token {completion.token_ids[-1:]} , which is not one "
-                f"of our stop tokens {sorted(codec.stop_token_ids)} (a stop string set on the server?)"
+                f"the server stopped an action on token {completion.token_ids[-1]}, which is not "
+                f"one of our stop tokens {sorted(codec.stop_token_ids)} (a stop string set on the server?)"
             )
         if len(completion.token_ids) < max_new:  # the server's own context limit cut it
             return "context"

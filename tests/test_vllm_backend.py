@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from rollflow.envs.agent import PolicyAction
 from rollflow.envs.types import Message
-from rollflow.policy.models import build_tiny_model, load_tokenizer, ModelRef
+from rollflow.policy.models import ModelRef, build_tiny_model, load_tokenizer
 from rollflow.policy.sampling import SamplingSettings, sampling_logprobs
 from rollflow.policy.vllm_backend import VLLMPolicy, VLLMPolicyError
 from rollflow.policy.vllm_server import VLLMServer, VLLMServerError, VLLMServerSpec, free_port
