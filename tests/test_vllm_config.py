@@ -83,3 +83,23 @@ def test_a_base_url_that_does_not_answer_fails_before_any_episode(tmp_path: Path
     with pytest.raises(VLLMPolicyError, match=f"{silent} does not answer"):
         rollout_stage(config, tmp_path / "run", 0)
     assert not list((tmp_path / "run").rglob("*.parquet"))
+
+
+def test_full_weights_cannot_reach_external_servers(tmp_path: Path, tiny_model_dir: Path) -> None:
+    import json
+
+    from rollflow.storage.runfolder import RunFolder
+    from rollflow.tasks.policy_io import open_policy
+
+    folder = RunFolder(tmp_path / "run")
+    tmp = folder.new_checkpoint_tmp(0)
+    (tmp / "version.json").write_text(json.dumps({"policy_version": 1, "step": 0, "use_lora": False}))
+    folder.commit_checkpoint(tmp, 0)
+    config = parse_config({
+        "model": {"path": str(tiny_model_dir)},
+        "rollout": {"backend": "vllm", "base_urls": ["http://127.0.0.1:9/v1"]},
+        "train": {"use_lora": False},
+    })  # fmt: skip
+    with pytest.raises(ConfigError, match="full-weight checkpoints cannot reach external vLLM servers"):
+        with open_policy(config, folder, 1):
+            pass
