@@ -1,4 +1,4 @@
-"""``rollflow env new NAME --multi-turn|--async``: write a runnable starter environment.
+"""``rollflow env new NAME --multi-turn|--async|--single-turn``: write a runnable starter environment.
 
 ``write_starter(name, dest_dir, style)`` copies one of the starter packages in
 ``envs/starters/`` to ``dest_dir/NAME/`` (``__init__.py``, ``environment.py``,
@@ -21,12 +21,13 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-StarterStyle = Literal["hook", "async"]
+StarterStyle = Literal["hook", "async", "single"]
 
 _STARTERS = Path(__file__).parent / "starters"
 _SOURCES: dict[str, tuple[str, str]] = {  # style -> (folder, class name to rename)
     "hook": ("hook_style", "HookStarterEnv"),
     "async": ("async_style", "AsyncStarterEnv"),
+    "single": ("single_turn_style", "SingleTurnStarterEnv"),
 }
 _FILES = ("__init__.py", "environment.py", "test_environment.py")
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
@@ -40,7 +41,8 @@ def write_starter(name: str, dest_dir: Path, style: StarterStyle) -> list[Path]:
     """
     if style not in _SOURCES:
         raise ValueError(
-            f"unknown starter style {style!r}; expected 'hook' (--multi-turn) or 'async' (--async)"
+            f"unknown starter style {style!r}; expected 'hook' (--multi-turn), 'async' (--async) "
+            "or 'single' (--single-turn)"
         )
     _check_name(name)
     package_dir = Path(dest_dir) / name

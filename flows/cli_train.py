@@ -73,6 +73,8 @@ def _env_arguments(parser: argparse.ArgumentParser) -> None:
                        help="hook style: start_episode / step_episode / score_episode (default)")
     style.add_argument("--async", dest="style", action="store_const", const="async",
                        help="async style: Env with reset / step / tool_specs")
+    style.add_argument("--single-turn", dest="style", action="store_const", const="single",
+                       help="single turn: build_prompt_messages / score_response, one reply per episode")
     new.add_argument("--dest", default="envs", help="the folder to write the package into (default: envs, "
                      "loaded as [env] name = 'envs.NAME:load_environment')")
 
@@ -95,4 +97,4 @@ def run_env(args: argparse.Namespace) -> int:
 
 register(Command("train", "train a policy with GRPO (a Prefect flow); prints the run folder", _train_arguments, run_train))
 register(Command("resume", "continue a stopped or failed run from where it stopped", _resume_arguments, run_resume))
-register(Command("env", "environment tools: `rollflow env new NAME --multi-turn|--async`", _env_arguments, run_env))
+register(Command("env", "environment tools: `rollflow env new NAME --multi-turn|--async|--single-turn`", _env_arguments, run_env))

@@ -21,7 +21,7 @@ from rollflow.flows.cli import main
 TEST_HELPERS = {"rollflow.envs.runner", "rollflow.envs.scripted"}
 
 
-@pytest.mark.parametrize(("style", "expected_style"), [("hook", "hook"), ("async", "async")])
+@pytest.mark.parametrize(("style", "expected_style"), [("hook", "hook"), ("async", "async"), ("single", "hook")])
 def test_the_starter_is_a_loadable_package_named_after_the_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, style: str, expected_style: str
 ) -> None:
@@ -30,7 +30,7 @@ def test_the_starter_is_a_loadable_package_named_after_the_environment(
     assert [p.name for p in written] == ["__init__.py", "environment.py", "test_environment.py"]
     assert all(p.parent == tmp_path / name for p in written)
     source = (tmp_path / name / "environment.py").read_text()
-    class_name = "ShopAgentHookEnv" if style == "hook" else "ShopAgentAsyncEnv"
+    class_name = {"hook": "ShopAgentHookEnv", "async": "ShopAgentAsyncEnv", "single": "ShopAgentSingleEnv"}[style]
     assert f"class {class_name}(" in source and "StarterEnv" not in source
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
@@ -50,15 +50,16 @@ def test_the_starter_is_a_loadable_package_named_after_the_environment(
 def test_the_written_tests_pass_under_pytest(tmp_path: Path) -> None:
     write_starter("hooked", tmp_path, "hook")
     write_starter("asynced", tmp_path, "async")
+    write_starter("single", tmp_path, "single")
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "hooked", "asynced"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "hooked", "asynced", "single"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "4 passed" in result.stdout
+    assert "6 passed" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -93,7 +94,7 @@ def test_missing_destination_folders_are_created(tmp_path: Path) -> None:
     assert written[0] == tmp_path / "a" / "b" / "nested_env" / "__init__.py"
 
 
-@pytest.mark.parametrize("style", ["hook", "async"])
+@pytest.mark.parametrize("style", ["hook", "async", "single"])
 def test_the_starter_imports_the_reference_names_from_rollflow_itself(tmp_path: Path, style: str) -> None:
     """What a user copies reads like the reference docs: ``from rollflow import ...``."""
     write_starter("my_env", tmp_path, style)  # type: ignore[arg-type]
@@ -125,3 +126,12 @@ def test_env_new_says_which_spec_loads_what_it_wrote(
     err = capsys.readouterr().err
     assert 'name = "far_env:load_environment"' in err
     assert f"run rollflow from {tmp_path / 'elsewhere'};" in err
+
+
+def test_env_new_single_turn_writes_a_single_turn_starter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["env", "new", "quiz_env", "--single-turn"]) == 0
+    source = (tmp_path / "envs" / "quiz_env" / "environment.py").read_text()
+    assert "class QuizEnvEnv(EnvironmentSingleTurn)" in source
