@@ -177,7 +177,8 @@ class ServerTeacher:
             "temperature": 1.0, "prompt_logprobs": 0,
         }
         answer = self._post("/completions", body)
-        return [lp if w else 0.0 for lp, w in zip(parse_prompt_logprobs(answer, input_ids, self.name), wanted, strict=True)]
+        logprobs = parse_prompt_logprobs(answer, input_ids, self.name)
+        return [lp if w else 0.0 for lp, w in zip(logprobs, wanted, strict=True)]
 
     def fingerprint(self) -> TokenizerFingerprint:
         probe = self._post("/tokenize", {"model": self.api_model, "prompt": PROBE_TEXT, "add_special_tokens": False})
@@ -199,7 +200,9 @@ class ServerTeacher:
                 last = error
                 continue
             if response.status_code != 200:
-                raise TeacherError(f"teacher {self.name}: {url} answered HTTP {response.status_code}: {response.text[:300]}")
+                raise TeacherError(
+                    f"teacher {self.name}: {url} answered HTTP {response.status_code}: {response.text[:300]}"
+                )
             return response.json()
         raise TeacherError(f"teacher {self.name}: {url} did not answer: {last}")
 
@@ -214,7 +217,9 @@ def parse_prompt_logprobs(answer: Any, input_ids: Sequence[int], teacher: str) -
     try:
         entries = answer["choices"][0]["prompt_logprobs"]
     except (KeyError, IndexError, TypeError) as error:
-        raise TeacherError(f"teacher {teacher} sent no prompt_logprobs (a vLLM server?): {str(answer)[:300]}") from error
+        raise TeacherError(
+            f"teacher {teacher} sent no prompt_logprobs (a vLLM server?): {str(answer)[:300]}"
+        ) from error
     if not isinstance(entries, list) or len(entries) != len(input_ids):
         raise TeacherError(
             f"teacher {teacher}: {len(input_ids)} prompt tokens but "

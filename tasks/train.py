@@ -190,7 +190,9 @@ OBJECTIVES: dict[str, Objective] = {
 }
 
 
-def objective_samples(config: RunConfig, folder: RunFolder, step: int, samples: Sequence[SampleRecord]) -> list[SampleRecord]:
+def objective_samples(
+    config: RunConfig, folder: RunFolder, step: int, samples: Sequence[SampleRecord]
+) -> list[SampleRecord]:
     """The step's samples with the per-token advantages of ``[train].objective``."""
     objective = OBJECTIVES[config.train.objective]
     teacher: dict[str, TeacherRecord] = {}
