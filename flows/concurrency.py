@@ -1,7 +1,7 @@
 """One training at a time per machine: a Prefect global concurrency limit around heavy work.
 
 A nightly pipeline and a run someone starts by hand must never share the CPU or GPU, so
-every flow that trains or evaluates a local model holds one slot of the global
+every flow that trains or evaluates (train, SFT, eval, the pipeline) holds one slot of the global
 concurrency limit ``rollflow-training`` (created with 1 slot when missing; an operator
 may raise it with ``prefect gcl update rollflow-training --limit 2`` on a bigger box).
 A second flow waits for the slot, its log says so, and it starts when the first ends.

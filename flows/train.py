@@ -34,6 +34,7 @@ from pathlib import Path
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
+from rollflow.flows.concurrency import one_training_at_a_time
 from rollflow.flows.runs import RunHandle, open_run
 from rollflow.tasks.config import RunConfig
 from rollflow.tasks.flatten import flatten_stage
@@ -112,7 +113,8 @@ def train_flow(config_path: str | None = None, run_dir: str | None = None) -> st
     handle.report(f"run folder {handle.root}")
     start_tracking(handle.config, handle.root)
     try:
-        run_training(handle)
+        with one_training_at_a_time(f"train {handle.root.name}"):
+            run_training(handle)
     except BaseException:
         try:  # mark the MLflow run FAILED, but never hide why the run failed
             finish_tracking(handle.config, handle.root, succeeded=False)
