@@ -287,3 +287,15 @@ def test_a_cache_of_another_transcript_is_refused(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="does not start the context"):
         GenerationRequest((5, 6, 8, 9, 10, 11), 3, 0, out.cache)
 
+
+
+def test_the_bench_prints_both_runs_and_reuse_prefills_less(capsys: pytest.CaptureFixture[str]) -> None:
+    from repo_script import load_script
+
+    bench = load_script("bench/kv_reuse_bench.py")
+    assert bench.main(["--tiny", "--episodes", "2", "--turns", "3", "--tokens", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    reuse = next(line.split() for line in lines if line.split()[:1] == ["reuse"])
+    no_reuse = next(line.split() for line in lines if line.split()[:2] == ["no", "reuse"])
+    assert int(reuse[1]) < int(no_reuse[2])  # prefill tokens
+    assert lines[-1].endswith("identical actions: 6 of 6")
