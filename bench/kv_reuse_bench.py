@@ -119,14 +119,15 @@ def main(argv: list[str] | None = None) -> int:
             return TransformersPolicy(model, tokenizer, settings)
 
         measure("warm-up", policy(True), 2, 2)  # the first passes allocate and are slower
-        results = [measure("reuse", policy(True), args.episodes, args.turns),
-                   measure("no reuse", policy(False), args.episodes, args.turns)]
-    print(f"{args.episodes} episodes x {args.turns} turns, max_completion_tokens={args.tokens}, batched")
-    print(f"  {'':>9} {'prefill tokens':>14} {'prefill s':>9} {'decode s':>8} {'wall s':>7} "
-          f"{'sampled':>7} {'tokens/s':>8} {'peak cached':>11}")
-    for r in results:
-        print(f"  {r.mode:>9} {r.prefill_tokens:14d} {r.prefill_s:9.2f} {r.decode_s:8.2f} {r.wall_s:7.2f} "
-              f"{r.sampled_tokens:7d} {r.sampled_tokens / r.wall_s:8.1f} {r.peak_cached_tokens:11d}")
+        print(f"{args.episodes} episodes x {args.turns} turns, max_completion_tokens={args.tokens}, batched")
+        print(f"  {'':>9} {'prefill tokens':>14} {'prefill s':>9} {'decode s':>8} {'wall s':>7} "
+              f"{'sampled':>7} {'tokens/s':>8} {'peak cached':>11}")
+        results = []
+        for mode, kv_reuse in (("reuse", True), ("no reuse", False)):
+            r = measure(mode, policy(kv_reuse), args.episodes, args.turns)
+            results.append(r)
+            print(f"  {r.mode:>9} {r.prefill_tokens:14d} {r.prefill_s:9.2f} {r.decode_s:8.2f} {r.wall_s:7.2f} "
+                  f"{r.sampled_tokens:7d} {r.sampled_tokens / r.wall_s:8.1f} {r.peak_cached_tokens:11d}", flush=True)
     on, off = results
     pairs = [(a, b) for x, y in zip(on.actions, off.actions, strict=True) for a, b in zip(x, y, strict=True)]
     same = sum(a.token_ids == b.token_ids for a, b in pairs)
