@@ -14,6 +14,7 @@ The command (``VLLMServerSpec.command``)::
     python -m vllm.entrypoints.openai.api_server --model DIR --served-model-name NAME
         --host 127.0.0.1 --port P --max-model-len N --dtype float32 --enforce-eager
         --logprobs-mode processed_logprobs --generation-config vllm
+        --no-enable-chunked-prefill --max-num-batched-tokens max(N, 2048)
         [--enable-lora --max-lora-rank R --max-loras K]
 
 - ``vllm serve`` fails in the CPU wheel (it looks up a distribution named ``vllm``), so the
@@ -26,6 +27,11 @@ The command (``VLLMServerSpec.command``)::
 - ``--generation-config vllm``: the model folder's ``generation_config.json`` must not
   slip its own sampling defaults (top_k, repetition penalty) into our requests.
 - float32: bfloat16 is no faster on this CPU and its logprobs are off by about 0.1.
+- ``--no-enable-chunked-prefill --max-num-batched-tokens max(N, 2048)``: with chunked
+  prefill, a seeded request whose prompt is split over engine steps has its generator
+  rewound, which torch's CPU generators cannot do: vLLM 0.32's CPU engine dies ("CPU
+  Generator does not use offset") on the first prompt that does not fit the step's 2048
+  tokens (64 episodes of the bundled game are 36k). Each prompt is prefilled whole instead.
 
 Environment: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache; the server's RSS is about
 3 GB plus this), ``HF_HUB_OFFLINE=1`` (never reach for the Hub), with LoRA
@@ -75,6 +81,7 @@ DEFAULT_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 LOG_TAIL_CHARS = 3000
 # vLLM's --max-lora-rank accepts only these values.
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+CPU_PREFILL_STEP_TOKENS = 2048  # vLLM's default --max-num-batched-tokens for a CPU API server
 _POLL_S = 0.5
 _KILL_WAIT_S = 10.0
 
@@ -119,6 +126,8 @@ class VLLMServerSpec:
             "--enforce-eager",
             "--logprobs-mode", "processed_logprobs",
             "--generation-config", "vllm",
+            "--no-enable-chunked-prefill",
+            "--max-num-batched-tokens", str(max(self.max_model_len, CPU_PREFILL_STEP_TOKENS)),
         ]  # fmt: skip
         if self.enable_lora:
             args += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank),

@@ -37,7 +37,7 @@ from rollflow.tasks.config import ModelConfig, RolloutConfig, RunConfig, TrainCo
 
 pytestmark = pytest.mark.slow
 
-MAX_LEN = 512
+MAX_LEN = 3072  # above vLLM's 2048-token prefill step on CPU: see the long-prompt test
 LORA_RANK = 8
 TOLERANCE = 1e-4
 QUESTIONS = [f"Question {i}: how many crates are in bay {i}?" for i in range(6)]
@@ -197,6 +197,18 @@ def test_a_second_turn_sends_only_the_exact_tokens_and_stays_exact(
 def test_the_same_seed_gives_the_same_tokens(server: VLLMServer, tokenizer: PreTrainedTokenizerBase) -> None:
     runs = [_act_all(_policy(server, tokenizer), _conversations()) for _ in range(2)]
     assert [a.token_ids for a in runs[0]] == [a.token_ids for a in runs[1]]
+
+
+def test_a_seeded_prompt_longer_than_one_prefill_step_is_served(
+    server: VLLMServer, tokenizer: PreTrainedTokenizerBase, hf_model: PreTrainedModel
+) -> None:
+    """~2,400 tokens: more than vLLM's 2048-token step on CPU. With chunked prefill the split
+    prompt's seeded generator is rewound, which CPU generators cannot do: the engine died
+    ("CPU Generator does not use offset") on the bundled game's first step."""
+    question: list[Message] = [{"role": "user", "content": " ".join(["crates"] * 1200) + " in bay 3?"}]
+    (action,) = _act_all(_policy(server, tokenizer), [question])
+    assert len(action.prompt_delta_ids) > 2048 and action.token_ids
+    _assert_exact(hf_model, [action], 1.0)
 
 
 def test_endings_stop_length_and_context(server: VLLMServer, tokenizer: PreTrainedTokenizerBase) -> None:
