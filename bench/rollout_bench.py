@@ -6,7 +6,9 @@ game on the bundled SmolLM2, 8 tasks x 8 episodes, 6 turns, the same seeds. Prin
 engine: wall time, generated tokens/s, episodes per minute, prefill tokens sent, and for
 vLLM the server's own prefill / decode seconds (summed over requests, from ``/metrics``).
 
-- ``transformers``: the in-process backend (``[rollout].backend = "transformers"``).
+- ``transformers``: the in-process backend (``[rollout].backend = "transformers"``), which
+  keeps each episode's KV cache between turns (``SamplingSettings.kv_reuse``, the default);
+  ``transformers-no-kv-reuse`` re-prefills the whole transcript every turn, as it used to.
 - ``vllm``: a managed vLLM server on the base model (step 0).
 - ``vllm+lora``: the same server with a fresh rank-16 LoRA adapter on q/k/v/o loaded as
   step 1's checkpoint (peft's default init: the outputs equal the base model's, the cost is
@@ -18,14 +20,12 @@ The server start is not counted (printed apart): a training run pays it once.
 
 ``--tiny`` swaps in a 2-layer test model and 2 tasks x 2 episodes x 2 turns, to check the
 script itself. No timed assertions: the figures are for the README.
-
-Not measured here: the transformers backend with KV reuse between turns (issue 14 asks
-for it; it is not in this backend yet).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import shutil
@@ -38,6 +38,7 @@ from pathlib import Path
 import httpx
 
 from rollflow.policy.models import ModelRef, build_tiny_model, hf_model_folder
+from rollflow.policy.transformers_backend import TransformersPolicy
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_episode_records
 from rollflow.tasks import policy_io
@@ -117,9 +118,14 @@ def run_engine(engine: str, model_path: str | None, tiny: bool, workdir: Path) -
         started = time.monotonic()
         policy_io.load_vllm_policy(config, None, 0)
         print(f"vLLM server start: {time.monotonic() - started:.1f} s", file=sys.stderr)
+    given: TransformersPolicy | None = None
+    if engine == "transformers-no-kv-reuse":
+        given = policy_io.load_transformers_policy(config, None, 0)
+        assert isinstance(given, TransformersPolicy)
+        given.settings = dataclasses.replace(given.settings, kv_reuse=False)
     before = server_times() if backend == "vllm" else None
     started = time.monotonic()
-    rollout_stage(config, run_dir, step)
+    rollout_stage(config, run_dir, step, policy=given)
     wall_s = time.monotonic() - started
     after = server_times() if backend == "vllm" else None
     episodes = table_to_episode_records(RunFolder(run_dir).read_stage(step, "episodes"))
@@ -136,7 +142,7 @@ def run_engine(engine: str, model_path: str | None, tiny: bool, workdir: Path) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a 2-layer test model: check the script")
-    parser.add_argument("--engines", default="transformers,vllm,vllm+lora")
+    parser.add_argument("--engines", default="transformers,transformers-no-kv-reuse,vllm,vllm+lora")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="rollout-bench-"))
     model_path = None
