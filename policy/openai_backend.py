@@ -208,7 +208,7 @@ class OpenAIChatSession:
                 last_error = f"{type(error).__name__}: {error}"
                 continue
             if response.status_code in _RETRIED_STATUS:
-                last_error = f"HTTP {response.status_code}: {_error_message(response)}"
+                last_error = f"HTTP {response.status_code}: {server_error_message(response)}"
                 continue
             return _parse_response(policy.url, response, policy.settings), attempt
         raise OpenAIPolicyError(f"{policy.url}: all {attempts} attempts failed; last: {last_error}")
@@ -221,7 +221,7 @@ class OpenAIChatSession:
 
 def _parse_response(url: str, response: httpx.Response, settings: SamplingSettings) -> _Completion:
     if response.status_code != 200:
-        message = _error_message(response)
+        message = server_error_message(response)
         if response.status_code == 400 and _CONTEXT_ERROR.search(message):
             raise _ContextExceeded(message)
         raise OpenAIPolicyError(f"{url} answered HTTP {response.status_code}: {message}")
@@ -275,7 +275,8 @@ def _finish_reason(
     return "context" if isinstance(total, int) and total >= settings.max_model_length else "length"
 
 
-def _error_message(response: httpx.Response) -> str:
+def server_error_message(response: httpx.Response) -> str:
+    """An OpenAI-compatible server's error text (its ``error.message``, else the body), cut to 300 characters."""
     try:
         payload = response.json()
     except ValueError:

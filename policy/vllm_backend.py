@@ -74,6 +74,7 @@ from transformers import PreTrainedTokenizerBase
 from rollflow.envs.agent import FinishReason, PolicyAction
 from rollflow.envs.types import Message, ToolSpec
 from rollflow.policy.codec import ChatCodec, TokenState
+from rollflow.policy.openai_backend import server_error_message
 from rollflow.policy.sampling import EpisodeSeeds, SamplingSettings, request_seed
 from rollflow.policy.stopping import raise_if_stop_requested
 
@@ -311,7 +312,7 @@ class VLLMSession:
                     completion = _parse_completion(url, response, policy.settings.temperature)
                     self._count(url, completion, len(context_ids), time.perf_counter() - sent)
                     return completion, attempt
-                last_error = f"{url}: HTTP {response.status_code}: {_error_message(response)}"
+                last_error = f"{url}: HTTP {response.status_code}: {server_error_message(response)}"
             policy.stats.retries += 1
         raise VLLMPolicyError(f"all {attempts} attempts at an action failed; last: {last_error}")
 
@@ -353,7 +354,7 @@ def completion_body(
 
 def _parse_completion(url: str, response: httpx.Response, temperature: float) -> _Completion:
     if response.status_code != 200:
-        raise VLLMPolicyError(f"{url} answered HTTP {response.status_code}: {_error_message(response)}")
+        raise VLLMPolicyError(f"{url} answered HTTP {response.status_code}: {server_error_message(response)}")
     try:
         choice = response.json()["choices"][0]
         token_ids = tuple(int(t) for t in choice["token_ids"])
@@ -393,7 +394,7 @@ def _get_models(url: str) -> httpx.Response:
     except httpx.HTTPError as error:
         raise VLLMPolicyError(f"{url} does not answer: {type(error).__name__}: {error}") from error
     if response.status_code != 200:
-        raise VLLMPolicyError(f"{url}/models answered HTTP {response.status_code}: {_error_message(response)}")
+        raise VLLMPolicyError(f"{url}/models answered HTTP {response.status_code}: {server_error_message(response)}")
     return response
 
 
@@ -427,7 +428,7 @@ def _admin_post(url: str, body: dict[str, Any], *, what: str) -> None:
         raise VLLMPolicyError(f"{url}: {what} failed: {type(error).__name__}: {error}") from error
     if response.status_code != 200:
         raise VLLMPolicyError(
-            f"{url}: {what} failed, HTTP {response.status_code}: {_error_message(response)} "
+            f"{url}: {what} failed, HTTP {response.status_code}: {server_error_message(response)} "
             "(does the server run with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True?)"
         )
 
@@ -437,13 +438,3 @@ def _adapter_rank(adapter: Path) -> int:
         return int(json.loads((adapter / "adapter_config.json").read_text())["r"])
     except (OSError, ValueError, KeyError) as error:
         raise VLLMPolicyError(f"{adapter} is not a peft LoRA adapter folder: {error}") from error
-
-
-def _error_message(response: httpx.Response) -> str:
-    try:
-        payload = response.json()
-    except ValueError:
-        return response.text[:300]
-    error = payload.get("error", payload) if isinstance(payload, dict) else payload
-    message = error.get("message") if isinstance(error, dict) else None
-    return str(message or payload)[:300]
