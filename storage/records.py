@@ -115,3 +115,9 @@ class TrainResult:
     learning_rate: float
     tokens_per_s: float
     timings: Mapping[str, float] = field(default_factory=dict)  # seconds, by phase
+    # Off-policy figures (None in a train.json written before they existed, or where they
+    # do not apply): mean k3 KL(sampler || trainer at step start) per action token, the mean
+    # behaviour weight, the share of tokens truncated or masked (policy/loss.py).
+    mismatch_kl: float | None = None
+    is_weight_mean: float | None = None
+    corrected_fraction: float | None = None

@@ -188,6 +188,9 @@ TRAIN_RESULT_SCHEMA = _schema(
         ("learning_rate", pa.float64()),
         ("tokens_per_s", pa.float64()),
         ("timings", pa.map_(pa.string(), pa.float64())),
+        ("mismatch_kl", pa.float64()),
+        ("is_weight_mean", pa.float64()),
+        ("corrected_fraction", pa.float64()),
     ],
 )
 SCHEMAS: dict[RecordKind, pa.Schema] = {
@@ -388,6 +391,8 @@ def table_to_teacher_records(table: pa.Table) -> list[TeacherRecord]:
 
 
 _TRAIN_FIELDS = [n for n in TRAIN_RESULT_SCHEMA.names if n != "schema_version"]
+# Added after SCHEMA_VERSION 2 without a bump: a train.json without them reads them as None.
+_OPTIONAL_TRAIN_FIELDS = ("mismatch_kl", "is_weight_mean", "corrected_fraction")
 
 
 def train_result_to_json(result: TrainResult) -> dict[str, Any]:
@@ -407,10 +412,10 @@ def train_result_from_json(data: Mapping[str, Any]) -> TrainResult:
             f"train result schema version {data.get('schema_version')!r}, "
             f"this rollflow reads {SCHEMA_VERSION}"
         )
-    missing = [name for name in _TRAIN_FIELDS if name not in data]
+    missing = [name for name in _TRAIN_FIELDS if name not in data and name not in _OPTIONAL_TRAIN_FIELDS]
     if missing:
         raise ValueError(f"train result lacks {missing}")
-    return TrainResult(**{name: data[name] for name in _TRAIN_FIELDS})
+    return TrainResult(**{name: data.get(name) for name in _TRAIN_FIELDS})
 
 
 def train_results_to_table(results: Sequence[TrainResult]) -> pa.Table:

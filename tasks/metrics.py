@@ -100,6 +100,12 @@ def optim_metrics(result: TrainResult) -> dict[str, float]:
     }
     if result.kl is not None:
         metrics["optim/kl"] = result.kl
+    off_policy = {
+        "async/mismatch_kl": result.mismatch_kl,
+        "offpolicy/is_weight_mean": result.is_weight_mean,
+        "offpolicy/corrected_fraction": result.corrected_fraction,
+    }
+    metrics.update({key: value for key, value in off_policy.items() if value is not None})
     metrics.update({f"time/train_{phase}": seconds for phase, seconds in result.timings.items()})
     return metrics
 
