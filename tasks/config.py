@@ -35,6 +35,7 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 Backend = Literal["transformers", "vllm", "openai"]
 LossName = Literal["grpo", "dr_grpo", "dapo"]
 Objective = Literal["grpo", "opd"]  # tasks/train.py's OBJECTIVES
+OffPolicyCorrection = Literal["none", "tis", "mask"]  # policy/loss.py's CORRECTIONS
 Compression = Literal["zstd", "snappy", "gzip", "lz4", "brotli", "none"]
 
 
@@ -153,6 +154,13 @@ class TrainConfig:
     # (each a share of every group), one step each, PPO-style. The same forward and
     # backward compute as 1; later steps lean on the ratio clip to stay near the sampler.
     minibatches: int = 1
+    # Stale (async) samples: "tis" weights each token's surrogate by the truncated ratio
+    # min(exp(prox_logp - sampler_logp), off_policy_cap) and clips against the trainer's
+    # step-start policy; "mask" drops tokens whose ratio leaves [1/cap, cap]; "none" is the
+    # uncorrected loss. None: "tis" when [rollout].max_steps_off_policy is set, else "none"
+    # (RunConfig.off_policy_correction). 2.0 is verl's rollout_is_threshold.
+    off_policy_correction: OffPolicyCorrection | None = None
+    off_policy_cap: float = 2.0
     scale_advantages_by_std: bool = True  # GRPO as published; Dr. GRPO sets False
     dynamic_sampling: bool = False  # True: zero-variance groups are not trained
     failed_parse_reward: float = -0.1  # reference default
@@ -196,6 +204,7 @@ class TrainConfig:
         _in_range(self, "train", "kl_coef", 0.0, None)
         _in_range(self, "train", "max_grad_norm", 0.0, None, low_open=True)
         _in_range(self, "train", "overlong_penalty_factor", 0.0, None)
+        _in_range(self, "train", "off_policy_cap", 1.0, None, low_open=True)
         if not self.lora_target_modules:
             raise ConfigError("[train].lora_target_modules must name at least one module")
 
@@ -326,6 +335,13 @@ class RunConfig:
     @property
     def groups_in_flight(self) -> int:
         return self.rollout.groups_in_flight or self.rollout.batch_size
+
+    @property
+    def off_policy_correction(self) -> OffPolicyCorrection:
+        """[train].off_policy_correction, else "tis" for async runs and "none" in lockstep."""
+        if self.train.off_policy_correction is not None:
+            return self.train.off_policy_correction
+        return "tis" if self.rollout.max_steps_off_policy is not None else "none"
 
     @property
     def val_max_turns(self) -> int | None:

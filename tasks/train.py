@@ -40,6 +40,20 @@ K minibatches with a step each (PPO-style: more learning per rolled-out episode,
 same forward and backward compute). Simplified on purpose: no PPO epochs over the same data,
 AdamW with a constant learning rate and no weight decay, no sequence packing inside a row.
 On CPU with a fixed seed the same inputs give bit-identical weights.
+
+Off-policy correction (``[train].off_policy_correction``, the formulas in
+``rollflow.policy.loss``): async runs train on groups a policy several versions old
+sampled, and the PPO clip against that stale sampler alone is what peers found unstable.
+``tis`` (the default when ``[rollout].max_steps_off_policy`` is set) takes the PPO ratio
+against the trainer's own policy at the start of the step (the proximal policy) and weights
+each token by ``min(exp(prox_logp - sampler_logp), off_policy_cap)``; ``mask`` zeroes the
+tokens whose ratio leaves ``[1/cap, cap]``; ``none`` (the lockstep default) is the loss
+without correction, unchanged. The proximal logprobs cost nothing with one minibatch (the
+step's forward, detached); with K > 1 they are one extra no-grad forward over the trained
+samples before the first optimizer step, packed as the training forwards are. Every step
+reports the sampler/trainer mismatch (k3 of ``prox_logp - sampler_logp``, under ``none``
+against the policy at the start of each optimizer step), the mean weight and the share of
+tokens truncated or masked.
 """
 
 from __future__ import annotations
@@ -92,7 +106,8 @@ class UpdateSettings:
     def from_config(cls, config: RunConfig, pad_token_id: int) -> UpdateSettings:
         train = config.train
         return cls(
-            loss=LossSettings(train.loss, train.clip_eps_low, train.clip_eps_high, train.kl_coef),
+            loss=LossSettings(train.loss, train.clip_eps_low, train.clip_eps_high, train.kl_coef,
+                              config.off_policy_correction, train.off_policy_cap),
             max_tokens_per_microbatch=train.max_tokens_per_microbatch,
             max_grad_norm=train.max_grad_norm,
             temperature=config.rollout.temperature,
@@ -114,6 +129,9 @@ class UpdateStats:
     num_action_tokens: int
     num_microbatches: int
     seconds: float
+    mismatch_kl: float | None = None  # mean k3 KL(sampler || trainer at step start); None: no token computed
+    is_weight_mean: float | None = None  # mean behaviour weight; None under correction "none"
+    corrected_fraction: float | None = None  # share of tokens truncated (tis) or masked (mask)
 
     @property
     def tokens_per_s(self) -> float:
@@ -379,8 +397,9 @@ def grpo_update(
 
     A minibatch with no action token at all takes no step. With one minibatch (the
     default) this is one step on the whole batch. Later minibatches are scored by a policy
-    that earlier ones already moved: the importance ratio against the sampler's logprobs
-    (and its clip) is what keeps those steps on-policy enough, as in PPO.
+    that earlier ones already moved: the importance ratio against the old policy (the
+    sampler, or under an off-policy correction the proximal policy computed here before the
+    first step) and its clip are what keep those steps near it, as in PPO.
     """
     start = time.perf_counter()
     num_tokens = sum(len(s.input_ids) for s in samples)
@@ -394,23 +413,77 @@ def grpo_update(
                            time.perf_counter() - start)
     use_reference = ref_logprobs_fn is not None and settings.loss.kl_coef > 0
     train_without_dropout(model)
+    prox: dict[str, torch.Tensor] | None = None
+    if settings.loss.off_policy_correction != "none" and len(minibatches) > 1:
+        prox = proximal_logprobs(model, [c for c, _ in minibatches], use_reference, settings)
     losses, grad_norms, stats, num_microbatches = [], [], LossStats(), 0
     for chunk, totals in minibatches:
         loss, grad_norm, chunk_stats, count = _optimizer_step(
-            model, ref_logprobs_fn if use_reference else None, optimizer, chunk, totals, settings
+            model, ref_logprobs_fn if use_reference else None, optimizer, chunk, totals, settings, prox
         )
         losses.append(loss)
         grad_norms.append(grad_norm)
         stats = stats + chunk_stats
         num_microbatches += count
     model.eval()
+    corrected = settings.loss.off_policy_correction != "none" and stats.action_tokens > 0
     return UpdateStats(
         loss=sum(losses) / len(losses), kl=stats.kl_mean if use_reference else None,
         clip_fraction=stats.clip_fraction, ratio_mean=stats.ratio_mean,
         grad_norm=sum(grad_norms) / len(grad_norms), num_samples=len(samples),
         num_tokens=num_tokens, num_action_tokens=sum(t.num_action_tokens for _, t in minibatches),
         num_microbatches=num_microbatches, seconds=time.perf_counter() - start,
+        mismatch_kl=stats.mismatch_kl_mean if stats.action_tokens else None,
+        is_weight_mean=stats.is_weight_mean if corrected else None,
+        corrected_fraction=stats.corrected_fraction if corrected else None,
     )
+
+
+def _trained_batches(
+    samples: Sequence[SampleRecord], keep_all: bool, settings: UpdateSettings
+) -> list[list[SampleRecord]]:
+    """The micro-batches a step forwards: without a KL term (``keep_all`` False) a sample
+    whose advantages are all 0 (a zero-variance group) adds exactly 0 to the loss and its
+    gradient, so it is left out; the step's totals still count it."""
+    trained = samples if keep_all else [s for s in samples if _has_signal(s)]
+    return pack_microbatches(trained, settings.max_tokens_per_microbatch) if trained else []
+
+
+def proximal_logprobs(
+    model: PreTrainedModel, chunks: Sequence[Sequence[SampleRecord]], keep_all: bool,
+    settings: UpdateSettings,
+) -> dict[str, torch.Tensor]:
+    """The policy's logprobs before any optimizer step, by sample id: (T-1,), 0 on context.
+
+    One no-grad forward over every sample the steps will train, packed exactly as their
+    own forwards will be, so the first minibatch's ratio against it starts at 1.
+    """
+    prox: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for chunk in chunks:
+            for batch in _trained_batches(chunk, keep_all, settings):
+                t = _microbatch_tensors(batch, settings.pad_token_id)
+                wanted_BT = t["loss_mask"][:, 1:] > 0
+                logprobs_BT = token_logprobs(
+                    model, t["input_ids"], t["attention_mask"], settings.temperature, wanted_BT)
+                for s, row_T in zip(batch, logprobs_BT, strict=True):
+                    if s.sample_id in prox:
+                        raise ValueError(f"sample id {s.sample_id!r} appears twice in one training batch")
+                    prox[s.sample_id] = row_T[: len(s.input_ids) - 1].clone()
+    return prox
+
+
+def _batch_proximal(
+    prox: Mapping[str, torch.Tensor] | None, batch: Sequence[SampleRecord], like_BT: torch.Tensor
+) -> torch.Tensor | None:
+    """``batch``'s rows of ``prox``, right-padded with 0 to ``like_BT``'s (B, T-1)."""
+    if prox is None:
+        return None
+    out_BT = torch.zeros_like(like_BT)
+    for b, s in enumerate(batch):
+        row_T = prox[s.sample_id]
+        out_BT[b, : row_T.shape[0]] = row_T
+    return out_BT
 
 
 def _optimizer_step(
@@ -420,16 +493,18 @@ def _optimizer_step(
     samples: Sequence[SampleRecord],
     totals: BatchTotals,
     settings: UpdateSettings,
+    prox: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[float, float, LossStats, int]:
-    """One optimizer step on ``samples``: (loss, grad norm before clipping, stats, micro-batches)."""
+    """One optimizer step on ``samples``: (loss, grad norm before clipping, stats, micro-batches).
+
+    ``prox``: the step-start policy's logprobs by sample id (None: this step's own forward
+    is the proximal policy).
+    """
     _zero_grads(optimizer)
     loss_total, stats = 0.0, LossStats()
-    # Without a KL term a sample whose advantages are all 0 (a zero-variance group) adds
-    # exactly 0 to the loss and its gradient, so its forward and backward are skipped;
-    # ``totals`` still count it, so the loss of the others is unchanged. The optimizer
-    # steps even when nothing is left (Adam's momentum moves on, as with a zero gradient).
-    trained = samples if ref_logprobs_fn is not None else [s for s in samples if _has_signal(s)]
-    batches = pack_microbatches(trained, settings.max_tokens_per_microbatch) if trained else []
+    # The optimizer steps even when no sample is left to forward (Adam's momentum moves
+    # on, as with a zero gradient).
+    batches = _trained_batches(samples, ref_logprobs_fn is not None, settings)
     for batch in batches:
         raise_if_stop_requested()  # SIGTERM: abandon the step; nothing of it is written
         t = _microbatch_tensors(batch, settings.pad_token_id)
@@ -438,7 +513,7 @@ def _optimizer_step(
         ref_BT = ref_logprobs_fn(t["input_ids"], t["attention_mask"], wanted_BT) if ref_logprobs_fn else None
         loss, batch_stats = grpo_loss(
             logprobs_BT, t["sampler_logprobs"][:, 1:], t["advantages"][:, 1:],
-            t["loss_mask"][:, 1:], totals, settings.loss, ref_BT,
+            t["loss_mask"][:, 1:], totals, settings.loss, ref_BT, _batch_proximal(prox, batch, logprobs_BT),
         )
         loss.backward()  # accumulates: each micro-batch loss is already its share of the total
         loss_total += loss.item()
@@ -536,5 +611,6 @@ def _train_result(
         clip_fraction=stats.clip_fraction, grad_norm=stats.grad_norm,
         num_samples=stats.num_samples, num_tokens=stats.num_tokens,
         num_action_tokens=stats.num_action_tokens, learning_rate=config.train.learning_rate,
-        tokens_per_s=stats.tokens_per_s, timings=dict(timings),
+        tokens_per_s=stats.tokens_per_s, timings=dict(timings), mismatch_kl=stats.mismatch_kl,
+        is_weight_mean=stats.is_weight_mean, corrected_fraction=stats.corrected_fraction,
     )
