@@ -51,6 +51,17 @@ SIGTERM (``start`` installs ``rollflow.policy.stopping.exit_on_sigterm`` when th
 still has Python's default SIGTERM action, which would skip ``atexit``). A SIGKILLed
 rollflow cannot stop anything: its server is left running.
 
+A server that died (``running`` is False, ``exit_status`` says how) is brought back by
+``restart(reason)``: what is left of its group is stopped, a line
+``rollflow: restarting the vLLM server: REASON`` is appended to its log (or to the new
+``log_path`` given), and the same spec starts again on a fresh port (so ``base_url``
+changes). Who restarts, and how often, is the caller's business
+(``rollflow.tasks.rollout``).
+
+Logs without a run folder go to a temporary ``/tmp/rollflow-vllm-*.log``, deleted when
+the server is stopped while still running (a clean stop); kept, and its path printed to
+stderr, when the server failed to start or had died (the log is then the evidence).
+
 Simplifications, and why:
 - The port is found by binding port 0 and closing the socket; another process could take
   it in between. The server then fails to start and the error quotes its log.
@@ -64,6 +75,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Mapping
@@ -140,6 +152,9 @@ class VLLMServerSpec:
         env["HF_HUB_OFFLINE"] = "1"
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list(os.sched_getaffinity(0)))
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        # /collective_rpc reload_weights and /reset_prefix_cache: full-weight sync in place
+        # (VLLMPolicy.reload_weights). The server listens on loopback only.
+        env.setdefault("VLLM_SERVER_DEV_MODE", "1")
         if self.enable_lora:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         return env
@@ -199,8 +214,12 @@ class VLLMServer:
         self.startup_timeout_s = startup_timeout_s
         self.port: int | None = None
         self.startup_s: float | None = None  # seconds from spawn to healthy
+        self.restarts = 0  # how often ``restart`` brought it back
         self._process: subprocess.Popen[bytes] | None = None
         self._command: list[str] = []
+        self._temp_log = False  # log_path is ours to delete after a clean stop
+        self._keep_log = False  # it failed or died: the log is evidence
+        self._exit_status: int | None = None  # of the last process, once it ended
 
     @property
     def base_url(self) -> str:
@@ -213,6 +232,25 @@ class VLLMServer:
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
+    @property
+    def exit_status(self) -> int | None:
+        """The server process's exit status once it ended (negative: killed by that signal)."""
+        if self._process is not None:
+            return self._process.poll()
+        return self._exit_status
+
+    def describe_exit(self) -> str:
+        """``"exited with status 3"``, ``"was killed by SIGKILL"`` or ``"is running"``."""
+        status = self.exit_status
+        if status is None:
+            return "is running" if self.running else "was never started"
+        if status < 0:
+            try:
+                return f"was killed by {signal.Signals(-status).name} (exit status {status})"
+            except ValueError:
+                pass
+        return f"exited with status {status}"
+
     def start(self) -> VLLMServer:
         if self._process is not None:
             raise VLLMServerError("start() on a server that was already started")
@@ -223,7 +261,7 @@ class VLLMServer:
         if self.log_path is None:
             handle, name = tempfile.mkstemp(prefix="rollflow-vllm-", suffix=".log")
             os.close(handle)
-            self.log_path = Path(name)
+            self.log_path, self._temp_log = Path(name), True
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         with self.log_path.open("ab") as log:
@@ -235,17 +273,48 @@ class VLLMServer:
         try:
             self._wait_healthy(started)
         except BaseException:
+            self._keep_log = True
             self.stop()
             raise
         self.startup_s = time.monotonic() - started
         return self
 
+    def restart(self, reason: str, *, log_path: Path | None = None) -> VLLMServer:
+        """Stop what is left of the server, note ``reason`` in the log, start the same spec.
+
+        ``log_path``: where the new server logs (default: the same log, appended to).
+        """
+        self._keep_log = True  # the old log tells how it died
+        self.stop()
+        if log_path is not None and log_path != self.log_path:
+            self.log_path, self._temp_log = log_path, False
+        assert self.log_path is not None
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("a", encoding="utf-8") as log:
+            log.write(f"\nrollflow: restarting the vLLM server: {reason}\n")
+        self.port, self.startup_s = None, None
+        self.start()
+        self.restarts += 1
+        return self
+
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM to the process group, wait for all of it, SIGKILL after ``grace_s``."""
+        """SIGTERM to the process group, wait for all of it, SIGKILL after ``grace_s``.
+
+        A temporary log is deleted after a clean stop, else kept (see the module docstring).
+        """
         process, self._process = self._process, None
         _LIVE.discard(self)
         if process is None:
             return
+        self._exit_status = process.poll()
+        if self._exit_status is not None:
+            self._keep_log = True  # it died before we asked
+        self._stop_group(process, grace_s)
+        if self._exit_status is None:
+            self._exit_status = process.poll()
+        self._settle_temp_log()
+
+    def _stop_group(self, process: subprocess.Popen[bytes], grace_s: float) -> None:
         group = process.pid  # start_new_session: the group id is the leader's pid
         _signal_group(group, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
@@ -256,6 +325,15 @@ class VLLMServer:
             deadline = time.monotonic() + _KILL_WAIT_S
             while time.monotonic() < deadline and not _group_gone(process, group):
                 time.sleep(0.1)
+
+    def _settle_temp_log(self) -> None:
+        if not self._temp_log or self.log_path is None:
+            return
+        if self._keep_log:
+            print(f"vLLM server log kept: {self.log_path}", file=sys.stderr, flush=True)
+            return
+        self.log_path.unlink(missing_ok=True)
+        self.log_path, self._temp_log = None, False
 
     def __enter__(self) -> VLLMServer:
         return self if self.running else self.start()

@@ -22,16 +22,28 @@ before it (policy version ``s`` in a lockstep run), or the base model at step 0.
   and no new weights ever reach the server, so ``rollflow train`` refuses it
   (``check_training_backend``).
 
+A generator that stops answering (``generator_fault``: the managed server's process
+group died, or any server's ``GET /health`` fails) is the rollout stage's to handle
+(``rollflow.tasks.rollout``): ``ActingPolicy.restart_generator`` restarts a managed
+server with the same spec (its log, in the run folder when there is one, says it restarted
+and why), builds the policy for its new port and reloads the step's adapter under the
+same version; external servers are the user's and raise ``GeneratorError`` naming the URL.
+A managed server found dead at the start of a stage is restarted the same way.
+
 Simplified, and why: one managed vLLM server per process (a new model folder or new
 flags replace it), since a server holds ~5 GB and two would not fit beside training here.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
+from transformers import PreTrainedTokenizerBase
 
 from rollflow.envs.agent import Policy
 from rollflow.policy.models import ModelRef, hf_model_folder, load_causal_lm, load_tokenizer
@@ -52,18 +64,74 @@ from rollflow.tasks.config import ConfigError, RunConfig
 BATCH_WINDOW_S = 10.0
 SERVED_MODEL_NAME = "policy"
 VLLM_LOG = Path("logs") / "vllm-server.log"
+HEALTH_TIMEOUT_S = 10.0
+UNMANAGED_SERVER = (
+    "rollflow cannot restart a server it does not manage ([rollout].base_urls): restart it "
+    "and resume the run (finished chunks are kept, only the missing ones are replayed)"
+)
+
+
+class GeneratorError(RuntimeError):
+    """The generator stopped answering and cannot be (or may no longer be) restarted."""
+
+
+@dataclass(frozen=True)
+class GeneratorFault:
+    """Why the generator cannot sample: which server, what happened, whether we may restart it."""
+
+    server: str  # the base URL that stopped answering
+    reason: str  # e.g. "was killed by SIGKILL (exit status -9)"
+    managed: bool  # ours to restart; False: one of the user's base_urls
+    log_path: Path | None = None
+    log_tail: str = ""
+
+    def describe(self) -> str:
+        owner = "the managed vLLM server" if self.managed else "the vLLM server"
+        text = f"{owner} {self.server} {self.reason}"
+        if self.log_path is not None:
+            text += f"\nlog: {self.log_path}\n--- its tail ---\n{self.log_tail}"
+        return text
 
 
 @dataclass
 class ActingPolicy:
-    """A policy plus a way to fix its sampling seed (a no-op for policies without one)."""
+    """A policy plus a way to fix its sampling seed (a no-op for policies without one).
+
+    ``generator``: the vLLM step this policy samples for (None: nothing to watch or restart).
+    """
 
     policy: Policy
+    generator: VLLMStep | None = None
 
     def reseed(self, seed: int) -> None:
         reseed = getattr(self.policy, "reseed", None)
         if callable(reseed):
             reseed(seed)
+
+    def generator_fault(self) -> GeneratorFault | None:
+        """None while every generator server answers (always None for other backends)."""
+        return None if self.generator is None else generator_fault()
+
+    def restart_generator(self, fault: GeneratorFault) -> None:
+        """Restart the managed server and act with it; ``GeneratorError`` for external ones."""
+        if self.generator is None:
+            raise GeneratorError(f"nothing to restart: {fault.describe()}")
+        self.policy = self.generator.restart(fault)
+
+
+@dataclass(frozen=True)
+class VLLMStep:
+    """What rebuilds a step's vLLM policy after its server was restarted."""
+
+    config: RunConfig
+    folder: RunFolder | None
+    step: int
+
+    def restart(self, fault: GeneratorFault) -> Policy:
+        if not fault.managed or not _GENERATOR or _GENERATOR[0].server is None:
+            raise GeneratorError(f"{fault.describe()}; {UNMANAGED_SERVER}")
+        _restart_managed(_GENERATOR[0], self.folder, f"{fault.server} {fault.reason} during a rollout")
+        return load_vllm_policy(self.config, self.folder, self.step)  # the step's adapter again
 
 
 @contextmanager
@@ -78,7 +146,7 @@ def open_policy(
         yield ActingPolicy(_openai_policy(config))
         return
     if config.rollout.backend == "vllm":
-        yield ActingPolicy(load_vllm_policy(config, folder, step))
+        yield ActingPolicy(load_vllm_policy(config, folder, step), VLLMStep(config, folder, step))
         return
     yield ActingPolicy(load_transformers_policy(config, folder, step))
 
@@ -131,6 +199,7 @@ class _Generator:
     key: tuple[object, ...]
     policy: VLLMPolicy
     server: VLLMServer | None  # None: external servers
+    tokenizer: PreTrainedTokenizerBase | None = None  # managed: to rebuild the policy on a restart
 
 
 _GENERATOR: list[_Generator] = []  # at most one: see the module docstring
@@ -167,19 +236,75 @@ def _managed_generator(config: RunConfig, folder: RunFolder | None, ref: ModelRe
         python=config.rollout.vllm_python,
     )
     key = ("managed", spec)
-    if _GENERATOR and _GENERATOR[0].key == key and _server_running(_GENERATOR[0]):
-        return _GENERATOR[0]
+    if _GENERATOR and _GENERATOR[0].key == key:
+        kept = _GENERATOR[0]
+        if kept.server is not None and not kept.server.running:  # died since the last stage
+            _restart_managed(kept, folder, f"{kept.server.base_url} {kept.server.describe_exit()} between stages")
+        return kept
     stop_vllm_generator()  # never two servers at once
     log = folder.root / VLLM_LOG if folder is not None else None
     server = VLLMServer(spec, log_path=log, startup_timeout_s=config.rollout.vllm_startup_timeout_s).start()
+    tokenizer = load_tokenizer(ref)
+    policy = _managed_policy(server, tokenizer, _sampling_settings(config))
+    _GENERATOR.append(_Generator(key, policy, server, tokenizer))
+    return _GENERATOR[0]
+
+
+def _managed_policy(
+    server: VLLMServer, tokenizer: PreTrainedTokenizerBase, settings: SamplingSettings
+) -> VLLMPolicy:
+    spec = server.spec
     policy = VLLMPolicy(
-        [server.base_url], load_tokenizer(ref), _sampling_settings(config),
-        served_model=spec.served_model_name, stop_token_ids=_stop_token_ids(Path(spec.model_dir)),
-        max_lora_rank=spec.max_lora_rank if lora else None,
+        [server.base_url], tokenizer, settings, served_model=spec.served_model_name,
+        stop_token_ids=_stop_token_ids(Path(spec.model_dir)),
+        max_lora_rank=spec.max_lora_rank if spec.enable_lora else None,
     )  # fmt: skip
     policy.connect(check_logprobs_mode=False)  # our flags: processed logprobs
-    _GENERATOR.append(_Generator(key, policy, server))
-    return _GENERATOR[0]
+    return policy
+
+
+def _restart_managed(generator: _Generator, folder: RunFolder | None, reason: str) -> None:
+    """The same spec on a fresh server; a new policy for its port (counters carried over)."""
+    server, tokenizer = generator.server, generator.tokenizer
+    assert server is not None and tokenizer is not None
+    print(f"  vLLM: restarting the managed server: {reason}", file=sys.stderr, flush=True)
+    server.restart(reason, log_path=folder.root / VLLM_LOG if folder is not None else None)
+    print(f"  vLLM: restarted, healthy after {server.startup_s:.1f} s", file=sys.stderr, flush=True)
+    old = generator.policy
+    generator.policy = _managed_policy(server, tokenizer, old.settings)
+    generator.policy.stats = old.stats
+
+
+def generator_fault() -> GeneratorFault | None:
+    """Why the kept vLLM generator cannot sample now; None when every server answers."""
+    if not _GENERATOR:
+        return None
+    generator = _GENERATOR[0]
+    server = generator.server
+    if server is None:
+        for url in generator.policy.base_urls:
+            problem = _health_problem(url)
+            if problem is not None:
+                return GeneratorFault(url, problem, managed=False)
+        return None
+    url = generator.policy.base_urls[0]
+    problem = None if server.running else server.describe_exit()
+    problem = problem or _health_problem(url)
+    if problem is None:
+        return None
+    return GeneratorFault(url, problem, managed=True, log_path=server.log_path, log_tail=server.log_tail())
+
+
+def _health_problem(base_url: str) -> str | None:
+    """None when ``GET /health`` answers 200, else what went wrong."""
+    url = base_url.removesuffix("/v1") + "/health"
+    try:
+        response = httpx.get(url, timeout=HEALTH_TIMEOUT_S)
+    except httpx.HTTPError as error:
+        return f"stopped answering (GET {url}: {type(error).__name__}: {error})"
+    if response.status_code != 200:
+        return f"is unhealthy (GET {url} answered HTTP {response.status_code})"
+    return None
 
 
 def _external_generator(config: RunConfig, ref: ModelRef) -> _Generator:

@@ -17,6 +17,24 @@ Simplified, and why:
   epoch and a resumed run draws the same tasks.
 - A chunk holds as many groups as fit in ``concurrency`` episodes: the whole chunk is
   generated as one batch, and a crash loses at most one chunk of work.
+
+A generator that dies mid-rollout (vLLM; ``policy_io.generator_fault``: the managed
+server's process group is gone or ``GET /health`` fails, checked after every chunk):
+- the chunk is discarded when any of its episodes carries an error (it may be the dead
+  server's "all attempts failed"), never written; a chunk whose episodes all finished is
+  written as is (every action came from a live server);
+- a managed server is restarted (same spec, the step's adapter reloaded under the same
+  version, ``logs/vllm-server.log`` says it restarted and why) and the discarded chunk is
+  replayed with its seed: nothing lost, nothing doubled. At most
+  ``MAX_GENERATOR_RESTARTS`` restarts per stage; one more death fails the stage with
+  ``GeneratorError`` naming the server, how it ended and its log's tail;
+- an external server (``[rollout].base_urls``) cannot be restarted by us: the stage fails
+  with ``GeneratorError`` naming the URL, and a resumed run replays only the missing
+  chunks. (Before, its episodes were written with the policy's "all attempts failed"
+  error and the step trained on the rest.) A chunk with no errored episode is still
+  written (the other replicas served it) and a warning names the silent URL.
+The stage does its own replay: Prefect ``retries=`` would restart the whole stage, and the
+stage resumes from its parts anyway.
 """
 
 from __future__ import annotations
@@ -46,9 +64,10 @@ from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import episode_records_to_table
 from rollflow.tasks.config import ConfigError, RunConfig
-from rollflow.tasks.policy_io import open_policy
+from rollflow.tasks.policy_io import UNMANAGED_SERVER, ActingPolicy, GeneratorError, open_policy
 
 PROGRESS_EVERY_S = 15.0
+MAX_GENERATOR_RESTARTS = 2  # per stage: a server that keeps dying is not a transient fault
 
 
 def derive_seed(*parts: object) -> int:
@@ -113,16 +132,20 @@ def rollout_stage(
     chunks = [items[i : i + groups_per_chunk] for i in range(0, len(items), groups_per_chunk)]
     written = {part_index(p) for p in folder.part_paths(step, "episodes", split)}
     started = time.perf_counter()
+    restarts = _Restarts()
     with open_policy(config, folder, step, policy) as acting:
         for index, chunk in enumerate(chunks):
             if index in written:
                 continue
             first_group = index * groups_per_chunk
-            acting.reseed(derive_seed(config.train.seed, split, step, index))
             label = f"rollout {split} step {step} chunk {index + 1}/{len(chunks)}"
-            rollouts_GE = asyncio.run(
-                play_with_progress(handle, chunk, group_size, acting.policy, limits, concurrency, label)
-            )
+            while True:  # replayed after a generator restart: same seed, same chunk
+                acting.reseed(derive_seed(config.train.seed, split, step, index))
+                rollouts_GE = asyncio.run(
+                    play_with_progress(handle, chunk, group_size, acting.policy, limits, concurrency, label)
+                )
+                if restarts.chunk_is_good(acting, rollouts_GE, label):
+                    break
             records = [
                 _record(folder.run_id, step, split, first_group + g, item, e, rollout)
                 for g, (item, rollouts_E) in enumerate(zip(chunk, rollouts_GE, strict=True))
@@ -131,6 +154,36 @@ def rollout_stage(
             folder.write_stage_part(episode_records_to_table(records), step, "episodes", index, split)
             _progress(split, step, index + 1, len(chunks), started)
     return folder.seal_stage(step, "episodes", split)
+
+
+class _Restarts:
+    """The stage's generator restarts: after each chunk, is the generator still alive?"""
+
+    def __init__(self) -> None:
+        self.used = 0
+
+    def chunk_is_good(self, acting: ActingPolicy, rollouts_GE: list[list[EpisodeRollout]], label: str) -> bool:
+        """True: write the chunk. False: it was discarded and the generator restarted."""
+        fault = acting.generator_fault()
+        if fault is None:
+            return True
+        errored = sum(r.error is not None for rollouts_E in rollouts_GE for r in rollouts_E)
+        if not fault.managed and not errored:
+            print(f"  {label}: warning: {fault.describe()}", file=sys.stderr, flush=True)
+            return True
+        lost = f"{label}: {errored} of {sum(map(len, rollouts_GE))} episodes errored and were not written"
+        if not fault.managed:
+            raise GeneratorError(f"{lost}: {fault.describe()}; {UNMANAGED_SERVER}")
+        if self.used >= MAX_GENERATOR_RESTARTS:
+            raise GeneratorError(
+                f"{lost}: {fault.describe()}\nit died after {self.used} restarts in this stage "
+                f"(MAX_GENERATOR_RESTARTS = {MAX_GENERATOR_RESTARTS}); look at its log"
+            )
+        self.used += 1
+        print(f"  {lost}; restart {self.used}/{MAX_GENERATOR_RESTARTS}: {fault.server} {fault.reason}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        acting.restart_generator(fault)
+        return not errored
 
 
 class _CountingHandle:

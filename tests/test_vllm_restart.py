@@ -1,0 +1,282 @@
+"""A generator server that dies mid-rollout: restarted and the chunk replayed, or a clear error.
+
+The first tests need no vLLM: stand-in "Pythons" (tests/test_vllm_server.py's shell
+scripts) check the server manager's restart and the life of its temporary log. The slow
+ones run the rollout stage against a real vLLM server on the tiny model of
+tests/test_vllm_backend.py (2 heads of 32, its helpers reused) and SIGKILL the server's
+whole process group from a thread once the rollout has had some actions served (counted by
+the policy's own stats), which is what an OOM kill or a crashed engine does. At most one
+server runs at a time; the managed one is shared through ``policy_io`` as in a training
+process, and the tests are ordered so that it starts as few times as possible (~40 s each).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from test_vllm_backend import _adapter, _commit_checkpoint, _hf_logprobs, _with_adapter
+from test_vllm_server import _fake_python
+
+from rollflow.policy.models import build_tiny_model
+from rollflow.policy.vllm_server import PYTHON_ENV, VLLMServer, VLLMServerError, VLLMServerSpec
+from rollflow.storage.records import EpisodeRecord
+from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.schemas import table_to_episode_records
+from rollflow.tasks import policy_io, rollout
+from rollflow.tasks.config import EnvConfig, ModelConfig, RolloutConfig, RunConfig, TrainConfig
+from rollflow.tasks.policy_io import GeneratorError
+from rollflow.tasks.rollout import rollout_stage
+
+MAX_LEN = 1024
+LORA_RANK = 8
+TOLERANCE = 1e-4  # tests/test_vllm_backend.py's: vLLM vs an HF forward pass on the tiny model
+
+
+# ---------------------------------------------------------------- the server manager (no vLLM)
+
+
+@pytest.fixture
+def fake_model_dir(tmp_path: Path) -> Path:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+@pytest.fixture
+def healthy_fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stand-in server that answers /health: python's http.server on the --port given."""
+    serve = f'exec {sys.executable} -m http.server --bind 127.0.0.1 "$(echo "$@" | sed "s/.*--port \\([0-9]*\\).*/\\1/")"'
+    (tmp_path / "health").write_text("ok")
+    monkeypatch.chdir(tmp_path)  # http.server serves the working directory: /health exists
+    monkeypatch.setenv(PYTHON_ENV, str(_fake_python(tmp_path, serve)))
+
+
+def test_a_temporary_log_is_deleted_after_a_clean_stop(fake_model_dir: Path, healthy_fake: None) -> None:
+    """Before: every server started without a run folder left a /tmp/rollflow-vllm-*.log."""
+    server = VLLMServer(VLLMServerSpec(str(fake_model_dir)), startup_timeout_s=60.0).start()
+    log = server.log_path
+    assert log is not None and log.is_file() and log.name.startswith("rollflow-vllm-")
+    server.stop()
+    assert not log.exists()
+
+
+def test_a_temporary_log_is_kept_and_named_when_the_server_failed_to_start(
+    fake_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(PYTHON_ENV, str(_fake_python(tmp_path, 'echo "no such model" >&2; exit 3')))
+    server = VLLMServer(VLLMServerSpec(str(fake_model_dir)))
+    with pytest.raises(VLLMServerError, match="exited with code 3"):
+        server.start()
+    log = server.log_path
+    assert log is not None and "no such model" in log.read_text()
+    assert f"vLLM server log kept: {log}" in capsys.readouterr().err
+    log.unlink()
+
+
+def test_a_dead_server_is_restarted_on_a_new_port_and_its_log_says_why(
+    fake_model_dir: Path, healthy_fake: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server = VLLMServer(VLLMServerSpec(str(fake_model_dir)), startup_timeout_s=60.0).start()
+    try:
+        first_port, log = server.port, server.log_path
+        assert server._process is not None and log is not None
+        os.killpg(server._process.pid, signal.SIGKILL)
+        _wait_until(lambda: not server.running)
+        assert server.describe_exit() == "was killed by SIGKILL (exit status -9)"
+        server.restart("it was killed by the test")
+        assert server.running and server.restarts == 1 and server.port != first_port
+        assert server.log_path == log
+        assert "rollflow: restarting the vLLM server: it was killed by the test" in log.read_text()
+    finally:
+        server.stop()
+    assert log.is_file(), "a server that died keeps its temporary log"
+    assert f"vLLM server log kept: {log}" in capsys.readouterr().err
+    log.unlink()
+
+
+# ---------------------------------------------------------------- a real server (slow)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("vllm-restart-tiny"), hidden_size=64, num_heads=2)
+
+
+@pytest.fixture(scope="module")
+def run_config(model_dir: Path) -> RunConfig:
+    """Two chunks of two groups of two 2-turn episodes: a kill lands in the second chunk."""
+    return RunConfig(
+        env=EnvConfig(name="varied_reward_env:load_environment"),
+        model=ModelConfig(path=str(model_dir)),
+        rollout=RolloutConfig(
+            backend="vllm", max_model_length=MAX_LEN, max_completion_tokens=24, batch_size=4,
+            episodes_per_task=2, concurrency=4, max_turns=2, vllm_kvcache_space_gib=1,
+            generation_timeout_s=120.0,
+        ),  # fmt: skip
+        train=TrainConfig(lora_rank=LORA_RANK, lora_alpha=16.0),
+    )
+
+
+@pytest.fixture(scope="module")
+def managed(run_config: RunConfig) -> Iterator[None]:
+    """Whatever managed server the module's tests leave is stopped at its end."""
+    yield
+    policy_io.stop_vllm_generator()
+
+
+class _Killer(threading.Thread):
+    """SIGKILLs a server's process group once ``ready()`` and ``served()`` grew past its value then."""
+
+    def __init__(self, ready: Callable[[], bool], served: Callable[[], int], group: Callable[[], int]) -> None:
+        super().__init__(daemon=True)
+        self.ready, self.served, self.group = ready, served, group
+        self.killed_at: float | None = None
+
+    def run(self) -> None:
+        deadline = time.monotonic() + 600
+        while not self.ready() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        before = self.served()
+        while self.served() <= before and time.monotonic() < deadline:
+            time.sleep(0.005)
+        os.killpg(self.group(), signal.SIGKILL)
+        self.killed_at = time.monotonic()
+
+
+def _served() -> int:
+    """Actions the kept generator's servers have answered (its stats survive restarts)."""
+    return sum(policy_io._GENERATOR[0].policy.stats.sampled_by.values()) if policy_io._GENERATOR else 0
+
+
+def _managed_group() -> int:
+    server = policy_io._GENERATOR[0].server
+    assert server is not None and server._process is not None
+    return server._process.pid
+
+
+def _episodes(folder: RunFolder, step: int) -> list[EpisodeRecord]:
+    return table_to_episode_records(folder.read_stage(step, "episodes"))
+
+
+@pytest.mark.slow
+def test_a_managed_server_killed_mid_rollout_is_restarted_and_the_chunk_replayed(
+    run_config: RunConfig, model_dir: Path, managed: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Step 1 acts with an adapter: the restarted server must serve that same version."""
+    adapter = _adapter(model_dir, tmp_path / "adapter", seed=1)
+    runs = {name: RunFolder(tmp_path / name) for name in ("clean", "killed")}
+    for folder in runs.values():
+        _commit_checkpoint(folder, 0, adapter, version=1)
+
+    started = time.monotonic()
+    rollout_stage(run_config, runs["clean"].root, 1)  # starts the server: what a replay must equal
+    print(f"clean stage (server start included): {time.monotonic() - started:.1f} s", file=sys.__stderr__)
+    first_server = policy_io._GENERATOR[0].server
+    assert first_server is not None and first_server.restarts == 0
+    killer = _Killer(lambda: bool(runs["killed"].part_paths(1, "episodes")), _served, _managed_group)
+    killer.start()
+    started = time.monotonic()
+    rollout_stage(run_config, runs["killed"].root, 1)
+    killed_s = time.monotonic() - started
+    killer.join(timeout=1)
+    assert killer.killed_at is not None, "the killer never fired"
+    server = policy_io._GENERATOR[0].server
+    assert server is first_server and server.restarts == 1 and server.running
+    print(f"killed stage: {killed_s:.1f} s, the restarted server healthy after {server.startup_s:.1f} s",
+          file=sys.__stderr__)  # fmt: skip
+
+    err = capsys.readouterr().err
+    lost = re.search(r"chunk 2/2: (\d+) of 4 episodes errored and were not written; restart 1/2", err)
+    assert lost and int(lost.group(1)) > 0, f"the kill did not land mid-chunk:\n{err}"
+    log = (runs["killed"].root / policy_io.VLLM_LOG).read_text()
+    assert re.search(r"rollflow: restarting the vLLM server: http://127\.0\.0\.1:\d+/v1 was killed by SIGKILL", log)
+
+    episodes = _episodes(runs["killed"], 1)
+    assert len(episodes) == 4 * 2 and len({e.episode_id for e in episodes}) == 8
+    assert {e.rollout.error for e in episodes} == {None}
+    assert {e.rollout.policy_version for e in episodes} == {1}
+    assert len(runs["killed"].part_paths(1, "episodes")) == 2
+    clean = {e.episode_id: e for e in _episodes(runs["clean"], 1)}
+    for record in episodes:  # the replayed chunk is the same chunk
+        assert [a.token_ids for a in record.rollout.actions] == [
+            a.token_ids for a in clean[record.episode_id].rollout.actions
+        ], record.episode_id
+    sampler = _with_adapter(model_dir, adapter)
+    for record in episodes:  # sampled by version 1's adapter, also after the restart
+        context: list[int] = []
+        for action in record.rollout.actions:
+            context += action.prompt_delta_ids
+            expected = _hf_logprobs(sampler, context, action.token_ids, 1.0, 1.0)
+            worst = max(abs(a - b) for a, b in zip(action.logprobs, expected, strict=True))
+            assert worst < TOLERANCE, f"{record.episode_id}: not version 1's logprobs ({worst:.2e})"
+            context += action.token_ids
+
+
+@pytest.mark.slow
+def test_a_server_that_keeps_dying_fails_the_stage_with_its_exit_and_log(
+    run_config: RunConfig, managed: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Restarts capped at 0: the first death is one too many (the cap's error, without 3 kills)."""
+    monkeypatch.setattr(rollout, "MAX_GENERATOR_RESTARTS", 0)
+    folder = RunFolder(tmp_path / "run")
+    policy_io.load_vllm_policy(run_config, folder, 0)  # the previous test's server, or a new one
+    killer = _Killer(lambda: True, _served, _managed_group)
+    killer.start()
+    with pytest.raises(GeneratorError) as caught:
+        rollout_stage(run_config, folder.root, 0)
+    message = str(caught.value)
+    assert "chunk 1/2: " in message and "episodes errored and were not written" in message
+    assert re.search(r"the managed vLLM server http://127\.0\.0\.1:\d+/v1 was killed by SIGKILL", message)
+    assert "died after 0 restarts in this stage (MAX_GENERATOR_RESTARTS = 0)" in message
+    log = re.search(r"\nlog: (\S+)\n--- its tail ---\n", message)
+    assert log, message
+    assert Path(log.group(1)).read_text()[-300:] in message, "the log's tail is quoted"
+    assert not list(folder.root.rglob("*.parquet")), "a chunk with the dead server's errors was written"
+
+
+@pytest.mark.slow
+def test_an_external_server_that_dies_fails_the_stage_naming_its_url(
+    run_config: RunConfig, model_dir: Path, managed: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: its episodes were written with "all 2 attempts at an action failed" errors."""
+    policy_io.stop_vllm_generator()  # one server at a time
+    spec = VLLMServerSpec(str(model_dir), max_model_len=MAX_LEN, kvcache_space_gib=1)
+    server = VLLMServer(spec).start()  # no run folder: a temporary log
+    log = server.log_path
+    assert log is not None and server._process is not None
+    group = server._process.pid
+    config = replace(run_config, rollout=replace(run_config.rollout, base_urls=(server.base_url,)))
+    folder = RunFolder(tmp_path / "run")
+    try:
+        killer = _Killer(lambda: bool(policy_io._GENERATOR), _served, lambda: group)
+        killer.start()
+        with pytest.raises(GeneratorError) as caught:
+            rollout_stage(config, folder.root, 0)
+        message = str(caught.value)
+        assert f"the vLLM server {server.base_url} stopped answering" in message
+        assert "cannot restart a server it does not manage ([rollout].base_urls)" in message
+        assert "resume the run" in message and "chunk 1/2" in message
+        assert not list(folder.root.rglob("*.parquet"))
+    finally:
+        policy_io.stop_vllm_generator()
+        server.stop()
+    assert log.is_file() and f"vLLM server log kept: {log}" in capsys.readouterr().err
+    log.unlink()
+
+
+def _wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.05)
+
