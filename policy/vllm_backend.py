@@ -59,6 +59,7 @@ Simplifications, and why:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import time
@@ -210,7 +211,7 @@ class VLLMPolicy:
             raise VLLMPolicyError(
                 f"{adapter} has LoRA rank {rank}, above the server's --max-lora-rank {self.max_lora_rank}"
             )
-        name, previous = f"policy-v{version}", self.adapter_name
+        name, previous = adapter_name(version), self.adapter_name
         for url in self.base_urls:
             body = {"lora_name": name, "lora_path": str(adapter), "load_inplace": True}
             _admin_post(f"{url}/load_lora_adapter", body, what=f"loading adapter {adapter}")
@@ -226,6 +227,69 @@ class VLLMPolicy:
         for url in self.base_urls:
             _admin_post(f"{url}/unload_lora_adapter", {"lora_name": self.adapter_name}, what=f"unloading {self.adapter_name}")
         self.adapter_name = None
+
+    # ------------------------------------------------------------ several versions at once (async)
+
+    def add_adapter(self, adapter_dir: str | Path, version: int) -> str:
+        """Load ``adapter_dir`` as ``policy-v{version}`` beside the adapters already loaded.
+
+        Async collection keeps every version an in-flight group samples with; the server
+        needs ``--max-loras`` at least that many. Returns the adapter's name.
+        """
+        adapter = Path(adapter_dir).resolve()
+        rank = _adapter_rank(adapter)
+        if self.max_lora_rank is not None and rank > self.max_lora_rank:
+            raise VLLMPolicyError(
+                f"{adapter} has LoRA rank {rank}, above the server's --max-lora-rank {self.max_lora_rank}"
+            )
+        name = adapter_name(version)
+        for url in self.base_urls:
+            body = {"lora_name": name, "lora_path": str(adapter), "load_inplace": True}
+            _admin_post(f"{url}/load_lora_adapter", body, what=f"loading adapter {adapter}")
+        return name
+
+    def remove_adapter(self, version: int) -> None:
+        """Unload ``policy-v{version}`` (no request may still name it)."""
+        name = adapter_name(version)
+        for url in self.base_urls:
+            _admin_post(f"{url}/unload_lora_adapter", {"lora_name": name}, what=f"unloading {name}")
+
+    def reload_weights(self, model_dir: str | Path, version: int) -> float:
+        """Swap the servers' full weights for ``model_dir``'s in place; returns the seconds taken.
+
+        ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}``
+        (vLLM's development endpoints, ``VLLM_SERVER_DEV_MODE=1``; managed servers run with
+        it, on loopback only), then ``POST /reset_prefix_cache``: cached prefixes hold the
+        old weights' keys and values, and a hit would sample the new policy from them.
+        Requests already running finish on whichever weights each forward pass meets: the
+        caller pauses new requests first when that matters.
+        """
+        folder = Path(model_dir).resolve()
+        started = time.perf_counter()
+        for url in self.base_urls:
+            root = url.removesuffix("/v1")
+            body = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
+            _admin_post(f"{root}/collective_rpc", body, what=f"reloading weights from {folder}", hint=_DEV_HINT)
+            _reset_prefix_cache(root)
+        self.version = version
+        return time.perf_counter() - started
+
+    def pinned(self, version: int, *, adapter: str | None, seed: int) -> VLLMPolicy:
+        """A view of this policy that always samples ``version`` (with ``adapter``, or the
+        served model when None) from ``seed``: one per async group, so a group's every
+        request names the version its rollout started under whatever loads later. It
+        shares the servers and the stats; its seeds are its own."""
+        view = copy.copy(self)
+        view.adapter_name, view.version = adapter, version
+        view.settings = dataclasses.replace(self.settings, seed=seed)
+        view.episode_seeds = EpisodeSeeds()
+        view._sessions_opened = 0
+        return view
+
+
+def adapter_name(version: int) -> str:
+    """The name a policy version's LoRA adapter is served under."""
+    return f"policy-v{version}"
 
 
 class VLLMSession:
@@ -421,16 +485,37 @@ def _top2_gap(url: str, model: str, prompt: Sequence[int], temperature: float) -
     return first - second
 
 
-def _admin_post(url: str, body: dict[str, Any], *, what: str) -> None:
+_LORA_HINT = "does the server run with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True?"
+_DEV_HINT = "does the server run with VLLM_SERVER_DEV_MODE=1? managed servers do"
+
+
+def _admin_post(url: str, body: dict[str, Any], *, what: str, hint: str = _LORA_HINT) -> None:
     try:
         response = httpx.post(url, json=body, timeout=_ADMIN_TIMEOUT_S)
     except httpx.HTTPError as error:
         raise VLLMPolicyError(f"{url}: {what} failed: {type(error).__name__}: {error}") from error
     if response.status_code != 200:
         raise VLLMPolicyError(
-            f"{url}: {what} failed, HTTP {response.status_code}: {server_error_message(response)} "
-            "(does the server run with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True?)"
+            f"{url}: {what} failed, HTTP {response.status_code}: {server_error_message(response)} ({hint})"
         )
+
+
+def _reset_prefix_cache(root: str, attempts: int = 20) -> None:
+    """``POST /reset_prefix_cache`` until it answers ``success`` (it refuses while blocks are busy)."""
+    for _ in range(attempts):
+        try:
+            response = httpx.post(f"{root}/reset_prefix_cache", timeout=_ADMIN_TIMEOUT_S)
+        except httpx.HTTPError as error:
+            raise VLLMPolicyError(f"{root}: resetting the prefix cache failed: {error}") from error
+        if response.status_code != 200:
+            raise VLLMPolicyError(
+                f"{root}: resetting the prefix cache failed, HTTP {response.status_code}: "
+                f"{server_error_message(response)} ({_DEV_HINT})"
+            )
+        if response.json().get("success"):
+            return
+        time.sleep(0.25)
+    raise VLLMPolicyError(f"{root}: the prefix cache would not reset (requests still running?)")
 
 
 def _adapter_rank(adapter: Path) -> int:
