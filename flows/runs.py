@@ -112,8 +112,34 @@ def freeze_config(folder: RunFolder, config: RunConfig) -> None:
 def check_supported(config: RunConfig) -> None:
     check_training_sampling(config)
     check_training_backend(config)
-    if config.rollout.max_steps_off_policy is not None:
+    check_async(config)
+
+
+def check_async(config: RunConfig) -> None:
+    """The async settings' rules (the reference's), checked before anything starts."""
+    rollout = config.rollout
+    if rollout.max_steps_off_policy is None:
+        if rollout.weight_sync_type != "synchronous":
+            raise ConfigError(
+                f"[rollout].weight_sync_type = {rollout.weight_sync_type!r} defers publication, "
+                "which needs async collection to bound the drift it allows: set "
+                "[rollout].max_steps_off_policy (1 is a good start) or use 'synchronous'"
+            )
+        return
+    if rollout.weight_sync_type == "pipeline" and config.train.use_lora:
         raise ConfigError(
-            "[rollout] max_steps_off_policy: async (off-policy) collection is not supported "
-            "by rollflow's file-staged pipeline; remove the key to train in lockstep"
+            "[rollout].weight_sync_type = 'pipeline' needs full-weight training "
+            "([train].use_lora = false): in-flight generation switches to the new weights, "
+            "which a LoRA run keeps per version instead; use 'background_publish' with LoRA"
+        )
+    if rollout.backend != "vllm":
+        raise ConfigError(
+            "[rollout].max_steps_off_policy (async collection) needs [rollout].backend = 'vllm': "
+            "the rollout workers sample beside the trainer on a vLLM generator (the "
+            f"'{rollout.backend}' backend would share the trainer's process)"
+        )
+    if rollout.base_urls and not config.train.use_lora:
+        raise ConfigError(
+            "[rollout].max_steps_off_policy with base_urls needs [train].use_lora = true: new "
+            "full weights reach only a managed server (leave base_urls empty)"
         )

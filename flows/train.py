@@ -27,6 +27,7 @@ message rather than silently ignored.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -36,6 +37,14 @@ from prefect.cache_policies import NO_CACHE
 
 from rollflow.flows.concurrency import one_training_at_a_time
 from rollflow.flows.runs import RunHandle, open_run
+from rollflow.envs.agent import Policy
+from rollflow.tasks.collect import (
+    Publisher,
+    RolloutWorkers,
+    admit_stage,
+    open_generator,
+    write_collector_report,
+)
 from rollflow.tasks.config import RunConfig
 from rollflow.tasks.flatten import flatten_stage
 from rollflow.tasks.metrics import (
@@ -56,8 +65,13 @@ _STAGE = dict(cache_policy=NO_CACHE, persist_result=False)
 
 
 @task(name="rollout", task_run_name="rollout step {step} ({split})", **_STAGE)
-def rollout(config: RunConfig, run_dir: Path, step: int, split: str = "train") -> Path:
-    return rollout_stage(config, run_dir, step, split)
+def rollout(config: RunConfig, run_dir: Path, step: int, split: str = "train", policy: Policy | None = None) -> Path:
+    return rollout_stage(config, run_dir, step, split, policy)
+
+
+@task(name="admit", task_run_name="admit step {step}", **_STAGE)
+def admit(config: RunConfig, run_dir: Path, step: int, workers: RolloutWorkers) -> Path:
+    return admit_stage(config, run_dir, step, workers)
 
 
 @task(name="scoring", task_run_name="scoring step {step} ({split})", **_STAGE)
@@ -90,8 +104,8 @@ def validation_metrics(config: RunConfig, run_dir: Path, step: int) -> Path:
     return validation_metrics_stage(config, run_dir, step)
 
 
-def validate(config: RunConfig, run_dir: Path, step: int) -> None:
-    rollout(config, run_dir, step, "validation")
+def validate(config: RunConfig, run_dir: Path, step: int, policy: Policy | None = None) -> None:
+    rollout(config, run_dir, step, "validation", policy)
     scoring(config, run_dir, step, "validation")
     validation_metrics(config, run_dir, step)
 
@@ -132,8 +146,15 @@ def step_stages(config: RunConfig) -> tuple[tuple[str, Callable[..., Path]], ...
 
 
 def run_training(handle: RunHandle) -> None:
+    check_teacher(handle.config)  # a teacher with another tokenizer is refused before any rollout
+    if handle.config.rollout.max_steps_off_policy is not None:
+        run_async_training(handle)
+    else:
+        run_lockstep_training(handle)
+
+
+def run_lockstep_training(handle: RunHandle) -> None:
     config, root = handle.config, handle.root
-    check_teacher(config)  # a teacher with another tokenizer is refused before any rollout
     for step in range(config.train.num_steps):
         if handle.step_finished(step):
             continue
@@ -149,3 +170,33 @@ def run_training(handle: RunHandle) -> None:
         )
     if validation_due(config, config.train.num_steps):
         validate(config, root, config.train.num_steps)
+
+
+def run_async_training(handle: RunHandle) -> None:
+    """Rollout workers collect groups beside the trainer; each step admits, scores,
+    flattens, trains and publishes (``tasks/collect.py`` has the rules)."""
+    config, root, folder = handle.config, handle.root, handle.folder
+    first = next((s for s in range(config.train.num_steps) if not handle.step_finished(s)), config.train.num_steps)
+    started = time.perf_counter()
+    with open_generator(config, folder, first) as generator:
+        workers = RolloutWorkers(config, folder, generator, first).start()
+        publisher = Publisher(generator, deferred=config.rollout.weight_sync_type != "synchronous")
+        try:
+            for step in range(first, config.train.num_steps):
+                if validation_due(config, step):
+                    publisher.join()
+                    validate(config, root, step, generator.pinned_for_validation(step))
+                run_timed(folder, step, "rollout", partial(admit, config, root, step, workers))
+                for name, stage in step_stages(config)[1:]:
+                    run_timed(folder, step, name, partial(stage, config, root, step))
+                publisher.publish(step + 1, folder.checkpoint_dir(step))
+                workers.advance(step + 1)
+                metrics(config, root, step)
+                handle.report(f"step {step + 1}/{config.train.num_steps} done (async)")
+            publisher.join()
+            if validation_due(config, config.train.num_steps):
+                validate(config, root, config.train.num_steps, generator.pinned_for_validation(config.train.num_steps))
+        finally:
+            workers.stop()
+            publisher.join(quiet=True)
+            write_collector_report(folder, workers, generator, time.perf_counter() - started)

@@ -51,7 +51,14 @@ from typing import Any
 import duckdb
 
 from rollflow.storage.errors import NoDataError, StorageError
-from rollflow.storage.views import VIEW_KINDS, collect_files, create_view, resolve_run_folders
+from rollflow.storage.views import (
+    VIEW_KINDS,
+    admission_files,
+    collect_files,
+    create_admissions_view,
+    create_view,
+    resolve_run_folders,
+)
 
 METRIC_NAMES = (
     "terminated_ratio",
@@ -179,6 +186,9 @@ def open_run_sql(run_dirs: Sequence[Path | str] | Path | str) -> duckdb.DuckDBPy
         groups = collect_files(folders, view)
         create_view(con, view, groups)
         allowed.extend(str(p) for g in groups for p in g.paths)
+    admissions = admission_files(folders)
+    create_admissions_view(con, admissions)
+    allowed.extend(str(p) for _, paths in admissions for p in paths)
     con.execute("SET allowed_paths = $paths", {"paths": allowed})
     con.execute("SET autoinstall_known_extensions = false")
     con.execute("SET autoload_known_extensions = false")

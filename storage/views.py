@@ -168,3 +168,43 @@ def resolve_run_folders(run_dirs: Sequence[Path | str] | Path | str) -> list[Run
                 f"two runs share the id {folder.run_id!r}: {known.root} and {folder.root}"
             )
     return list(unique.values())
+
+
+# ---------------------------------------------------------------- async admissions
+
+ADMISSION_JSON = "admission.json"  # tasks/collect.py writes one per async training step
+_ADMISSION_COLUMNS = {
+    "group": "BIGINT", "task_id": "VARCHAR", "admitted": "BOOLEAN", "trained_group_id": "VARCHAR",
+    "start_version": "BIGINT", "finish_version": "BIGINT", "staleness": "BIGINT", "collect_s": "DOUBLE",
+}  # fmt: skip
+
+
+def admission_files(folders: Sequence[RunFolder]) -> list[tuple[str, list[Path]]]:
+    """Each run's ``steps/step=*/admission.json`` (async runs only)."""
+    found = []
+    for folder in folders:
+        paths = [folder.step_dir(step) / ADMISSION_JSON for step in folder.steps("train")]
+        paths = [p.resolve() for p in paths if p.exists()]
+        if paths:
+            found.append((folder.run_id, paths))
+    return found
+
+
+def create_admissions_view(con: duckdb.DuckDBPyConnection, files: Sequence[tuple[str, list[Path]]]) -> None:
+    """``admissions``: one row per group an async step took (``admitted``) or dropped as
+    stale, with its age in optimizer steps (``staleness``) and the step's ``train_wait_s``."""
+    group_type = "STRUCT(" + ", ".join(f'"{k}" {v}' for k, v in _ADMISSION_COLUMNS.items()) + ")"
+    columns = "{'step': 'BIGINT', 'train_wait_s': 'DOUBLE', 'groups': '" + group_type + "[]'}"
+    selects = [
+        f"SELECT {_literal(run_id)} AS run_id, step, train_wait_s, UNNEST(groups, recursive := true) "
+        f"FROM read_json({_paths_literal(paths)}, columns = {columns}, hive_partitioning = false)"
+        for run_id, paths in files
+    ]
+    if selects:
+        con.execute("CREATE VIEW admissions AS\n" + "\nUNION ALL\n".join(selects))
+        return
+    fields = ", ".join(f'NULL::{v} AS "{k}"' for k, v in _ADMISSION_COLUMNS.items())
+    con.execute(
+        "CREATE VIEW admissions AS SELECT NULL::VARCHAR AS run_id, NULL::BIGINT AS step, "
+        f"NULL::DOUBLE AS train_wait_s, {fields} WHERE false"
+    )

@@ -141,6 +141,13 @@ def load_policy_for_training(
     return model, tokenizer
 
 
+def fresh_lora_policy(config: RunConfig) -> PreTrainedModel:
+    """Version 0 of a LoRA run as the trainer builds it: the base model and a fresh adapter
+    seeded by ``[train].seed`` (B = 0, so it acts exactly as the base model)."""
+    model, _ = load_causal_lm(base_model_ref(config), training_dtype(config), adapter_trainable=True)
+    return _fresh_lora(model, config)
+
+
 def _fresh_lora(model: PreTrainedModel, config: RunConfig) -> PreTrainedModel:
     from peft import LoraConfig, get_peft_model
 

@@ -36,6 +36,7 @@ Backend = Literal["transformers", "vllm", "openai"]
 LossName = Literal["grpo", "dr_grpo", "dapo"]
 Objective = Literal["grpo", "opd"]  # tasks/train.py's OBJECTIVES
 OffPolicyCorrection = Literal["none", "tis", "mask"]  # policy/loss.py's CORRECTIONS
+WeightSyncType = Literal["synchronous", "background_publish", "pipeline"]  # tasks/collect.py
 Compression = Literal["zstd", "snappy", "gzip", "lz4", "brotli", "none"]
 
 
@@ -104,7 +105,14 @@ class RolloutConfig:
     vllm_kvcache_space_gib: int = 2  # a managed server's KV cache (its RSS is ~3 GB more)
     vllm_startup_timeout_s: float = 600.0  # a managed server must be healthy within this
     groups_in_flight: int | None = None  # None resolves to batch_size (reference)
-    max_steps_off_policy: int | None = None  # None = lockstep (reference)
+    max_steps_off_policy: int | None = None  # None = lockstep (reference); see tasks/collect.py
+    # How a new version reaches the generator: "synchronous" inline; "background_publish"
+    # on a thread (the trainer goes on); "pipeline" too, and episodes in flight continue
+    # under the new weights (full weights only). The deferred two need max_steps_off_policy.
+    weight_sync_type: WeightSyncType = "synchronous"
+    # Async: never start a group that would be stale when the trainer can take it (off:
+    # groups start freely and stale ones are only dropped, the reference's behaviour)
+    admission_control: bool = True
 
     def __post_init__(self) -> None:
         _check_types(self, "rollout")

@@ -32,6 +32,7 @@ from rollflow.storage.errors import NoDataError, SchemaMismatchError
 from rollflow.storage.parquet import write_bytes_atomic
 from rollflow.storage.query import open_run_sql, run_query, step_metrics, teacher_metrics
 from rollflow.storage.records import TrainResult
+from rollflow.tasks.collect import async_step_metrics
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.transcript import render_episode
 from rollflow.tasks.config import RunConfig, flatten_config
@@ -156,6 +157,7 @@ def metrics_stage(config: RunConfig, run_dir: Path, step: int) -> Path:
     metrics.update(teacher_step_metrics(run_dir, step))
     metrics.update(optim_metrics(folder.read_train_result(step)))
     metrics.update(time_metrics(folder, step))
+    metrics.update(async_step_metrics(folder, step))
     _log(config, folder, step, metrics)
     return folder.write_json_atomic(path, _json_safe(metrics))
 

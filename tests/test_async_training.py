@@ -1,0 +1,352 @@
+"""Async off-policy training (``tasks/collect.py``): the rules, admission, and real runs.
+
+The config rules and the admission arithmetic need no server. The runs use a real managed
+vLLM server on a tiny random Llama (2 heads of 32, as in test_vllm_backend.py) and the
+real flow under Prefect's test harness; each run starts (and stops) its own server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rollflow.flows.runs import check_async, check_supported
+from rollflow.policy.models import build_tiny_model
+from rollflow.storage.query import open_run_sql, run_query
+from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.schemas import table_to_episode_records
+from rollflow.tasks.collect import (
+    GroupStamp,
+    RolloutWorkers,
+    consumed_groups,
+    finished_groups,
+    read_admission,
+)
+from rollflow.tasks.config import (
+    ConfigError,
+    ModelConfig,
+    RolloutConfig,
+    RunConfig,
+    TrackingConfig,
+    TrainConfig,
+    ValidationConfig,
+    config_to_toml,
+    parse_config,
+)
+
+TESTS = Path(__file__).parent
+
+
+# ---------------------------------------------------------------- the rules (no server)
+
+
+def _parsed(rollout: dict[str, object], train: dict[str, object] | None = None) -> RunConfig:
+    return parse_config({"rollout": {"backend": "vllm", **rollout}, "train": train or {}})
+
+
+def test_lockstep_is_the_default_and_keeps_synchronous_publication() -> None:
+    config = parse_config({})
+    assert config.rollout.max_steps_off_policy is None and config.rollout.weight_sync_type == "synchronous"
+    check_async(config)
+
+
+@pytest.mark.parametrize("mode", ["background_publish", "pipeline"])
+def test_the_deferred_modes_need_async(mode: str) -> None:
+    with pytest.raises(ConfigError, match=f"weight_sync_type = '{mode}'.*max_steps_off_policy"):
+        check_async(_parsed({"weight_sync_type": mode}, {"use_lora": False}))
+
+
+def test_pipeline_needs_full_weights() -> None:
+    with pytest.raises(ConfigError, match=r"'pipeline' needs full-weight training \(\[train\]\.use_lora = false\)"):
+        check_async(_parsed({"max_steps_off_policy": 1, "weight_sync_type": "pipeline"}))
+    check_async(_parsed({"max_steps_off_policy": 1, "weight_sync_type": "pipeline"}, {"use_lora": False}))
+
+
+def test_async_needs_the_vllm_generator() -> None:
+    config = parse_config({"rollout": {"max_steps_off_policy": 1}})
+    with pytest.raises(ConfigError, match="needs \\[rollout\\]\\.backend = 'vllm'"):
+        check_supported(config)
+
+
+def test_an_unknown_sync_type_and_a_negative_limit_are_refused() -> None:
+    with pytest.raises(ConfigError, match="weight_sync_type"):
+        _parsed({"weight_sync_type": "eventually"})
+    with pytest.raises(ConfigError, match="max_steps_off_policy"):
+        _parsed({"max_steps_off_policy": -1})
+    with pytest.raises(ConfigError, match="groups_in_flight"):
+        _parsed({"max_steps_off_policy": 1, "groups_in_flight": 0})
+
+
+def test_groups_in_flight_defaults_to_batch_size() -> None:
+    config = _parsed({"max_steps_off_policy": 1, "batch_size": 3})
+    assert config.groups_in_flight == 3
+    assert _parsed({"max_steps_off_policy": 1, "groups_in_flight": 5}).groups_in_flight == 5
+
+
+def test_async_turns_on_the_truncated_importance_correction_by_default() -> None:
+    assert _parsed({"max_steps_off_policy": 1}).off_policy_correction == "tis"
+    assert parse_config({}).off_policy_correction == "none"  # lockstep's loss is unchanged
+
+
+# ---------------------------------------------------------------- admission (no server)
+
+
+def _workers(tmp_path: Path, limit: int, batch: int, control: bool = True) -> RolloutWorkers:
+    config = RunConfig(
+        env=replace(RunConfig().env, name="varied_reward_env:load_environment"),
+        rollout=RolloutConfig(
+            backend="vllm", batch_size=batch, episodes_per_task=2, max_turns=2,
+            max_steps_off_policy=limit, admission_control=control,
+        ),  # fmt: skip
+    )
+    sys.path.insert(0, str(TESTS))
+    folder = RunFolder(tmp_path / "run")
+    folder.root.mkdir(parents=True, exist_ok=True)
+    return RolloutWorkers(config, folder, generator=None, first_step=0)  # type: ignore[arg-type]
+
+
+def _finish(workers: RolloutWorkers, index: int, version: int) -> None:
+    stamp = GroupStamp(index, f"t{index}", version, version, 0.0, 1.0)
+    workers.buffer.finished[index] = stamp
+    workers.stamps[index] = stamp
+
+
+def test_stale_groups_are_dropped_and_counted_when_the_trainer_would_take_them(tmp_path: Path) -> None:
+    workers = _workers(tmp_path, limit=1, batch=2)
+    for index, version in enumerate([0, 0, 1, 2, 2]):
+        _finish(workers, index, version)
+    admission = workers.take(step=2)  # ages 2, 2, 1, 0, 0: the two of version 0 are stale
+    assert admission.dropped == (0, 1)
+    assert admission.admitted == (2, 3)  # oldest admissible first: version 1, then 2
+    assert set(workers.buffer.finished) == {4}  # kept for the next step
+
+
+def test_zero_admits_only_groups_started_under_the_current_policy(tmp_path: Path) -> None:
+    workers = _workers(tmp_path, limit=0, batch=2)
+    for index, version in enumerate([2, 3, 3]):
+        _finish(workers, index, version)
+    admission = workers.take(step=3)
+    assert admission.admitted == (1, 2) and admission.dropped == (0,)
+
+
+def test_the_trainer_waits_for_a_full_batch_of_admissible_groups(tmp_path: Path) -> None:
+    import threading
+
+    workers = _workers(tmp_path, limit=1, batch=2)
+    _finish(workers, 0, 0)
+    taken: list[object] = []
+    thread = threading.Thread(target=lambda: taken.append(workers.take(step=0)))
+    thread.start()
+    time.sleep(0.3)
+    assert not taken, "one group is not a batch"
+    with workers.lock:
+        _finish(workers, 1, 0)
+        workers.lock.notify_all()
+    thread.join(timeout=5)
+    assert taken and taken[0].admitted == (0, 1)  # type: ignore[attr-defined]
+
+
+def test_admission_control_holds_back_a_group_that_would_be_stale(tmp_path: Path) -> None:
+    class Published:
+        version = 0
+
+    workers = _workers(tmp_path, limit=1, batch=2)
+    workers.generator = Published()  # type: ignore[assignment]
+    # 4 groups ahead (started or finished) fill steps 0 and 1; a fifth would be taken at
+    # step 2 with version 0: two steps old, above the limit.
+    workers.buffer.started = 4
+    assert not workers._may_start()
+    workers.buffer.started = 3
+    assert workers._may_start()  # taken at step 1: one step old
+    off = _workers(tmp_path, limit=1, batch=2, control=False)
+    off.buffer.started = 40
+    assert off._may_start()  # the reference's behaviour: start freely, drop later
+
+
+# ---------------------------------------------------------------- real runs (vLLM server)
+
+
+@pytest.fixture(scope="module")
+def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = build_tiny_model(tmp_path_factory.mktemp("async-tiny"), hidden_size=64, num_heads=2)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    eos = int(model.config.eos_token_id)
+    direction = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model.get_input_embeddings().weight[eos] = direction / direction.norm() * 8.0
+    model.save_pretrained(str(folder))
+    return folder
+
+
+def async_config(model_dir: Path, tmp_path: Path, **rollout: object) -> RunConfig:
+    train = rollout.pop("train", {})
+    assert isinstance(train, dict)
+    return RunConfig(
+        model=ModelConfig(path=str(model_dir)),
+        env=replace(RunConfig().env, name="varied_reward_env:load_environment"),
+        rollout=RolloutConfig(
+            backend="vllm", batch_size=2, episodes_per_task=2, max_turns=2, concurrency=4,
+            max_model_length=1024, max_completion_tokens=12, vllm_kvcache_space_gib=1,
+            generation_timeout_s=120.0, max_steps_off_policy=1, **rollout,  # type: ignore[arg-type]
+        ),  # fmt: skip
+        train=TrainConfig(**{"num_steps": 3, "learning_rate": 1e-2, "lora_rank": 8, "lora_alpha": 16.0, **train}),
+        validation=ValidationConfig(validation_interval=0),
+        tracking=TrackingConfig(enabled=False),
+    )
+
+
+def _write(config: RunConfig, tmp_path: Path, name: str) -> Path:
+    path = tmp_path / f"{name}.toml"
+    path.write_text(config_to_toml(replace(config, storage=replace(config.storage, runs_dir=str(tmp_path / "runs")))))
+    return path
+
+
+def _hf_logprobs(model: torch.nn.Module, context: list[int], tokens: tuple[int, ...]) -> list[float]:
+    ids = torch.tensor([context + list(tokens)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(context) - 1 : -1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+
+def _assert_sampled_by(model: torch.nn.Module, records: list, tolerance: float = 1e-4) -> None:
+    for record in records:
+        context: list[int] = []
+        for action in record.rollout.actions:
+            context += action.prompt_delta_ids
+            expected = _hf_logprobs(model, context, action.token_ids)
+            worst = max(abs(a - b) for a, b in zip(action.logprobs, expected, strict=True))
+            assert worst < tolerance, f"{record.episode_id} (v{record.rollout.policy_version}): off by {worst:.2e}"
+            context += action.token_ids
+
+
+def _version_model(model_dir: Path, folder: RunFolder, version: int) -> torch.nn.Module:
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    adapter = folder.root / "async" / "policy-v0" if version == 0 else folder.checkpoint_dir(version - 1)
+    return PeftModel.from_pretrained(base, str(adapter)).eval()
+
+
+def _trained_groups(folder: RunFolder, steps: int) -> list[int]:
+    trained: list[int] = []
+    for step in range(steps):
+        admission = read_admission(folder, step)
+        assert admission is not None, f"step {step} has no admission.json"
+        trained.extend(admission.admitted)
+    return trained
+
+
+@pytest.mark.slow
+def test_an_async_lora_run_trains_stale_groups_stamped_with_the_version_that_sampled_them(
+    vllm_model_dir: Path, prefect_harness: object, tmp_path: Path
+) -> None:
+    from rollflow.flows.train import train_flow
+
+    sys.path.insert(0, str(TESTS))
+    config = async_config(vllm_model_dir, tmp_path, groups_in_flight=4, train={"keep_checkpoints": 10})
+    run_dir = Path(train_flow(config_path=str(_write(config, tmp_path, "async")), run_dir=str(tmp_path / "run")))
+    folder = RunFolder(run_dir)
+    trained = _trained_groups(folder, 3)
+    assert len(trained) == len(set(trained)) == 6, "every step trains batch_size distinct groups"
+    assert _trained_groups(folder, 3)[:2] == [0, 1]
+    versions_seen = set()
+    for step in range(3):
+        episodes = table_to_episode_records(folder.read_stage(step, "episodes"))
+        assert len(episodes) == 4 and {e.rollout.error for e in episodes} == {None}
+        for record in episodes:
+            assert 0 <= step - record.rollout.policy_version <= 1, "never older than max_steps_off_policy"
+            versions_seen.add(record.rollout.policy_version)
+        metrics = json.loads((folder.step_dir(step) / "metrics.json").read_text())
+        assert {"async/train_wait_s", "async/staleness_mean", "async/staleness_max"} <= set(metrics)
+        if step == 0:  # version 0's served adapter is the trainer's own start: no mismatch
+            assert metrics["async/mismatch_kl"] < 1e-6
+        assert metrics["async/dropped_stale_groups"] == 0, "admission control started nothing that went stale"
+    # The stamps are the truth: each episode's logprobs are its start version's, by hand.
+    for version in sorted(versions_seen):
+        model = _version_model(vllm_model_dir, folder, version)
+        records = [
+            r for step in range(3) for r in table_to_episode_records(folder.read_stage(step, "episodes"))
+            if r.rollout.policy_version == version
+        ]  # fmt: skip
+        _assert_sampled_by(model, records)
+    con = open_run_sql([run_dir])
+    try:
+        _, rows = run_query(con, "SELECT step, max(staleness), any_value(train_wait_s) FROM admissions "
+                                 "WHERE admitted GROUP BY step ORDER BY step")  # fmt: skip
+        assert [r[0] for r in rows] == [0, 1, 2] and all(r[1] <= 1 and r[2] >= 0 for r in rows)
+        _, rows = run_query(con, "SELECT max(step - policy_version) FROM episodes WHERE split = 'train'")
+        assert rows[0][0] <= 1
+    finally:
+        con.close()
+
+
+def _vllm_servers_of(model_dir: Path) -> list[int]:
+    """PIDs of vLLM API servers started on ``model_dir`` (a SIGKILLed run leaves its own)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"vllm.entrypoints.openai.api_server" in args and str(model_dir).encode() in args:
+            found.append(int(proc.name))
+    return found
+
+
+@pytest.mark.slow
+def test_a_killed_async_run_resumed_trains_every_admitted_group_once_and_loses_no_finished_one(
+    vllm_model_dir: Path, prefect_harness: object, tmp_path: Path
+) -> None:
+    """SIGKILL a real `rollflow train` (async, LoRA) once step 0 is trained and groups wait in
+    the buffer; its server too (it is in a session of its own). Resume in-process."""
+    from rollflow.flows.train import train_flow
+    from rollflow.tasks.rollout import select_train_tasks
+    from test_flow_train import kill_group, start_train_process
+
+    sys.path.insert(0, str(TESTS))
+    config = async_config(vllm_model_dir, tmp_path, groups_in_flight=4, train={"num_steps": 4})
+    run_dir = tmp_path / "run"
+    folder = RunFolder(run_dir)
+    child = start_train_process(_write(config, tmp_path, "killed"), run_dir, tmp_path / "stderr.txt")
+    try:
+        deadline = time.monotonic() + 600
+        while not ((folder.step_dir(0) / "metrics.json").exists() and len(finished_groups(folder)) >= 4):
+            assert child.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the run never reached step 1 with groups buffered"
+            time.sleep(0.05)
+    finally:
+        kill_group(child)
+        for pid in _vllm_servers_of(vllm_model_dir):
+            os.killpg(pid, signal.SIGKILL)
+    before_stamps = finished_groups(folder)
+    before_taken = consumed_groups(folder)
+    waiting = set(before_stamps) - before_taken
+    assert waiting, "the kill should leave finished groups no step had taken yet"
+
+    train_flow(run_dir=str(run_dir))
+
+    trained = _trained_groups(folder, 4)
+    assert len(trained) == len(set(trained)) == 8, f"a group was trained twice: {trained}"
+    dropped = [i for s in range(4) for i in read_admission(folder, s).dropped]  # type: ignore[union-attr]
+    taken_after = consumed_groups(folder)
+    assert waiting <= taken_after, f"finished groups lost across the kill: {sorted(waiting - taken_after)}"
+    assert not set(dropped) & set(trained)
+    stamps = finished_groups(folder)
+    items = __import__("rollflow.envs.runner", fromlist=["load_environment_handle"]).load_environment_handle(
+        config.env.name, config.env.kwargs
+    ).tasks("train")
+    for index in trained:  # the data position: group n played the run's n-th training task
+        assert stamps[index].task_id == select_train_tasks(items, index, 1, config.train.seed)[0].task_id
+    for step in range(4):
+        episodes = table_to_episode_records(folder.read_stage(step, "episodes"))
+        assert len(episodes) == 4 and len({e.episode_id for e in episodes}) == 4
+        assert {e.rollout.error for e in episodes} == {None}
