@@ -46,6 +46,7 @@ FIELD_HOMES: dict[str, tuple[str, str]] = {
     "max_sampling_attempts": ("rollout", "max_sampling_attempts"),
     "groups_in_flight": ("rollout", "groups_in_flight"),
     "max_steps_off_policy": ("rollout", "max_steps_off_policy"),
+    "weight_sync_type": ("rollout", "weight_sync_type"),
     "num_steps": ("train", "num_steps"),
     "learning_rate": ("train", "learning_rate"),
     "use_lora": ("train", "use_lora"),
@@ -91,6 +92,9 @@ class GRPOConfig:
     val_max_turns: int | None = None
     max_steps_off_policy: int | None = None
     groups_in_flight: int | None = None
+    # "synchronous" | "background_publish" | "pipeline"; the reference's spelling
+    # ("WEIGHT_SYNC_TYPE_PIPELINE") is accepted too
+    weight_sync_type: str = RolloutConfig.weight_sync_type
     use_lora: bool = TrainConfig.use_lora
     lora_rank: int = TrainConfig.lora_rank
     loss: LossName = TrainConfig.loss
@@ -130,6 +134,8 @@ class GRPOConfig:
         document: dict[str, dict[str, Any]] = {"model": _model_table(self.model)}
         for name, (section, key) in FIELD_HOMES.items():
             value = getattr(self, name)
+            if name == "weight_sync_type":
+                value = str(value).lower().removeprefix("weight_sync_type_")
             if value is not None:
                 document.setdefault(section, {})[key] = value
         if self.group_size is not None:

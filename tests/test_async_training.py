@@ -86,6 +86,14 @@ def test_an_unknown_sync_type_and_a_negative_limit_are_refused() -> None:
         _parsed({"max_steps_off_policy": 1, "groups_in_flight": 0})
 
 
+def test_the_reference_api_takes_the_sync_type_in_either_spelling() -> None:
+    from rollflow.tasks.grpo_config import GRPOConfig
+
+    for spelling in ("WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH", "background_publish"):
+        config = GRPOConfig(max_turns=2, max_steps_off_policy=1, weight_sync_type=spelling).to_run_config()
+        assert config.rollout.weight_sync_type == "background_publish"
+
+
 def test_groups_in_flight_defaults_to_batch_size() -> None:
     config = _parsed({"max_steps_off_policy": 1, "batch_size": 3})
     assert config.groups_in_flight == 3
@@ -246,13 +254,16 @@ def _trained_groups(folder: RunFolder, steps: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_an_async_lora_run_trains_stale_groups_stamped_with_the_version_that_sampled_them(
+def test_an_async_lora_run_with_background_publication_stamps_each_group_with_the_version_that_sampled_it(
     vllm_model_dir: Path, prefect_harness: object, tmp_path: Path
 ) -> None:
     from rollflow.flows.train import train_flow
 
     sys.path.insert(0, str(TESTS))
-    config = async_config(vllm_model_dir, tmp_path, groups_in_flight=4, train={"keep_checkpoints": 10})
+    config = async_config(
+        vllm_model_dir, tmp_path, groups_in_flight=4, weight_sync_type="background_publish",
+        train={"keep_checkpoints": 10},
+    )  # fmt: skip
     run_dir = Path(train_flow(config_path=str(_write(config, tmp_path, "async")), run_dir=str(tmp_path / "run")))
     folder = RunFolder(run_dir)
     trained = _trained_groups(folder, 3)
@@ -350,3 +361,44 @@ def test_a_killed_async_run_resumed_trains_every_admitted_group_once_and_loses_n
         episodes = table_to_episode_records(folder.read_stage(step, "episodes"))
         assert len(episodes) == 4 and len({e.episode_id for e in episodes}) == 4
         assert {e.rollout.error for e in episodes} == {None}
+
+
+@pytest.mark.slow
+def test_a_pipeline_run_swaps_full_weights_in_place_and_in_flight_groups_finish_under_them(
+    vllm_model_dir: Path, prefect_harness: object, tmp_path: Path
+) -> None:
+    """Full weights, ``pipeline``: each new version is reloaded into the running server
+    (no restart) while groups are in flight; a group sampled by one version from start to
+    finish has exactly that checkpoint's logprobs (so the prefix cache was reset: a cached
+    prefix would carry the old weights' keys)."""
+    from rollflow.flows.train import train_flow
+
+    sys.path.insert(0, str(TESTS))
+    config = async_config(
+        vllm_model_dir, tmp_path, groups_in_flight=4, weight_sync_type="pipeline",
+        train={"use_lora": False, "learning_rate": 1e-3, "keep_checkpoints": 10},
+    )  # fmt: skip
+    run_dir = Path(train_flow(config_path=str(_write(config, tmp_path, "pipeline")), run_dir=str(tmp_path / "run")))
+    folder = RunFolder(run_dir)
+    log = (run_dir / "logs" / "vllm-server.log").read_text()
+    assert log.count("Application startup complete") == 1, "the weights moved without a restart"
+    collector = json.loads((run_dir / "async" / "collector.json").read_text())["processes"][0]
+    assert len(collector["publish_s"]) == 3, "versions 1, 2, 3 were published"
+    stamps = finished_groups(folder)
+    by_version: dict[int, list] = {}
+    for step in range(3):
+        admission = read_admission(folder, step)
+        assert admission is not None and len(admission.admitted) == 2
+        episodes = table_to_episode_records(folder.read_stage(step, "episodes"))
+        assert len(episodes) == 4 and {e.rollout.error for e in episodes} == {None}
+        for k, index in enumerate(admission.admitted):
+            stamp = stamps[index]
+            assert stamp.start_version <= stamp.finish_version <= step + 1
+            if stamp.start_version == stamp.finish_version:
+                group = [e for e in episodes if e.group_id == f"train/{step}/{k}"]
+                by_version.setdefault(stamp.start_version, []).extend(group)
+    assert by_version, "no group ran under a single version"
+    for version, records in sorted(by_version.items()):
+        source = vllm_model_dir if version == 0 else folder.checkpoint_dir(version - 1)
+        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
+        _assert_sampled_by(model, records)
