@@ -423,26 +423,29 @@ class RolloutWorkers:
         config, limit = self.config, self.config.rollout.max_steps_off_policy
         assert limit is not None
         started = time.perf_counter()
+        stale: list[int] = []
         with self.lock:
             self.buffer.trainer_step = step
             self.lock.notify_all()
             while True:
                 if self.buffer.error is not None:
                     raise CollectionError(f"the rollout workers failed: {self.buffer.error}") from self.buffer.error
-                stale = sorted(i for i, s in self.buffer.finished.items() if step - s.start_version > limit)
-                fresh = sorted(
-                    (i for i, s in self.buffer.finished.items() if step - s.start_version <= limit),
-                    key=lambda i: (self.buffer.finished[i].start_version, i),
-                )
+                # Stale at this step is stale for good: out of the buffer at once, so that
+                # admission control does not count them as work ahead of a new group.
+                for index in sorted(i for i, s in self.buffer.finished.items() if step - s.start_version > limit):
+                    del self.buffer.finished[index]
+                    stale.append(index)
+                fresh = sorted(self.buffer.finished, key=lambda i: (self.buffer.finished[i].start_version, i))
                 if len(fresh) >= config.rollout.batch_size:
                     break
+                self.lock.notify_all()
                 self.lock.wait(timeout=1.0)
             admitted = tuple(fresh[: config.rollout.batch_size])
-            for index in (*admitted, *stale):
+            for index in admitted:
                 del self.buffer.finished[index]
             self.buffer.trainer_step = step + 1  # what is left waits for the next step
             self.lock.notify_all()
-        return Admission(step, admitted, tuple(stale), time.perf_counter() - started)
+        return Admission(step, admitted, tuple(sorted(stale)), time.perf_counter() - started)
 
     def advance(self, step: int) -> None:
         """The trainer moved on to ``step`` (admission control counts from it)."""
@@ -490,8 +493,10 @@ class RolloutWorkers:
         limit = self.config.rollout.max_steps_off_policy
         assert limit is not None
         with self.lock:
-            ahead = len(self.buffer.finished) + self.buffer.started
-            taken_at = self.buffer.trainer_step + ahead // self.config.rollout.batch_size
+            step = self.buffer.trainer_step
+            waiting = sum(step - s.start_version <= limit for s in self.buffer.finished.values())
+            ahead = waiting + self.buffer.started  # stale ones will be dropped, not trained
+            taken_at = step + ahead // self.config.rollout.batch_size
         return taken_at - self.generator.version <= limit
 
     def _next_index(self) -> int:
