@@ -107,7 +107,7 @@ def server_times() -> tuple[float, float] | None:
 
 
 def run_engine(engine: str, model_path: str | None, tiny: bool, workdir: Path) -> EngineResult:
-    backend = "transformers" if engine == "transformers" else "vllm"
+    backend = "transformers" if engine.startswith("transformers") else "vllm"
     config = bench_config(model_path, tiny, backend)
     run_dir = workdir / engine.replace("+", "-")
     step = 0

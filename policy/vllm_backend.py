@@ -78,6 +78,7 @@ from rollflow.policy.codec import ChatCodec, TokenState
 from rollflow.policy.openai_backend import server_error_message
 from rollflow.policy.sampling import EpisodeSeeds, SamplingSettings, request_seed
 from rollflow.policy.stopping import raise_if_stop_requested
+from rollflow.policy.vllm_server import LM_HEAD_SHARD, is_tied
 
 _RETRIED_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _CONNECT_TIMEOUT_S = 10.0
@@ -265,6 +266,12 @@ class VLLMPolicy:
         caller pauses new requests first when that matters.
         """
         folder = Path(model_dir).resolve()
+        if is_tied(folder) and not (folder / LM_HEAD_SHARD).exists():
+            raise VLLMPolicyError(
+                f"{folder}: a model with tied input and output embeddings needs its output layer as "
+                f"{LM_HEAD_SHARD} to be reloaded in place (vLLM would keep the old one); full-weight "
+                "checkpoints of rollflow carry it (rollflow.policy.vllm_server.write_lm_head_shard)"
+            )
         started = time.perf_counter()
         for url in self.base_urls:
             root = url.removesuffix("/v1")

@@ -71,7 +71,9 @@ Simplifications, and why:
 from __future__ import annotations
 
 import atexit
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -82,10 +84,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import httpx
 
 from rollflow.policy.stopping import exit_on_sigterm
+
+if TYPE_CHECKING:
+    import torch
 
 PYTHON_ENV = "ROLLFLOW_VLLM_PYTHON"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -411,3 +417,55 @@ _LIVE: set[VLLMServer] = set()
 def _stop_live_servers() -> None:
     for server in list(_LIVE):
         server.stop()
+
+
+# ---------------------------------------------------------------- full weights, swapped in place
+
+# vLLM 0.32's in-place reload (``reload_weights``) keeps the old output layer of a model
+# whose output layer is tied to its input embedding: the reload writes the embedding into
+# new storage and puts the old tensor back under lm_head (measured here: the served
+# logprobs were new-embedding / old-head's within 1e-6). So a full-weight server serves an
+# untied copy, and every full-weight checkpoint carries the tied matrix as its own shard.
+LM_HEAD_SHARD = "lm_head.safetensors"
+
+
+def is_tied(model_dir: Path) -> bool:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return bool(config.get("tie_word_embeddings", False))
+
+
+def write_lm_head_shard(folder: Path, embedding: torch.Tensor) -> Path:
+    """``lm_head.weight`` as a shard of its own (HF ignores it; vLLM's loader reads every
+    ``*.safetensors`` of a folder without an index)."""
+    from safetensors.torch import save_file
+
+    path = Path(folder) / LM_HEAD_SHARD
+    save_file({"lm_head.weight": embedding.detach().to("cpu").contiguous().clone()}, str(path))
+    return path
+
+
+def untied_serving_folder(model_dir: Path) -> Path:
+    """``model_dir`` itself, or for a tied model a sibling copy with ``tie_word_embeddings``
+    off and the output layer as its own shard: what a full-weight server loads."""
+    model_dir = Path(model_dir)
+    if not is_tied(model_dir):
+        return model_dir
+    from safetensors import safe_open
+
+    from rollflow.policy.models import build_atomically
+
+    def build(tmp: Path) -> None:
+        for item in model_dir.iterdir():
+            if item.is_file():
+                shutil.copy2(item, tmp / item.name)
+        config = json.loads((model_dir / "config.json").read_text())
+        config["tie_word_embeddings"] = False
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        for shard in sorted(model_dir.glob("*.safetensors")):
+            with safe_open(str(shard), framework="pt") as handle:
+                if "model.embed_tokens.weight" in handle.keys():
+                    write_lm_head_shard(tmp, handle.get_tensor("model.embed_tokens.weight"))
+                    return
+        raise VLLMServerError(f"{model_dir}: a tied model without model.embed_tokens.weight")
+
+    return build_atomically(model_dir.with_name(model_dir.name + "-untied"), build)

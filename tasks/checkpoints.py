@@ -35,6 +35,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rollflow.policy.models import ModelRef, load_causal_lm
+from rollflow.policy.vllm_server import write_lm_head_shard
 from rollflow.storage.parquet import temporary_path
 from rollflow.storage.records import TrainResult
 from rollflow.storage.runfolder import RunFolder
@@ -178,6 +179,8 @@ def save_checkpoint(
         model.save_pretrained(str(tmp), **adapters)
         if not use_lora:
             tokenizer.save_pretrained(str(tmp))  # a full-weight checkpoint is a whole HF folder
+            if getattr(model.config, "tie_word_embeddings", False):  # for vLLM's in-place reload
+                write_lm_head_shard(tmp, model.get_input_embeddings().weight)
         torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
         (tmp / RNG_FILE).write_text(json.dumps(capture_rng_state()))
         (tmp / RESULT_FILE).write_text(json.dumps(train_result_to_json(result)))

@@ -581,7 +581,7 @@ def open_generator(config: RunConfig, folder: RunFolder, first_step: int) -> Ite
     (``max_steps_off_policy + 2``: the oldest admissible, the newest, one being published).
     """
     from rollflow.policy.models import ModelRef, hf_model_folder, load_tokenizer
-    from rollflow.policy.vllm_server import VLLMServer, VLLMServerSpec, lora_rank_limit
+    from rollflow.policy.vllm_server import VLLMServer, VLLMServerSpec, lora_rank_limit, untied_serving_folder
     from rollflow.tasks.policy_io import SERVED_MODEL_NAME, VLLM_LOG, _sampling_settings, _stop_token_ids
     from rollflow.tasks.policy_io import step_checkpoint
 
@@ -590,6 +590,8 @@ def open_generator(config: RunConfig, folder: RunFolder, first_step: int) -> Ite
     checkpoint = step_checkpoint(folder, first_step)
     base = base_model_ref(config)
     model_dir = hf_model_folder(ModelRef(path=base.path, gguf_file=base.gguf_file))
+    if not config.train.use_lora:  # full weights: reloaded in place, so served untied
+        model_dir = untied_serving_folder(model_dir)
     if checkpoint is not None:
         source = checkpoint.path
     elif config.train.use_lora:
@@ -602,7 +604,7 @@ def open_generator(config: RunConfig, folder: RunFolder, first_step: int) -> Ite
         served = config.rollout.api_model or discover_served_model(urls[0])
     else:
         spec = VLLMServerSpec(
-            model_dir=str(model_dir if config.train.use_lora else source),
+            model_dir=str(model_dir),
             served_model_name=config.rollout.api_model or SERVED_MODEL_NAME,
             max_model_len=config.rollout.max_model_length,
             enable_lora=config.train.use_lora,
@@ -622,6 +624,8 @@ def open_generator(config: RunConfig, folder: RunFolder, first_step: int) -> Ite
             max_lora_rank=lora_rank_limit(config.train.lora_rank) if config.train.use_lora else None,
         )  # fmt: skip
         policy.connect(check_logprobs_mode=server is None)
+        if not config.train.use_lora and checkpoint is not None:  # a resumed full-weight run
+            policy.reload_weights(checkpoint.path, first_step)
         yield AsyncGenerator(config, policy, first_step, source)
     finally:
         if server is not None:

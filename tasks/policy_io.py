@@ -13,8 +13,9 @@ before it (policy version ``s`` in a lockstep run), or the base model at step 0.
   the run folder's ``logs/vllm-server.log``, reused by every later step of the process and
   stopped when the process exits. With LoRA, each step loads its checkpoint's adapter as
   ``policy-v{version}`` before the rollout (and unloads the previous one); with full
-  weights the server restarts on the step's checkpoint folder (``VLLMServer.startup_s``
-  says how long that took). With ``base_urls`` the servers are the user's: they must serve
+  weights the server keeps serving the base model's folder and each step's checkpoint is
+  swapped in place (``VLLMPolicy.reload_weights``: vLLM's ``reload_weights`` through
+  ``/collective_rpc``, then a prefix-cache reset), which replaced a restart. With ``base_urls`` the servers are the user's: they must serve
   the base model with ``--enable-lora`` (for LoRA) and
   ``--logprobs-mode processed_logprobs`` (checked on first contact), and read the run
   folder's checkpoints at the same paths; full-weight training cannot reach them.
@@ -49,7 +50,7 @@ from rollflow.envs.agent import Policy
 from rollflow.policy.models import ModelRef, hf_model_folder, load_causal_lm, load_tokenizer
 from rollflow.policy.sampling import SamplingSettings
 from rollflow.policy.vllm_backend import VLLMPolicy, discover_served_model
-from rollflow.policy.vllm_server import VLLMServer, VLLMServerSpec, lora_rank_limit
+from rollflow.policy.vllm_server import VLLMServer, VLLMServerSpec, lora_rank_limit, untied_serving_folder
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.checkpoints import (
     Checkpoint,
@@ -200,6 +201,7 @@ class _Generator:
     policy: VLLMPolicy
     server: VLLMServer | None  # None: external servers
     tokenizer: PreTrainedTokenizerBase | None = None  # managed: to rebuild the policy on a restart
+    weights: str | None = None  # a full-weight checkpoint reloaded into the server (None: its own)
 
 
 _GENERATOR: list[_Generator] = []  # at most one: see the module docstring
@@ -210,8 +212,12 @@ def load_vllm_policy(config: RunConfig, folder: RunFolder | None, step: int) -> 
     checkpoint = step_checkpoint(folder, step)
     ref = policy_model_ref(config, checkpoint)
     version = 0 if checkpoint is None else checkpoint.policy_version
+    # Full-weight training: one server for the whole run, each version swapped in place
+    full_weights = not config.train.use_lora and ref.adapter is None
     if config.rollout.base_urls:
         generator = _external_generator(config, ref)
+    elif full_weights:  # the server keeps serving one folder; each version is swapped in
+        generator = _managed_generator(config, folder, full_weight_serving_ref(config))
     else:
         generator = _managed_generator(config, folder, ref)
     policy = generator.policy
@@ -220,8 +226,20 @@ def load_vllm_policy(config: RunConfig, folder: RunFolder | None, step: int) -> 
         policy.load_adapter(ref.adapter, version)
     else:
         policy.unload_adapter()
+    wanted = str(ref.path) if full_weights and checkpoint is not None else None
+    if generator.server is not None and generator.weights != wanted:  # None: the spec's own folder
+        seconds = policy.reload_weights(wanted or generator.server.spec.model_dir, version)
+        generator.weights = wanted
+        print(f"  vLLM: version {version}'s weights reloaded in place in {seconds:.1f}s", file=sys.stderr, flush=True)
     policy.version = version
     return policy
+
+
+def full_weight_serving_ref(config: RunConfig) -> ModelRef:
+    """What a full-weight run's managed server loads: the base model, untied when its
+    output layer is tied (``rollflow.policy.vllm_server.untied_serving_folder``)."""
+    base = base_model_ref(config)
+    return ModelRef(path=str(untied_serving_folder(hf_model_folder(ModelRef(path=base.path, gguf_file=base.gguf_file)))))
 
 
 def _managed_generator(config: RunConfig, folder: RunFolder | None, ref: ModelRef) -> _Generator:
@@ -271,6 +289,7 @@ def _restart_managed(generator: _Generator, folder: RunFolder | None, reason: st
     server.restart(reason, log_path=folder.root / VLLM_LOG if folder is not None else None)
     print(f"  vLLM: restarted, healthy after {server.startup_s:.1f} s", file=sys.stderr, flush=True)
     old = generator.policy
+    generator.weights = None  # a fresh server holds its spec's weights again
     generator.policy = _managed_policy(server, tokenizer, old.settings)
     generator.policy.stats = old.stats
 

@@ -30,7 +30,7 @@ from rollflow.envs.types import Message
 from rollflow.policy.models import ModelRef, build_tiny_model, load_tokenizer
 from rollflow.policy.sampling import SamplingSettings, sampling_logprobs
 from rollflow.policy.vllm_backend import VLLMPolicy, VLLMPolicyError
-from rollflow.policy.vllm_server import VLLMServer, VLLMServerError, VLLMServerSpec, free_port
+from rollflow.policy.vllm_server import VLLMServer, VLLMServerError, VLLMServerSpec, free_port, write_lm_head_shard
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks import policy_io
 from rollflow.tasks.config import ModelConfig, RolloutConfig, RunConfig, TrainConfig
@@ -385,10 +385,13 @@ def test_rollflow_train_on_the_vllm_server_stamps_each_step_with_the_version_tha
             context += action.token_ids
 
 
-def test_full_weights_restart_the_server_on_the_checkpoint(
-    server: VLLMServer, run_config: RunConfig, model_dir: Path, tokenizer: PreTrainedTokenizerBase, tmp_path: Path
+def test_full_weights_are_swapped_into_the_running_server_in_place(
+    server: VLLMServer, run_config: RunConfig, model_dir: Path, hf_model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase, tmp_path: Path,
 ) -> None:
-    """Last: it replaces the session's server (one at a time) with one on the new weights."""
+    """Last: it replaces the session's server (one at a time) with one without LoRA, then
+    moves it to new full weights and back without a restart. The same prompts run before
+    and after each swap: a prefix cache kept across it would give the old weights' logprobs."""
     import time
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -402,13 +405,24 @@ def test_full_weights_restart_the_server_on_the_checkpoint(
     (tmp / "version.json").write_text(json.dumps({"policy_version": 1, "step": 0, "use_lora": False}))
     folder.commit_checkpoint(tmp, 0)
     full = replace(run_config, train=replace(run_config.train, use_lora=False))
+    with pytest.raises(VLLMPolicyError, match="tied input and output embeddings"):
+        policy_io.load_vllm_policy(full, folder, 1)  # no lm_head shard: refused, not served stale
+    write_lm_head_shard(folder.checkpoint_dir(0), model.get_input_embeddings().weight)  # as save_checkpoint does
+
+    base_policy = policy_io.load_vllm_policy(full, folder, 0)
+    running = policy_io._GENERATOR[0].server
+    assert running is not None and running is not server, "a LoRA-less spec is another server"
+    _assert_exact(hf_model, _act_all(base_policy, _conversations()), 1.0)  # primes the prefix cache
 
     started = time.monotonic()
     policy = policy_io.load_vllm_policy(full, folder, 1)
-    restart_s = time.monotonic() - started
-    restarted = policy_io._GENERATOR[0].server
-    assert restarted is not None and restarted is not server and not server.running
-    print(f"full-weight sync by restart: {restart_s:.1f} s (healthy after {restarted.startup_s:.1f} s)")
+    swap_s = time.monotonic() - started
+    print(f"full-weight sync in place: {swap_s:.2f} s (a restart took {running.startup_s:.1f} s)")
+    assert policy_io._GENERATOR[0].server is running and running.running, "no restart"
     assert isinstance(policy, VLLMPolicy) and policy.version == 1 and policy.adapter_name is None
-    actions = _act_all(policy, _conversations())
-    _assert_exact(AutoModelForCausalLM.from_pretrained(str(folder.checkpoint_dir(0))).eval(), actions, 1.0)
+    new_weights = AutoModelForCausalLM.from_pretrained(str(folder.checkpoint_dir(0))).eval()
+    _assert_exact(new_weights, _act_all(policy, _conversations()), 1.0)
+
+    back = policy_io.load_vllm_policy(full, folder, 0)  # the base model's own weights again
+    assert policy_io._GENERATOR[0].server is running and back.version == 0
+    _assert_exact(hf_model, _act_all(back, _conversations()), 1.0)
