@@ -20,6 +20,20 @@ The server start is not counted (printed apart): a training run pays it once.
 
 ``--tiny`` swaps in a 2-layer test model and 2 tasks x 2 episodes x 2 turns, to check the
 script itself. No timed assertions: the figures are for the README.
+
+Measured 2026-12-01 on the 2-core machine, quiet except for the last leg (another vLLM
+test ran beside it), 15 min. The no-KV-reuse leg ran with an idle vLLM server started
+(the script's backend check then said "vllm" for it; its figures are the transformers
+engine's, and its server columns meant nothing):
+
+    | engine | wall s | generated tokens/s | episodes/min | generated | prompt tokens sent |
+    | transformers | 102.0 | 32.7 | 37.6 | 3340 | 36205 |
+    | transformers-no-kv-reuse | 133.9 | 24.9 | 28.7 | 3340 | 36205 |
+    | vllm | 59.7 | 51.2 | 64.3 | 3060 | 36066 |
+    | vllm+lora | 517.1 | 5.8 | 7.4 | 3004 | 36161 |
+
+("prompt tokens sent" counts each action's new context tokens, the same for both
+transformers legs; what KV reuse saves is the re-prefill of earlier ones.)
 """
 
 from __future__ import annotations
