@@ -1,4 +1,4 @@
-"""The GRPO training flow: per step, rollout -> scoring -> flatten -> [teacher] -> train -> metrics.
+"""The GRPO training flow: per step, rollout (or admit) -> scoring -> flatten -> [teacher] -> train -> metrics.
 
 The teacher stage (``tasks/teacher.py``) runs only where ``[train]`` names a teacher:
 on-policy distillation (``objective = "opd"``), or a GRPO run measuring its distance to one.
@@ -20,9 +20,14 @@ took before the crash, not the instant they took to skip.
 Validation runs before every ``validation_interval``-th step (step 0 gives the baseline)
 and once more after the last step, on the validation tasks, without training on them.
 
-Simplified: steps run in lockstep (rollouts finish before training starts). Async
-collection (``max_steps_off_policy``) is refused by ``check_supported`` with a clear
-message rather than silently ignored.
+Lockstep is the default: a step's rollouts finish before its training starts. With
+``[rollout].max_steps_off_policy`` set, ``run_async_training`` runs instead: rollout
+workers (``tasks/collect.py``) play groups on the vLLM generator beside the trainer and
+write each finished group to a file; each step's first stage is then "admit" (take
+``batch_size`` finished groups, drop stale ones, write the step's episodes) instead of
+"rollout", the rest of the step is the same, and the new version is published after the
+train stage (inline or on a thread, ``weight_sync_type``). Its resume also comes from the
+files: the admissions already written and the groups already collected.
 """
 
 from __future__ import annotations
