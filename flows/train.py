@@ -182,6 +182,10 @@ def run_async_training(handle: RunHandle) -> None:
     flattens, trains and publishes (``tasks/collect.py`` has the rules)."""
     config, root, folder = handle.config, handle.root, handle.folder
     first = next((s for s in range(config.train.num_steps) if not handle.step_finished(s)), config.train.num_steps)
+    if first == config.train.num_steps:  # trained: at most the last validation is left
+        if validation_due(config, first):
+            validate(config, root, first)  # its stages skip what is done; no workers needed
+        return
     started = time.perf_counter()
     with open_generator(config, folder, first) as generator:
         workers = RolloutWorkers(config, folder, generator, first).start()
