@@ -344,11 +344,6 @@ class AsyncGenerator:
                     self._accept_groups = True
         self.publish_s.append(time.perf_counter() - started)
 
-    def wait_published(self, version: int, timeout_s: float | None = None) -> None:
-        with self._lock:
-            if not self._lock.wait_for(lambda: self.version >= version, timeout=timeout_s):
-                raise CollectionError(f"policy version {version} was never published")
-
     def retire_unused(self) -> None:
         """Unload the adapters of old versions no running group uses."""
         if not self.lora:
