@@ -76,7 +76,9 @@ def log_validation_traces(
 
     by_id = {e.episode_id: e for e in episodes}
     score_by_id = {s.episode_id: s for s in scores}
-    previous = mlflow.get_tracking_uri()
+    # None when unset: restoring MLflow's resolved default instead would pin it (and the
+    # MLFLOW_TRACKING_URI it exports) to ./mlflow.db, where the pipeline then registered.
+    previous = mlflow.get_tracking_uri() if mlflow.is_tracking_uri_set() else None
     mlflow.set_tracking_uri(tracking_uri)  # the fluent tracing API exports to the global URI
     try:
         trace_ids = [
