@@ -578,7 +578,7 @@ def open_generator(config: RunConfig, folder: RunFolder, first_step: int) -> Ite
     from rollflow.policy.models import ModelRef, hf_model_folder, load_tokenizer
     from rollflow.policy.vllm_server import VLLMServer, VLLMServerSpec, lora_rank_limit, untied_serving_folder
     from rollflow.tasks.policy_io import SERVED_MODEL_NAME, VLLM_LOG, _sampling_settings, _stop_token_ids
-    from rollflow.tasks.policy_io import step_checkpoint
+    from rollflow.tasks.policy_io import step_checkpoint, stop_vllm_generator
 
     limit = config.rollout.max_steps_off_policy
     assert limit is not None
@@ -594,6 +594,7 @@ def open_generator(config: RunConfig, folder: RunFolder, first_step: int) -> Ite
     else:
         source = model_dir
     server = None
+    stop_vllm_generator()  # a lockstep server this process kept: never two at once
     if config.rollout.base_urls:
         urls = list(config.rollout.base_urls)
         served = config.rollout.api_model or discover_served_model(urls[0])
