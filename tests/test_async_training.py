@@ -260,53 +260,6 @@ def _trained_groups(folder: RunFolder, steps: int) -> list[int]:
     return trained
 
 
-@pytest.mark.slow
-def test_an_async_lora_run_with_background_publication_stamps_each_group_with_the_version_that_sampled_it(
-    vllm_model_dir: Path, prefect_harness: object, tmp_path: Path
-) -> None:
-    from rollflow.flows.train import train_flow
-
-    sys.path.insert(0, str(TESTS))
-    config = async_config(
-        vllm_model_dir, tmp_path, groups_in_flight=4, weight_sync_type="background_publish",
-        train={"keep_checkpoints": 10},
-    )  # fmt: skip
-    run_dir = Path(train_flow(config_path=str(_write(config, tmp_path, "async")), run_dir=str(tmp_path / "run")))
-    folder = RunFolder(run_dir)
-    trained = _trained_groups(folder, 3)
-    assert len(trained) == len(set(trained)) == 6, "every step trains batch_size distinct groups"
-    assert _trained_groups(folder, 3)[:2] == [0, 1]
-    versions_seen = set()
-    for step in range(3):
-        episodes = table_to_episode_records(folder.read_stage(step, "episodes"))
-        assert len(episodes) == 4 and {e.rollout.error for e in episodes} == {None}
-        for record in episodes:
-            assert 0 <= step - record.rollout.policy_version <= 1, "never older than max_steps_off_policy"
-            versions_seen.add(record.rollout.policy_version)
-        metrics = json.loads((folder.step_dir(step) / "metrics.json").read_text())
-        assert {"async/train_wait_s", "async/staleness_mean", "async/staleness_max"} <= set(metrics)
-        if step == 0:  # version 0's served adapter is the trainer's own start: no mismatch
-            assert metrics["async/mismatch_kl"] < 1e-6
-        assert metrics["async/dropped_stale_groups"] == 0, "admission control started nothing that went stale"
-    # The stamps are the truth: each episode's logprobs are its start version's, by hand.
-    for version in sorted(versions_seen):
-        model = _version_model(vllm_model_dir, folder, version)
-        records = [
-            r for step in range(3) for r in table_to_episode_records(folder.read_stage(step, "episodes"))
-            if r.rollout.policy_version == version
-        ]  # fmt: skip
-        _assert_sampled_by(model, records)
-    con = open_run_sql([run_dir])
-    try:
-        _, rows = run_query(con, "SELECT step, max(staleness), any_value(train_wait_s) FROM admissions "
-                                 "WHERE admitted GROUP BY step ORDER BY step")  # fmt: skip
-        assert [r[0] for r in rows] == [0, 1, 2] and all(r[1] <= 1 and r[2] >= 0 for r in rows)
-        _, rows = run_query(con, "SELECT max(step - policy_version) FROM episodes WHERE split = 'train'")
-        assert rows[0][0] <= 1
-    finally:
-        con.close()
-
-
 def _vllm_servers_of(model_dir: Path) -> list[int]:
     """PIDs of vLLM API servers started on ``model_dir`` (a SIGKILLed run leaves its own)."""
     found = []
@@ -321,17 +274,22 @@ def _vllm_servers_of(model_dir: Path) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_killed_async_run_resumed_trains_every_admitted_group_once_and_loses_no_finished_one(
+def test_a_killed_async_lora_run_resumed_trains_every_group_once_stamped_with_the_version_that_sampled_it(
     vllm_model_dir: Path, prefect_harness: object, tmp_path: Path
 ) -> None:
-    """SIGKILL a real `rollflow train` (async, LoRA) once step 0 is trained and groups wait in
-    the buffer; its server too (it is in a session of its own). Resume in-process."""
+    """SIGKILL a real `rollflow train` (async, LoRA, background publication) once step 0 is
+    trained and groups wait in the buffer; its server too (it is in a session of its own).
+    Resume in-process: no group trained twice, none finished lost, every episode's tokens
+    scored by hand under the version its stamp names."""
     from rollflow.flows.train import train_flow
     from rollflow.tasks.rollout import select_train_tasks
     from test_flow_train import kill_group, start_train_process
 
     sys.path.insert(0, str(TESTS))
-    config = async_config(vllm_model_dir, tmp_path, groups_in_flight=4, train={"num_steps": 4})
+    config = async_config(
+        vllm_model_dir, tmp_path, groups_in_flight=4, weight_sync_type="background_publish",
+        train={"num_steps": 4, "keep_checkpoints": 10},
+    )  # fmt: skip
     run_dir = tmp_path / "run"
     folder = RunFolder(run_dir)
     child = start_train_process(_write(config, tmp_path, "killed"), run_dir, tmp_path / "stderr.txt")
@@ -364,10 +322,37 @@ def test_a_killed_async_run_resumed_trains_every_admitted_group_once_and_loses_n
     ).tasks("train")
     for index in trained:  # the data position: group n played the run's n-th training task
         assert stamps[index].task_id == select_train_tasks(items, index, 1, config.train.seed)[0].task_id
+    versions_seen = set()
     for step in range(4):
         episodes = table_to_episode_records(folder.read_stage(step, "episodes"))
         assert len(episodes) == 4 and len({e.episode_id for e in episodes}) == 4
         assert {e.rollout.error for e in episodes} == {None}
+        for record in episodes:
+            assert 0 <= step - record.rollout.policy_version <= 1, "never older than max_steps_off_policy"
+            versions_seen.add(record.rollout.policy_version)
+        metrics = json.loads((folder.step_dir(step) / "metrics.json").read_text())
+        assert {"async/train_wait_s", "async/staleness_mean", "async/staleness_max"} <= set(metrics)
+        assert metrics["async/dropped_stale_groups"] == 0, "admission control started nothing that went stale"
+        if step == 0:  # version 0's served adapter is the trainer's own start: no mismatch
+            assert metrics["async/mismatch_kl"] < 1e-6
+    # The stamps are the truth: each episode's logprobs are its start version's, by hand,
+    # across the kill, the background publication and the resume.
+    for version in sorted(versions_seen):
+        model = _version_model(vllm_model_dir, folder, version)
+        records = [
+            r for step in range(4) for r in table_to_episode_records(folder.read_stage(step, "episodes"))
+            if r.rollout.policy_version == version
+        ]  # fmt: skip
+        _assert_sampled_by(model, records)
+    con = open_run_sql([run_dir])
+    try:
+        _, rows = run_query(con, "SELECT step, max(staleness), any_value(train_wait_s) FROM admissions "
+                                 "WHERE admitted GROUP BY step ORDER BY step")  # fmt: skip
+        assert [r[0] for r in rows] == [0, 1, 2, 3] and all(r[1] <= 1 and r[2] >= 0 for r in rows)
+        _, rows = run_query(con, "SELECT max(step - policy_version) FROM episodes WHERE split = 'train'")
+        assert rows[0][0] <= 1
+    finally:
+        con.close()
 
 
 @pytest.mark.slow
