@@ -9,7 +9,7 @@
 #      the training step sampled by the same policy version
 # Every stage is resumable: run it again and finished work is skipped.
 #
-#   scripts/opd_vs_grpo.sh                 SFT ~12 min on 2 free cores, then each run
+#   scripts/opd_vs_grpo.sh                 SFT ~12 min on 2 free cores (hours beside other work), then each run
 #   OUT=runs/opd2 scripts/opd_vs_grpo.sh   into other folders (configs rewritten to that teacher)
 set -euo pipefail
 cd "$(dirname "$0")/.."
