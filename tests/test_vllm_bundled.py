@@ -40,6 +40,7 @@ from rollflow.envs.runner import EpisodeLimits, load_environment_handle, play_gr
 from rollflow.policy.models import ModelRef, hf_model_folder
 from rollflow.policy.sampling import sampling_logprobs
 from rollflow.policy.vllm_backend import VLLMPolicy
+from rollflow.policy.vllm_server import untied_serving_folder
 from rollflow.tasks import policy_io
 from rollflow.tasks.config import RolloutConfig, RunConfig, TrainConfig
 
@@ -68,7 +69,10 @@ def policy(config: RunConfig) -> Iterator[VLLMPolicy]:
         acting = policy_io.load_vllm_policy(config, None, 0)
         assert isinstance(acting, VLLMPolicy)
         server = policy_io._GENERATOR[0].server
-        assert server is not None and server.spec.model_dir == str(hf_model_folder(ModelRef()))
+        # full weights: the untied copy of the bundled (tied) model, so that new versions can be
+        # swapped in place; the tests below check it samples exactly what HF's tied model gives
+        untied = untied_serving_folder(hf_model_folder(ModelRef()))
+        assert server is not None and server.spec.model_dir == str(untied) != str(hf_model_folder(ModelRef()))
         print(f"vLLM server on the bundled model healthy after {server.startup_s:.1f} s")
         yield acting
     finally:
