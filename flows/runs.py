@@ -132,6 +132,12 @@ def check_async(config: RunConfig) -> None:
             "([train].use_lora = false): in-flight generation switches to the new weights, "
             "which a LoRA run keeps per version instead; use 'background_publish' with LoRA"
         )
+    if rollout.weight_sync_type != "synchronous" and config.train.keep_checkpoints < 2:
+        raise ConfigError(
+            f"[rollout].weight_sync_type = {rollout.weight_sync_type!r} publishes a checkpoint while "
+            "the next step trains, and that step's pruning would delete it with "
+            f"[train].keep_checkpoints = {config.train.keep_checkpoints}: keep at least 2"
+        )
     if rollout.backend != "vllm":
         raise ConfigError(
             "[rollout].max_steps_off_policy (async collection) needs [rollout].backend = 'vllm': "

@@ -71,6 +71,13 @@ def test_pipeline_needs_full_weights() -> None:
     check_async(_parsed({"max_steps_off_policy": 1, "weight_sync_type": "pipeline"}, {"use_lora": False}))
 
 
+def test_deferred_publication_needs_the_published_checkpoint_kept_through_the_next_step() -> None:
+    with pytest.raises(ConfigError, match=r"keep_checkpoints = 1: keep at least 2"):
+        check_async(_parsed({"max_steps_off_policy": 1, "weight_sync_type": "background_publish"},
+                            {"keep_checkpoints": 1}))  # fmt: skip
+    check_async(_parsed({"max_steps_off_policy": 1}, {"keep_checkpoints": 1}))  # inline: no race
+
+
 def test_async_needs_the_vllm_generator() -> None:
     config = parse_config({"rollout": {"max_steps_off_policy": 1}})
     with pytest.raises(ConfigError, match="needs \\[rollout\\]\\.backend = 'vllm'"):
