@@ -199,7 +199,6 @@ def run_async_training(handle: RunHandle) -> None:
                 for name, stage in step_stages(config)[1:]:
                     run_timed(folder, step, name, partial(stage, config, root, step))
                 publisher.publish(step + 1, folder.checkpoint_dir(step))
-                workers.advance(step + 1)
                 metrics(config, root, step)
                 handle.report(f"step {step + 1}/{config.train.num_steps} done (async)")
             publisher.join()

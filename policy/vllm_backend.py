@@ -205,17 +205,9 @@ class VLLMPolicy:
     # ------------------------------------------------------------ new policy versions
 
     def load_adapter(self, adapter_dir: str | Path, version: int) -> None:
-        """Act with the LoRA adapter in ``adapter_dir`` as ``policy-v{version}`` from now on."""
-        adapter = Path(adapter_dir).resolve()
-        rank = _adapter_rank(adapter)
-        if self.max_lora_rank is not None and rank > self.max_lora_rank:
-            raise VLLMPolicyError(
-                f"{adapter} has LoRA rank {rank}, above the server's --max-lora-rank {self.max_lora_rank}"
-            )
-        name, previous = adapter_name(version), self.adapter_name
-        for url in self.base_urls:
-            body = {"lora_name": name, "lora_path": str(adapter), "load_inplace": True}
-            _admin_post(f"{url}/load_lora_adapter", body, what=f"loading adapter {adapter}")
+        """Act with the LoRA adapter in ``adapter_dir`` as ``policy-v{version}`` from now on
+        (the previously loaded one is unloaded)."""
+        name, previous = self.add_adapter(adapter_dir, version), self.adapter_name
         if previous is not None and previous != name:
             for url in self.base_urls:
                 _admin_post(f"{url}/unload_lora_adapter", {"lora_name": previous}, what=f"unloading {previous}")

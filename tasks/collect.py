@@ -63,7 +63,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -320,29 +320,25 @@ class AsyncGenerator:
             with self._lock:
                 self.version = version
             self.retire_unused()
-        elif self.pipeline:
-            with self._lock:
-                self._accept_requests = False
-                self._lock.wait_for(lambda: self._requests == 0)
-            try:
-                self.policy.reload_weights(source, version)
-                with self._lock:
-                    self.version = version
-            finally:
-                with self._lock:
-                    self._accept_requests = True
-        else:
-            with self._lock:
-                self._accept_groups = False
-                self._lock.wait_for(lambda: not self._groups)
-            try:
-                self.policy.reload_weights(source, version)
-                with self._lock:
-                    self.version = version
-            finally:
-                with self._lock:
-                    self._accept_groups = True
+        elif self.pipeline:  # pause requests: episodes in flight go on under the new weights
+            self._swap_paused("_accept_requests", lambda: self._requests == 0, source, version)
+        else:  # pause groups: each episode keeps the one version it started under
+            self._swap_paused("_accept_groups", lambda: not self._groups, source, version)
         self.publish_s.append(time.perf_counter() - started)
+
+    def _swap_paused(self, gate: str, drained: Callable[[], bool], source: Path, version: int) -> None:
+        """Close ``gate`` (an ``_accept_*`` flag), wait until ``drained``, swap the full
+        weights in place, then open the gate again (also when the swap fails)."""
+        with self._lock:
+            setattr(self, gate, False)
+            self._lock.wait_for(drained)
+        try:
+            self.policy.reload_weights(source, version)
+            with self._lock:
+                self.version = version
+        finally:
+            with self._lock:
+                setattr(self, gate, True)
 
     def retire_unused(self) -> None:
         """Unload the adapters of old versions no running group uses."""
@@ -441,12 +437,6 @@ class RolloutWorkers:
             self.buffer.trainer_step = step + 1  # what is left waits for the next step
             self.lock.notify_all()
         return Admission(step, admitted, tuple(sorted(stale)), time.perf_counter() - started)
-
-    def advance(self, step: int) -> None:
-        """The trainer moved on to ``step`` (admission control counts from it)."""
-        with self.lock:
-            self.buffer.trainer_step = step
-            self.lock.notify_all()
 
     # ---- the collector thread
 
@@ -577,7 +567,7 @@ def open_generator(config: RunConfig, folder: RunFolder, first_step: int) -> Ite
     """
     from rollflow.policy.models import ModelRef, hf_model_folder, load_tokenizer
     from rollflow.policy.vllm_server import VLLMServer, VLLMServerSpec, lora_rank_limit, untied_serving_folder
-    from rollflow.tasks.policy_io import SERVED_MODEL_NAME, VLLM_LOG, _sampling_settings, _stop_token_ids
+    from rollflow.tasks.policy_io import SERVED_MODEL_NAME, VLLM_LOG, managed_policy, sampling_settings, stop_token_ids
     from rollflow.tasks.policy_io import step_checkpoint, stop_vllm_generator
 
     limit = config.rollout.max_steps_off_policy
@@ -593,12 +583,9 @@ def open_generator(config: RunConfig, folder: RunFolder, first_step: int) -> Ite
         source = Path(base.adapter) if base.adapter else fresh_adapter(config, folder)
     else:
         source = model_dir
-    server = None
     stop_vllm_generator()  # a lockstep server this process kept: never two at once
-    if config.rollout.base_urls:
-        urls = list(config.rollout.base_urls)
-        served = config.rollout.api_model or discover_served_model(urls[0])
-    else:
+    server = None
+    if not config.rollout.base_urls:
         spec = VLLMServerSpec(
             model_dir=str(model_dir),
             served_model_name=config.rollout.api_model or SERVED_MODEL_NAME,
@@ -612,14 +599,15 @@ def open_generator(config: RunConfig, folder: RunFolder, first_step: int) -> Ite
         server = VLLMServer(
             spec, log_path=folder.root / VLLM_LOG, startup_timeout_s=config.rollout.vllm_startup_timeout_s
         ).start()
-        urls, served = [server.base_url], spec.served_model_name
     try:
-        policy = VLLMPolicy(
-            urls, load_tokenizer(base), _sampling_settings(config), served_model=served,
-            stop_token_ids=_stop_token_ids(model_dir),
-            max_lora_rank=lora_rank_limit(config.train.lora_rank) if config.train.use_lora else None,
-        )  # fmt: skip
-        policy.connect(check_logprobs_mode=server is None)
+        tokenizer, settings = load_tokenizer(base), sampling_settings(config)
+        if server is not None:
+            policy = managed_policy(server, tokenizer, settings)
+        else:  # the user's servers, checked as lockstep checks them
+            urls = config.rollout.base_urls
+            served = config.rollout.api_model or discover_served_model(urls[0])
+            policy = VLLMPolicy(urls, tokenizer, settings, served_model=served, stop_token_ids=stop_token_ids(model_dir))
+            policy.connect(check_logprobs_mode=True)
         if not config.train.use_lora and checkpoint is not None:  # a resumed full-weight run
             policy.reload_weights(checkpoint.path, first_step)
         yield AsyncGenerator(config, policy, first_step, source)

@@ -186,7 +186,7 @@ def load_transformers_policy(config: RunConfig, folder: RunFolder | None, step: 
     # on every run, so a replayed chunk reproduces its logprobs bit for bit (the padded
     # shape of a batch changes the floating-point sums).
     return TransformersPolicy(
-        model, tokenizer, _sampling_settings(config), version=version, batch_window_s=BATCH_WINDOW_S
+        model, tokenizer, sampling_settings(config), version=version, batch_window_s=BATCH_WINDOW_S
     )
 
 
@@ -221,7 +221,7 @@ def load_vllm_policy(config: RunConfig, folder: RunFolder | None, step: int) -> 
     else:
         generator = _managed_generator(config, folder, ref)
     policy = generator.policy
-    policy.settings = _sampling_settings(config)
+    policy.settings = sampling_settings(config)
     if ref.adapter is not None:
         policy.load_adapter(ref.adapter, version)
     else:
@@ -263,18 +263,18 @@ def _managed_generator(config: RunConfig, folder: RunFolder | None, ref: ModelRe
     log = folder.root / VLLM_LOG if folder is not None else None
     server = VLLMServer(spec, log_path=log, startup_timeout_s=config.rollout.vllm_startup_timeout_s).start()
     tokenizer = load_tokenizer(ref)
-    policy = _managed_policy(server, tokenizer, _sampling_settings(config))
+    policy = managed_policy(server, tokenizer, sampling_settings(config))
     _GENERATOR.append(_Generator(key, policy, server, tokenizer))
     return _GENERATOR[0]
 
 
-def _managed_policy(
+def managed_policy(
     server: VLLMServer, tokenizer: PreTrainedTokenizerBase, settings: SamplingSettings
 ) -> VLLMPolicy:
     spec = server.spec
     policy = VLLMPolicy(
         [server.base_url], tokenizer, settings, served_model=spec.served_model_name,
-        stop_token_ids=_stop_token_ids(Path(spec.model_dir)),
+        stop_token_ids=stop_token_ids(Path(spec.model_dir)),
         max_lora_rank=spec.max_lora_rank if spec.enable_lora else None,
     )  # fmt: skip
     policy.connect(check_logprobs_mode=False)  # our flags: processed logprobs
@@ -290,7 +290,7 @@ def _restart_managed(generator: _Generator, folder: RunFolder | None, reason: st
     print(f"  vLLM: restarted, healthy after {server.startup_s:.1f} s", file=sys.stderr, flush=True)
     old = generator.policy
     generator.weights = None  # a fresh server holds its spec's weights again
-    generator.policy = _managed_policy(server, tokenizer, old.settings)
+    generator.policy = managed_policy(server, tokenizer, old.settings)
     generator.policy.stats = old.stats
 
 
@@ -339,8 +339,8 @@ def _external_generator(config: RunConfig, ref: ModelRef) -> _Generator:
     stop_vllm_generator()
     served = rollout.api_model or discover_served_model(rollout.base_urls[0])
     policy = VLLMPolicy(
-        rollout.base_urls, load_tokenizer(ref), _sampling_settings(config), served_model=served,
-        stop_token_ids=_stop_token_ids(hf_model_folder(base_model_ref(config))),
+        rollout.base_urls, load_tokenizer(ref), sampling_settings(config), served_model=served,
+        stop_token_ids=stop_token_ids(hf_model_folder(base_model_ref(config))),
     )  # fmt: skip
     policy.connect(check_logprobs_mode=True)
     _GENERATOR.append(_Generator(key, policy, None))
@@ -359,7 +359,7 @@ def _server_running(generator: _Generator) -> bool:
     return generator.server is not None and generator.server.running
 
 
-def _stop_token_ids(model_dir: Path) -> list[int]:
+def stop_token_ids(model_dir: Path) -> list[int]:
     """The end tokens ``generation_config.json`` declares (vLLM stops on them too)."""
     from transformers import GenerationConfig
 
@@ -375,7 +375,7 @@ def _stop_token_ids(model_dir: Path) -> list[int]:
 # ---------------------------------------------------------------- shared
 
 
-def _sampling_settings(config: RunConfig) -> SamplingSettings:
+def sampling_settings(config: RunConfig) -> SamplingSettings:
     rollout = config.rollout
     return SamplingSettings(
         temperature=rollout.temperature,
@@ -397,5 +397,5 @@ def _openai_policy(config: RunConfig) -> Policy:
     return OpenAIChatPolicy(
         base_url=rollout.base_url,
         model=rollout.api_model,
-        settings=_sampling_settings(config),
+        settings=sampling_settings(config),
     )

@@ -20,7 +20,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollflow.flows.runs import check_async, check_supported
-from rollflow.policy.models import build_tiny_model
 from rollflow.storage.query import open_run_sql, run_query
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_episode_records
@@ -42,6 +41,7 @@ from rollflow.tasks.config import (
     config_to_toml,
     parse_config,
 )
+from tiny_run import build_vllm_tiny_model
 
 TESTS = Path(__file__).parent
 
@@ -199,14 +199,7 @@ def test_admission_control_holds_back_a_group_that_would_be_stale(tmp_path: Path
 
 @pytest.fixture(scope="module")
 def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = build_tiny_model(tmp_path_factory.mktemp("async-tiny"), hidden_size=64, num_heads=2)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    eos = int(model.config.eos_token_id)
-    direction = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        model.get_input_embeddings().weight[eos] = direction / direction.norm() * 8.0
-    model.save_pretrained(str(folder))
-    return folder
+    return build_vllm_tiny_model(tmp_path_factory.mktemp("async-tiny"))
 
 
 def async_config(model_dir: Path, tmp_path: Path, **rollout: object) -> RunConfig:

@@ -27,13 +27,14 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from rollflow.envs.agent import PolicyAction
 from rollflow.envs.types import Message
-from rollflow.policy.models import ModelRef, build_tiny_model, load_tokenizer
+from rollflow.policy.models import ModelRef, load_tokenizer
 from rollflow.policy.sampling import SamplingSettings, sampling_logprobs
 from rollflow.policy.vllm_backend import VLLMPolicy, VLLMPolicyError
 from rollflow.policy.vllm_server import VLLMServer, VLLMServerError, VLLMServerSpec, free_port, write_lm_head_shard
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks import policy_io
 from rollflow.tasks.config import ModelConfig, RolloutConfig, RunConfig, TrainConfig
+from tiny_run import build_vllm_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -49,14 +50,7 @@ QUESTIONS = [f"Question {i}: how many crates are in bay {i}?" for i in range(6)]
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model, its end-of-turn embedding made large so that stops are common."""
-    folder = build_tiny_model(tmp_path_factory.mktemp("vllm-tiny"), hidden_size=64, num_heads=2)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    eos = int(model.config.eos_token_id)
-    direction = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        model.get_input_embeddings().weight[eos] = direction / direction.norm() * 8.0
-    model.save_pretrained(str(folder))  # safetensors: what vLLM loads
-    return folder
+    return build_vllm_tiny_model(tmp_path_factory.mktemp("vllm-tiny"))
 
 
 @pytest.fixture(scope="session")

@@ -23,3 +23,21 @@ def tiny_config_at(dest: Path, model_dir: Path) -> Path:
     path = dest / "tiny.toml"
     path.write_text(config_to_toml(config))
     return path
+
+
+def build_vllm_tiny_model(dest: Path) -> Path:
+    """A tiny Llama vLLM's CPU attention serves (2 heads of 32) with the real tokenizer, its
+    end-of-turn embedding made large so that actions end by ``stop`` often enough to test."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollflow.policy.models import build_tiny_model
+
+    folder = build_tiny_model(dest, hidden_size=64, num_heads=2)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    eos = int(model.config.eos_token_id)
+    direction = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model.get_input_embeddings().weight[eos] = direction / direction.norm() * 8.0
+    model.save_pretrained(str(folder))  # safetensors: what vLLM loads
+    return folder
