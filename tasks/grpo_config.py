@@ -25,6 +25,7 @@ from typing import Any
 from rollflow.tasks.config import (
     ConfigError,
     LossName,
+    OffPolicyCorrection,
     RolloutConfig,
     RunConfig,
     TrackingConfig,
@@ -55,6 +56,8 @@ FIELD_HOMES: dict[str, tuple[str, str]] = {
     "clip_eps_low": ("train", "clip_eps_low"),
     "clip_eps_high": ("train", "clip_eps_high"),
     "kl_coef": ("train", "kl_coef"),
+    "off_policy_correction": ("train", "off_policy_correction"),
+    "off_policy_cap": ("train", "off_policy_cap"),
     "scale_advantages_by_std": ("train", "scale_advantages_by_std"),
     "dynamic_sampling": ("train", "dynamic_sampling"),
     "failed_parse_reward": ("train", "failed_parse_reward"),
@@ -101,6 +104,9 @@ class GRPOConfig:
     clip_eps_low: float = TrainConfig.clip_eps_low
     clip_eps_high: float = TrainConfig.clip_eps_high
     kl_coef: float = TrainConfig.kl_coef
+    # "none" | "tis" | "mask"; None = "tis" for async runs, "none" in lockstep
+    off_policy_correction: OffPolicyCorrection | None = None
+    off_policy_cap: float = TrainConfig.off_policy_cap
     scale_advantages_by_std: bool = TrainConfig.scale_advantages_by_std
     dynamic_sampling: bool = TrainConfig.dynamic_sampling
     seed: int = TrainConfig.seed

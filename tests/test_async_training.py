@@ -101,6 +101,17 @@ def test_the_reference_api_takes_the_sync_type_in_either_spelling() -> None:
         assert config.rollout.weight_sync_type == "background_publish"
 
 
+def test_the_reference_api_sets_the_off_policy_correction() -> None:
+    from rollflow.tasks.grpo_config import GRPOConfig
+
+    config = GRPOConfig(max_turns=2, max_steps_off_policy=1, off_policy_correction="mask",
+                        off_policy_cap=3.0).to_run_config()
+    assert (config.off_policy_correction, config.train.off_policy_cap) == ("mask", 3.0)
+    assert GRPOConfig(max_turns=2, max_steps_off_policy=1).to_run_config().off_policy_correction == "tis"
+    with pytest.raises(ConfigError, match="off_policy_correction"):
+        GRPOConfig(max_turns=2, off_policy_correction="clip").to_run_config()  # type: ignore[arg-type]
+
+
 def test_groups_in_flight_defaults_to_batch_size() -> None:
     config = _parsed({"max_steps_off_policy": 1, "batch_size": 3})
     assert config.groups_in_flight == 3
