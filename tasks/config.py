@@ -34,7 +34,7 @@ from rollflow.tasks.config_toml import toml_document
 Dtype = Literal["float32", "bfloat16", "float16"]
 Backend = Literal["transformers", "vllm", "openai"]
 LossName = Literal["grpo", "dr_grpo", "dapo"]
-Objective = Literal["grpo", "opd"]  # tasks/train.py's OBJECTIVES
+Objective = Literal["grpo", "opd"]  # tasks/objectives.py's OBJECTIVES
 OffPolicyCorrection = Literal["none", "tis", "mask"]  # policy/loss.py's CORRECTIONS
 WeightSyncType = Literal["synchronous", "background_publish", "pipeline"]  # tasks/collect.py
 Compression = Literal["zstd", "snappy", "gzip", "lz4", "brotli", "none"]

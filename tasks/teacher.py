@@ -7,7 +7,7 @@ token given the same context (one forward pass of the teacher over the sample's
 the mean over the sample's action tokens of ``sampler_logprob - teacher_logprob``: the
 per-token reverse-KL estimate of tinker-cookbook's on-policy distillation, whose
 negative (times ``kl_penalty_coef``) the trainer uses as the advantage under
-``[train].objective = "opd"`` (``tasks/train.py``'s ``OBJECTIVES``).
+``[train].objective = "opd"`` (``tasks/objectives.py``'s ``OBJECTIVES``).
 
 The stage runs whenever a teacher is configured; under ``objective = "grpo"`` it only
 measures how far the student is from the teacher (``opd/teacher_kl``), which is what lets

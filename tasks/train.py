@@ -26,14 +26,8 @@ which only sets how a policy is loaded to act (``training_dtype``): AdamW on bfl
 weights rounds most small updates away. The sampler then scores in bfloat16 and the
 trainer in float32, a gap the ratio's clip absorbs (mean |log ratio| 7e-4 on the tiny model).
 
-What the loss pushes on is the objective's per-token advantage (``OBJECTIVES``, chosen by
-``[train].objective``): ``grpo`` keeps the episode's group-relative advantage that
-flatten broadcast to its action tokens; ``opd`` (on-policy distillation, tinker-cookbook's
-recipe) replaces it with ``kl_penalty_coef * (teacher_logp - sampler_logp)`` per action
-token, the negative reverse-KL estimate from the teacher stage's ``teacher.parquet``:
-tokens the teacher likes more than the student did are pushed up. ``opd_discount > 0``
-sums each token's later signal within its action, discounted; ``opd_reward_coef`` mixes
-the GRPO advantage back in. The loss and the trainer do not know which objective ran.
+What the loss pushes on is the per-token advantage of ``[train].objective``
+(``rollflow.tasks.objectives``); the loss and the trainer do not know which objective ran.
 
 One optimizer step per batch by default; ``[train].minibatches = K`` splits the batch into
 K minibatches with a step each (PPO-style: more learning per rolled-out episode, for the
@@ -60,7 +54,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -69,9 +63,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from rollflow.policy.loss import BatchTotals, LossSettings, LossStats, grpo_loss
 from rollflow.policy.stopping import raise_if_stop_requested
-from rollflow.storage.records import SampleRecord, TeacherRecord, TrainResult
+from rollflow.storage.records import SampleRecord, TrainResult
 from rollflow.storage.runfolder import RunFolder
-from rollflow.storage.schemas import table_to_sample_records, table_to_teacher_records
+from rollflow.storage.schemas import table_to_sample_records
 from rollflow.tasks.checkpoints import (
     REFERENCE_ADAPTER,
     Checkpoint,
@@ -87,6 +81,7 @@ from rollflow.tasks.checkpoints import (
     training_dtype,
 )
 from rollflow.tasks.config import RunConfig, check_training_sampling
+from rollflow.tasks.objectives import objective_samples
 
 # (input_ids_BT, attention_mask_BT, wanted_BT) -> reference logprobs of tokens 1..T-1, (B, T-1)
 RefLogprobsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -136,87 +131,6 @@ class UpdateStats:
     @property
     def tokens_per_s(self) -> float:
         return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-# ---------------------------------------------------------------- objectives: per-token advantages
-
-
-@dataclass(frozen=True)
-class ObjectiveSettings:
-    kl_penalty_coef: float = 1.0
-    discount: float = 0.0  # 0: each token its own signal
-    reward_coef: float = 0.0  # weight of the GRPO advantage mixed into OPD's
-
-    @classmethod
-    def from_config(cls, config: RunConfig) -> ObjectiveSettings:
-        train = config.train
-        return cls(train.kl_penalty_coef, train.opd_discount, train.opd_reward_coef)
-
-
-def opd_token_advantages(
-    loss_mask_T: Sequence[int], sampler_T: Sequence[float], teacher_T: Sequence[float],
-    grpo_T: Sequence[float], settings: ObjectiveSettings,
-) -> tuple[float, ...]:
-    """OPD's advantage of every token: 0 on context (mask 0, never trained).
-
-    signal_t = kl_penalty_coef * (teacher_t - sampler_t) on action tokens; with a discount
-    g, A_t = sum over later tokens k of the same action (a run of mask 1) of g^(k-t)
-    signal_k; then + reward_coef * the GRPO advantage.
-    """
-    out_T = [0.0] * len(loss_mask_T)
-    running = 0.0
-    for t in reversed(range(len(loss_mask_T))):
-        if not loss_mask_T[t]:
-            running = 0.0  # a context token ends the action before it
-            continue
-        signal = settings.kl_penalty_coef * (teacher_T[t] - sampler_T[t])
-        running = signal + settings.discount * running
-        out_T[t] = running + settings.reward_coef * grpo_T[t]
-    return tuple(out_T)
-
-
-def grpo_advantages(
-    samples: Sequence[SampleRecord], teacher: Mapping[str, TeacherRecord], settings: ObjectiveSettings
-) -> list[SampleRecord]:
-    """GRPO: the advantages flatten wrote (the episode's, on its action tokens)."""
-    return list(samples)
-
-
-def opd_advantages(
-    samples: Sequence[SampleRecord], teacher: Mapping[str, TeacherRecord], settings: ObjectiveSettings
-) -> list[SampleRecord]:
-    """On-policy distillation: each sample's advantages from the teacher's logprobs."""
-    missing = [s.sample_id for s in samples if s.sample_id not in teacher]
-    if missing:
-        raise ValueError(f"{len(missing)} samples have no teacher logprobs (first: {missing[0]!r})")
-    return [
-        replace(s, advantages=opd_token_advantages(
-            s.loss_mask, s.sampler_logprobs, teacher[s.sample_id].teacher_logprobs, s.advantages, settings))
-        for s in samples
-    ]
-
-
-@dataclass(frozen=True)
-class Objective:
-    advantages: Callable[[Sequence[SampleRecord], Mapping[str, TeacherRecord], ObjectiveSettings], list[SampleRecord]]
-    needs_teacher: bool  # reads the step's teacher.parquet
-
-
-OBJECTIVES: dict[str, Objective] = {
-    "grpo": Objective(grpo_advantages, needs_teacher=False),
-    "opd": Objective(opd_advantages, needs_teacher=True),
-}
-
-
-def objective_samples(
-    config: RunConfig, folder: RunFolder, step: int, samples: Sequence[SampleRecord]
-) -> list[SampleRecord]:
-    """The step's samples with the per-token advantages of ``[train].objective``."""
-    objective = OBJECTIVES[config.train.objective]
-    teacher: dict[str, TeacherRecord] = {}
-    if objective.needs_teacher and samples:
-        teacher = {r.sample_id: r for r in table_to_teacher_records(folder.read_stage(step, "teacher"))}
-    return objective.advantages(samples, teacher, ObjectiveSettings.from_config(config))
 
 
 # ---------------------------------------------------------------- packing and logprobs

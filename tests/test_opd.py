@@ -19,7 +19,7 @@ from rollflow.storage.schemas import table_to_sample_records, table_to_teacher_r
 from rollflow.storage.tracking import RunTracker
 from rollflow.tasks.config import ConfigError, config_to_toml, load_config, parse_config
 from rollflow.tasks.teacher import check_teacher
-from rollflow.tasks.train import ObjectiveSettings, opd_token_advantages
+from rollflow.tasks.objectives import ObjectiveSettings, opd_token_advantages
 from tiny_run import tiny_config_at
 
 
@@ -279,7 +279,8 @@ def test_an_opd_update_moves_the_trained_tokens_towards_the_teacher_and_the_nega
     its estimate is noise, and the first step raised it under either sign, measured.)"""
     from rollflow.policy.teacher import LocalTeacher
     from rollflow.tasks.teacher import teacher_record
-    from rollflow.tasks.train import UpdateSettings, grpo_update, make_optimizer, opd_advantages
+    from rollflow.tasks.objectives import opd_advantages
+    from rollflow.tasks.train import UpdateSettings, grpo_update, make_optimizer
 
     teacher_dir = sharpened_tiny_model(tmp_path / "teacher", seed=0, scale=5.0)
     torch.manual_seed(0)
