@@ -43,13 +43,8 @@ from prefect.cache_policies import NO_CACHE
 from rollflow.flows.concurrency import one_training_at_a_time
 from rollflow.flows.runs import RunHandle, open_run
 from rollflow.envs.agent import Policy
-from rollflow.tasks.collect import (
-    Publisher,
-    RolloutWorkers,
-    admit_stage,
-    open_generator,
-    write_collector_report,
-)
+from rollflow.tasks.async_generator import open_generator
+from rollflow.tasks.collect import Publisher, RolloutWorkers, admit_stage, write_collector_report
 from rollflow.tasks.config import RunConfig
 from rollflow.tasks.flatten import flatten_stage
 from rollflow.tasks.metrics import (

@@ -20,16 +20,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollflow.flows.runs import check_async, check_supported
+from rollflow.storage.async_groups import GroupStamp, consumed_groups, finished_groups, read_admission
 from rollflow.storage.query import open_run_sql, run_query
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_episode_records
-from rollflow.tasks.collect import (
-    GroupStamp,
-    RolloutWorkers,
-    consumed_groups,
-    finished_groups,
-    read_admission,
-)
+from rollflow.tasks.collect import RolloutWorkers
 from rollflow.tasks.config import (
     ConfigError,
     ModelConfig,
