@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from rollflow.tasks.config_toml import toml_document
 
-Dtype = Literal["float32", "bfloat16", "float16"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Backend = Literal["transformers", "vllm", "openai"]
 LossName = Literal["grpo", "dr_grpo", "dapo"]
 Objective = Literal["grpo", "opd"]  # tasks/objectives.py's OBJECTIVES
@@ -53,9 +53,11 @@ class ModelConfig:
     gguf_file: str | None = None  # the GGUF file name inside ``path`` (bundled: its Q4_1 file)
     adapter: str | None = None  # a peft adapter folder to start from
     # float32 is safe on any CPU. bfloat16 is 1.3x (decoding) to 1.75x (LoRA update) faster
-    # where the CPU has bfloat16 units (bench/dtype_bench.py; AMX here), and peft keeps
-    # LoRA weights in float32 under it; elsewhere it is emulated and slower. float16 is
-    # for GPUs.
+    # where the CPU has bfloat16 units (bench/dtype_bench.py: AMX), and peft keeps LoRA
+    # weights in float32 under it; elsewhere it is emulated and far slower (an AVX2-only
+    # CPU: rollouts 3x, a LoRA update over 10x). "auto" picks bfloat16 where oneDNN has a
+    # bfloat16 path on this CPU, else float32, in each process that loads the model.
+    # float16 is for GPUs.
     dtype: Dtype = "float32"
 
     def __post_init__(self) -> None:

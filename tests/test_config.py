@@ -179,3 +179,23 @@ def test_grpo_config_wandb_project_is_ignored_with_a_warning() -> None:
 def test_grpo_config_invalid_values_use_the_section_errors() -> None:
     with pytest.raises(ConfigError, match=r"\[rollout\]\.batch_size must be at least 1"):
         GRPOConfig(max_turns=2, batch_size=0).to_run_config()
+
+
+def test_auto_dtype_takes_bfloat16_only_where_the_cpu_runs_it_natively(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dtype = "auto"``: bfloat16 where oneDNN has a native bfloat16 path (AVX-512/AMX),
+    float32 on a CPU that would emulate it; full-weight training stays float32 either way."""
+    import torch
+
+    from rollflow.tasks.checkpoints import torch_dtype, training_dtype
+
+    config = parse_config({"model": {"dtype": "auto"}})
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert torch_dtype(config) == (torch.bfloat16 if native else torch.float32)  # this machine's answer
+    for has_bf16, wanted in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda has=has_bf16: has)
+        assert torch_dtype(config) == wanted
+        assert training_dtype(config) == wanted  # LoRA: the frozen base in the chosen dtype
+        full = parse_config({"model": {"dtype": "auto"}, "train": {"use_lora": False}})
+        assert training_dtype(full) == torch.float32
+    with pytest.raises(ConfigError, match=r"\[model\]\.dtype"):
+        parse_config({"model": {"dtype": "fastest"}})
