@@ -112,7 +112,11 @@ def auto_dtype() -> torch.dtype:
     bfloat16 LoRA update of the bundled model ran in PyTorch's single-threaded reference
     GEMM (over 10 min for 8 rows that float32 trains in 40 s).
     """
-    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    try:
+        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a PyTorch build without oneDNN (or this probe)
+        native = False
+    return torch.bfloat16 if native else torch.float32
 
 
 def training_dtype(config: RunConfig) -> torch.dtype:
