@@ -1,14 +1,13 @@
 """Objectives: the per-token advantage the training loss pushes on.
 
-What the loss pushes on is the objective's per-token advantage (``OBJECTIVES``, chosen by
-``[train].objective``): ``grpo`` keeps the episode's group-relative advantage that
-flatten broadcast to its action tokens; ``opd`` (on-policy distillation, tinker-cookbook's
-recipe) replaces it with ``kl_penalty_coef * (teacher_logp - sampler_logp)`` per action
-token, the negative reverse-KL estimate from the teacher stage's ``teacher.parquet``:
-tokens the teacher likes more than the student did are pushed up. ``opd_discount > 0``
-sums each token's later signal within its action, discounted; ``opd_reward_coef`` mixes
-the GRPO advantage back in.
-The loss and the trainer (``rollflow.tasks.train``) do not know which objective ran.
+``OBJECTIVES`` maps ``[train].objective`` to one: ``grpo`` keeps the episode's
+group-relative advantage that flatten broadcast to its action tokens; ``opd`` (on-policy
+distillation, tinker-cookbook's recipe) replaces it with ``kl_penalty_coef *
+(teacher_logp - sampler_logp)`` per action token, the negative reverse-KL estimate from
+the teacher stage's ``teacher.parquet``: tokens the teacher likes more than the student
+did are pushed up. ``opd_discount > 0`` sums each token's later signal within its action,
+discounted; ``opd_reward_coef`` mixes the GRPO advantage back in. The loss and the
+trainer (``rollflow.tasks.train``) do not know which objective ran.
 """
 
 from __future__ import annotations
