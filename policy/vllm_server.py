@@ -15,6 +15,7 @@ The command (``VLLMServerSpec.command``)::
         --host 127.0.0.1 --port P --max-model-len N --dtype float32 --enforce-eager
         --logprobs-mode processed_logprobs --generation-config vllm
         --no-enable-chunked-prefill --max-num-batched-tokens max(N, 2048)
+        --distributed-executor-backend uni
         [--enable-lora --max-lora-rank R --max-loras K]
 
 - ``vllm serve`` fails in the CPU wheel (it looks up a distribution named ``vllm``), so the
@@ -32,19 +33,28 @@ The command (``VLLMServerSpec.command``)::
   rewound, which torch's CPU generators cannot do: vLLM 0.32's CPU engine dies ("CPU
   Generator does not use offset") on the first prompt that does not fit the step's 2048
   tokens (64 episodes of the bundled game are 36k). Each prompt is prefilled whole instead.
+- ``--distributed-executor-backend uni`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the
+  model runs inside the engine process instead of a worker process of its own. Each of
+  vLLM's processes spends ~14 s importing it on this machine; one fewer takes a tiny model's
+  start from 46 s to 32-38 s and the bundled model's from 48.9 s to 37.8 s, at the same
+  speed (``bench/rollout_bench.py --engines vllm,vllm+lora``, one after the other: base
+  51.1 and 49.1 tokens/s, LoRA 20.8 and 21.0, multiprocess first), and saves that
+  process's memory. The worker's OpenMP settings (one thread per bound CPU, pinned) are
+  put in the environment, as vLLM's multiprocess executor would.
 
 Environment: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache; the server's RSS is about
 3 GB plus this), ``HF_HUB_OFFLINE=1`` (never reach for the Hub), with LoRA
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (enables ``/v1/load_lora_adapter``), and
 ``VLLM_CPU_OMP_THREADS_BIND`` = every CPU this process may use (vLLM's default binds its
-worker to one core); a value already in the environment wins.
+worker to one core) with the OpenMP variables that follow from it; a value already in the
+environment wins.
 
 Lifetime: the server runs in its own session (``start_new_session=True``), so a Ctrl-C in
 the terminal reaches only rollflow, which then stops it; its output goes to a log file (the
 run folder's ``logs/`` when there is one). ``start`` waits for ``GET /health``; a server
 that exits first or is not healthy within ``startup_timeout_s`` is stopped and
 ``VLLMServerError`` quotes the log's tail and the command. ``stop`` sends SIGTERM to the
-whole process group, waits for every member (vLLM's engine worker outlives the API process
+whole process group, waits for every member (vLLM's engine process can outlive the API process
 by 1-2 s) and SIGKILLs what is left after a grace period. Every started server is also
 stopped by ``atexit``, which runs on a normal exit, an uncaught exception, Ctrl-C, and
 SIGTERM (``start`` installs ``rollflow.policy.stopping.exit_on_sigterm`` when the process
@@ -73,6 +83,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -146,6 +157,7 @@ class VLLMServerSpec:
             "--generation-config", "vllm",
             "--no-enable-chunked-prefill",
             "--max-num-batched-tokens", str(max(self.max_model_len, CPU_PREFILL_STEP_TOKENS)),
+            "--distributed-executor-backend", "uni",
         ]  # fmt: skip
         if self.enable_lora:
             args += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank),
@@ -158,6 +170,14 @@ class VLLMServerSpec:
         env["HF_HUB_OFFLINE"] = "1"
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list(os.sched_getaffinity(0)))
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        # The model runs in the engine process (``--distributed-executor-backend uni``), not
+        # in a third process that imports vLLM once more: 11-14 s off every start. vLLM's
+        # multiprocess executor would give its worker these OpenMP settings; they are given
+        # here instead. VLLM_ENABLE_V1_MULTIPROCESSING=1 in the environment restores the
+        # worker process (the CPU platform then turns "uni" back into "mp").
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
+            env.update(worker_openmp_environment(env["VLLM_CPU_OMP_THREADS_BIND"], env))
         # /collective_rpc reload_weights and /reset_prefix_cache: full-weight sync in place
         # (VLLMPolicy.reload_weights). The server listens on loopback only.
         env.setdefault("VLLM_SERVER_DEV_MODE", "1")
@@ -172,6 +192,36 @@ def lora_rank_limit(rank: int) -> int:
         if limit >= rank:
             return limit
     raise VLLMServerError(f"LoRA rank {rank} is above vLLM's largest --max-lora-rank {LORA_RANKS[-1]}")
+
+
+def worker_openmp_environment(bind: str, env: Mapping[str, str]) -> dict[str, str]:
+    """What vLLM's multiprocess executor sets for a CPU worker bound to ``bind`` ("0-3,6").
+
+    Without an OpenMP runtime in ``LD_PRELOAD``: ``OMP_NUM_THREADS`` (one thread per bound
+    CPU), ``OMP_PLACES`` and ``OMP_PROC_BIND``. A value already in ``env`` wins; ``bind``
+    set to "auto" or "nobind" (vLLM's own modes) gives nothing.
+    """
+    try:
+        cpus = parse_cpu_list(bind)
+    except ValueError:
+        return {}
+    wanted = {
+        "OMP_NUM_THREADS": str(len(cpus)),
+        "OMP_PLACES": "{" + ",".join(str(cpu) for cpu in cpus) + "}",
+        "OMP_PROC_BIND": "true",
+    }
+    return {key: value for key, value in wanted.items() if key not in env}
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """``"0-2,5"`` -> ``[0, 1, 2, 5]``; ``ValueError`` on anything else."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        found = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", part)
+        if found is None or int(found[2] or found[1]) < int(found[1]):
+            raise ValueError(f"not a CPU range: {part!r}")
+        cpus.extend(range(int(found[1]), int(found[2] or found[1]) + 1))
+    return cpus
 
 
 def cpu_list(cpus: set[int]) -> str:

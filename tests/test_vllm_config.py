@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from rollflow.flows.runs import open_run
-from rollflow.policy.vllm_server import VLLMServerSpec, cpu_list, lora_rank_limit
+from rollflow.policy.vllm_server import VLLMServerSpec, cpu_list, lora_rank_limit, parse_cpu_list
 from rollflow.tasks.config import ConfigError, config_to_toml, parse_config
 
 
@@ -52,6 +52,28 @@ def test_server_command_has_the_flags_training_needs(tiny_model_dir: Path) -> No
     assert "--enable-lora --max-lora-rank 16 --max-loras 1" in joined
     env = spec.environment({})
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True" and env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_the_model_runs_in_the_engine_process_with_the_workers_openmp_settings(tiny_model_dir: Path) -> None:
+    spec = VLLMServerSpec(str(tiny_model_dir))
+    assert "--distributed-executor-backend uni" in " ".join(spec.command(Path("/py"), 1234))
+    env = spec.environment({"VLLM_CPU_OMP_THREADS_BIND": "0-2,5"})
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert (env["OMP_NUM_THREADS"], env["OMP_PLACES"], env["OMP_PROC_BIND"]) == ("4", "{0,1,2,5}", "true")
+    # The user's own values win; vLLM's own binding modes get no OpenMP pinning from us.
+    assert spec.environment({"VLLM_CPU_OMP_THREADS_BIND": "0-3", "OMP_NUM_THREADS": "1"})["OMP_NUM_THREADS"] == "1"
+    assert "OMP_PLACES" not in spec.environment({"VLLM_CPU_OMP_THREADS_BIND": "auto"})
+    # Multiprocessing asked for: vLLM's executor sets the worker's OpenMP itself.
+    restored = spec.environment({"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    assert restored["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1" and "OMP_NUM_THREADS" not in restored
+
+
+def test_cpu_lists_parse_back() -> None:
+    assert parse_cpu_list("0-2,5,7-8") == [0, 1, 2, 5, 7, 8]
+    assert parse_cpu_list(cpu_list({3, 4, 9})) == [3, 4, 9]
+    for bad in ("auto", "nobind", "3-1", "", "0-"):
+        with pytest.raises(ValueError):
+            parse_cpu_list(bad)
 
 
 def test_a_folder_without_config_json_is_refused_before_any_start(tmp_path: Path) -> None:
