@@ -117,13 +117,34 @@ def load_tokenizer(model_ref: ModelRef) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def resolve_device(name: str = "auto") -> torch.device:
+    """``[model].device`` as a torch device: "auto" is ``cuda`` when PyTorch sees a CUDA
+    device, else ``cpu``; a CUDA device asked for on a machine without one is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelLoadError(
+                f"[model].device = {name!r}, but this PyTorch sees no CUDA device "
+                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
+                "use 'cpu' or 'auto'"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ModelLoadError(
+                f"[model].device = {name!r}, but this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+    return device
+
+
 def load_causal_lm(
     model_ref: ModelRef,
     dtype: torch.dtype = torch.float32,
     *,
     adapter_trainable: bool = False,
+    device: torch.device | str = "cpu",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The model of ``model_ref`` in eval mode, with its tokenizer.
+    """The model of ``model_ref`` on ``device``, in eval mode, with its tokenizer.
 
     A GGUF file is read through its cached safetensors copy (made on first use). With
     ``model_ref.adapter`` the result is a ``peft.PeftModel``; ``adapter_trainable`` leaves
@@ -137,6 +158,7 @@ def load_causal_lm(
         raise ModelLoadError(f"could not load a causal LM from {folder}: {error}") from error
     if model_ref.adapter is not None:
         model = _with_adapter(model, Path(model_ref.adapter), trainable=adapter_trainable)
+    model.to(device)
     model.eval()
     return model, load_tokenizer(model_ref)
 

@@ -135,8 +135,11 @@ def check_same_tokenizer(
 class LocalTeacher:
     """A frozen model in this process (``rollflow.policy.models``), scoring one sequence a pass."""
 
-    def __init__(self, ref: ModelRef, temperature: float, dtype: torch.dtype = torch.float32) -> None:
-        model, tokenizer = load_causal_lm(ref, dtype)
+    def __init__(
+        self, ref: ModelRef, temperature: float, dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:  # fmt: skip
+        model, tokenizer = load_causal_lm(ref, dtype, device=device)
         model.requires_grad_(False)
         self.model: PreTrainedModel = model
         self.tokenizer = tokenizer
@@ -149,7 +152,7 @@ class LocalTeacher:
 
     def token_logprobs(self, input_ids: Sequence[int], wanted: Sequence[bool]) -> list[float]:
         assert len(input_ids) == len(wanted), f"{len(input_ids)} tokens but {len(wanted)} wanted flags"
-        ids_1T = torch.tensor([list(input_ids)], dtype=torch.long)
+        ids_1T = torch.tensor([list(input_ids)], dtype=torch.long, device=self.model.device)
         with torch.no_grad():
             logits_TV = self.model(input_ids=ids_1T, use_cache=False).logits[0, :-1].float()
         logprobs_TV = torch.log_softmax(logits_TV / self.temperature, dim=-1)  # row t-1 predicts token t

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import tomllib
 import types
 import typing
@@ -59,9 +60,15 @@ class ModelConfig:
     # bfloat16 path on this CPU, else float32, in each process that loads the model.
     # float16 is for GPUs.
     dtype: Dtype = "float32"
+    # Where this process's models run (the trainer, the transformers sampler, a local
+    # teacher): "auto" is the first CUDA device when PyTorch sees one, else the CPU;
+    # "cpu", "cuda" or "cuda:N" choose. vLLM servers place themselves.
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         _check_types(self, "model")
+        if re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is None:
+            raise ConfigError(f"[model].device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {self.device!r}")
 
 
 @dataclass(frozen=True)

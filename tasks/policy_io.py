@@ -58,6 +58,7 @@ from rollflow.tasks.checkpoints import (
     base_model_ref,
     latest_checkpoint,
     policy_model_ref,
+    torch_device,
     torch_dtype,
 )
 from rollflow.tasks.config import ConfigError, RunConfig
@@ -179,7 +180,9 @@ def load_transformers_policy(config: RunConfig, folder: RunFolder | None, step: 
     from rollflow.policy.transformers_backend import TransformersPolicy
 
     checkpoint = step_checkpoint(folder, step)
-    model, tokenizer = load_causal_lm(policy_model_ref(config, checkpoint), torch_dtype(config))
+    model, tokenizer = load_causal_lm(
+        policy_model_ref(config, checkpoint), torch_dtype(config), device=torch_device(config)
+    )
     version = 0 if checkpoint is None else checkpoint.policy_version
     # A batch forms once every open episode is waiting for its next action; the window
     # only matters when an environment step is slow. Batches then have the same members

@@ -116,9 +116,14 @@ def completion_nll(model: PreTrainedModel, rows: Sequence[SFTRow], pad_token_id:
     the cost.
     """
     width = max(len(r.input_ids) for r in rows)
-    input_ids_BT = torch.tensor([list(r.input_ids) + [pad_token_id] * (width - len(r.input_ids)) for r in rows])
-    attention_BT = torch.tensor([[1] * len(r.input_ids) + [0] * (width - len(r.input_ids)) for r in rows])
-    mask_BT = torch.tensor([list(r.loss_mask) + [0] * (width - len(r.loss_mask)) for r in rows], dtype=torch.float32)
+    device = model.device
+    input_ids_BT = torch.tensor(
+        [list(r.input_ids) + [pad_token_id] * (width - len(r.input_ids)) for r in rows], device=device
+    )
+    attention_BT = torch.tensor([[1] * len(r.input_ids) + [0] * (width - len(r.input_ids)) for r in rows], device=device)
+    mask_BT = torch.tensor(
+        [list(r.loss_mask) + [0] * (width - len(r.loss_mask)) for r in rows], dtype=torch.float32, device=device
+    )
     start = min(r.loss_mask.index(1) for r in rows) - 1  # position start predicts token start + 1
     assert start >= 0, "token 0 has nothing to predict it: a row's prompt must not be empty"
     logits_BKV = model(input_ids=input_ids_BT, attention_mask=attention_BT, logits_to_keep=width - start).logits

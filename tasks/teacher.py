@@ -41,7 +41,7 @@ from rollflow.policy.teacher import (
 from rollflow.storage.records import SampleRecord, TeacherRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_sample_records, teacher_records_to_table
-from rollflow.tasks.checkpoints import base_model_ref, torch_dtype
+from rollflow.tasks.checkpoints import base_model_ref, torch_device, torch_dtype
 from rollflow.tasks.config import ConfigError, RunConfig
 
 
@@ -57,7 +57,7 @@ def load_teacher(config: RunConfig) -> LocalTeacher | ServerTeacher:
         check_server_temperature(config.rollout.temperature, teacher.name)
     else:
         ref = model_ref_for(train.teacher_path, train.teacher_adapter)
-        teacher = LocalTeacher(ref, config.rollout.temperature, torch_dtype(config))
+        teacher = LocalTeacher(ref, config.rollout.temperature, torch_dtype(config), torch_device(config))
     _check_tokenizer(config, teacher)
     return teacher
 

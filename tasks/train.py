@@ -78,6 +78,7 @@ from rollflow.tasks.checkpoints import (
     prune_checkpoints,
     save_checkpoint,
     seed_everything,
+    torch_device,
     training_dtype,
 )
 from rollflow.tasks.config import RunConfig, check_training_sampling
@@ -255,15 +256,18 @@ def _pad(rows: Sequence[Sequence[float]], width: int, value: float, dtype: torch
     return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows], dtype=dtype)
 
 
-def _microbatch_tensors(batch: Sequence[SampleRecord], pad_token_id: int) -> dict[str, torch.Tensor]:
+def _microbatch_tensors(
+    batch: Sequence[SampleRecord], pad_token_id: int, device: torch.device
+) -> dict[str, torch.Tensor]:
     width = max(len(s.input_ids) for s in batch)
-    return {
+    tensors = {
         "input_ids": _pad([s.input_ids for s in batch], width, pad_token_id, torch.long),
         "attention_mask": _pad([[1] * len(s.input_ids) for s in batch], width, 0, torch.long),
         "loss_mask": _pad([s.loss_mask for s in batch], width, 0, torch.float32),
         "advantages": _pad([s.advantages for s in batch], width, 0.0, torch.float32),
         "sampler_logprobs": _pad([s.sampler_logprobs for s in batch], width, 0.0, torch.float32),
     }
+    return {name: tensor.to(device) for name, tensor in tensors.items()}
 
 
 def _has_signal(sample: SampleRecord) -> bool:
@@ -376,7 +380,7 @@ def proximal_logprobs(
     with torch.no_grad():
         for chunk in chunks:
             for batch in _trained_batches(chunk, keep_all, settings):
-                t = _microbatch_tensors(batch, settings.pad_token_id)
+                t = _microbatch_tensors(batch, settings.pad_token_id, model.device)
                 wanted_BT = t["loss_mask"][:, 1:] > 0
                 logprobs_BT = token_logprobs(
                     model, t["input_ids"], t["attention_mask"], settings.temperature, wanted_BT)
@@ -421,7 +425,7 @@ def _optimizer_step(
     batches = _trained_batches(samples, ref_logprobs_fn is not None, settings)
     for batch in batches:
         raise_if_stop_requested()  # SIGTERM: abandon the step; nothing of it is written
-        t = _microbatch_tensors(batch, settings.pad_token_id)
+        t = _microbatch_tensors(batch, settings.pad_token_id, model.device)
         wanted_BT = t["loss_mask"][:, 1:] > 0  # action tokens: the only logprobs the loss reads
         logprobs_BT = token_logprobs(model, t["input_ids"], t["attention_mask"], settings.temperature, wanted_BT)
         ref_BT = ref_logprobs_fn(t["input_ids"], t["attention_mask"], wanted_BT) if ref_logprobs_fn else None
@@ -508,7 +512,7 @@ def kl_reference(config: RunConfig, model: PreTrainedModel) -> RefLogprobsFn | N
         return adapter_off_reference(model, config.rollout.temperature)
     from rollflow.policy.models import load_causal_lm
 
-    reference_model, _ = load_causal_lm(base_model_ref(config), training_dtype(config))
+    reference_model, _ = load_causal_lm(base_model_ref(config), training_dtype(config), device=torch_device(config))
     return frozen_model_reference(reference_model, config.rollout.temperature)
 
 

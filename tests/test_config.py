@@ -199,3 +199,25 @@ def test_auto_dtype_takes_bfloat16_only_where_the_cpu_runs_it_natively(monkeypat
         assert training_dtype(full) == torch.float32
     with pytest.raises(ConfigError, match=r"\[model\]\.dtype"):
         parse_config({"model": {"dtype": "fastest"}})
+
+
+def test_the_model_device_is_checked_in_the_config_and_on_the_machine() -> None:
+    """``[model].device``: a typo is a config error; a CUDA device this machine lacks is a
+    load error naming it; "auto" takes CUDA only where PyTorch sees it."""
+    import torch
+
+    from rollflow.policy.models import ModelLoadError, resolve_device
+    from rollflow.tasks.checkpoints import auto_dtype, torch_device
+
+    with pytest.raises(ConfigError, match=r"\[model\]\.device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got 'gpu'"):
+        parse_config({"model": {"device": "gpu"}})
+    assert parse_config({"model": {"device": "cuda:1"}}).model.device == "cuda:1"
+    assert torch_device(parse_config({})) == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelLoadError, match=r"\[model\]\.device = 'cuda', but this PyTorch sees no CUDA device"):
+            resolve_device("cuda")
+    else:
+        with pytest.raises(ModelLoadError, match="CUDA device"):
+            resolve_device(f"cuda:{torch.cuda.device_count()}")
+    assert auto_dtype(torch.device("cpu")) == auto_dtype()  # the CPU rule, as before
