@@ -32,6 +32,16 @@ engine's, and its server columns meant nothing):
     | vllm | 59.7 | 51.2 | 64.3 | 3060 | 36066 |
     | vllm+lora | 517.1 | 5.8 | 7.4 | 3004 | 36161 |
 
+Again on 2026-12-01 (a later session, AVX2 machine, quiet, one run, server start 36.4 s):
+
+    | engine | wall s | generated tokens/s | episodes/min | generated | prompt tokens sent |
+    | transformers | 93.9 | 35.6 | 40.9 | 3340 | 36205 |
+    | vllm | 56.7 | 53.9 | 67.7 | 3060 | 36066 |
+    | vllm+lora | 127.8 | 23.5 | 30.0 | 3004 | 36161 |
+
+The first run's vllm+lora figure (517 s) was the overlap with another vLLM test, not the
+engine.
+
 ("prompt tokens sent" counts each action's new context tokens, the same for both
 transformers legs; what KV reuse saves is the re-prefill of earlier ones.)
 """
