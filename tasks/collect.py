@@ -49,7 +49,7 @@ taken again; finished groups not yet taken stay in the buffer with their origina
 version (so their age is counted honestly); group indices below the highest finished
 one that have no file were in flight when the run died and are played again, first. An
 admission file is written before the step's episodes, so a step resumed after it trains
-exactly the groups it chose.
+exactly the groups it chose, and admission control counts the buffer from the step after.
 
 Simplified, and why: the generator is vLLM only (a generator beside the trainer needs
 its own process: the in-process transformers backend would share the trainer's Python
@@ -115,12 +115,18 @@ class RolloutWorkers:
         taken = consumed_groups(folder)
         done = finished_groups(folder)
         highest = max([*taken, *done, -1])
+        # A step resumed after its admission file trains the groups it chose: the buffer
+        # waits for the step after it (else admission control counts the buffered groups
+        # one step early and starts groups that are stale when they are taken).
+        trainer_step = first_step
+        while read_admission(folder, trainer_step) is not None:
+            trainer_step += 1
         self.lock = threading.Condition()
         self.buffer = _Buffer(
             finished={i: s for i, s in done.items() if i not in taken},
             replay=[i for i in range(highest + 1) if i not in taken and i not in done],
             next_index=highest + 1,
-            trainer_step=first_step,
+            trainer_step=trainer_step,
         )
         self.stamps = done  # every finished group's stamp, taken ones included
         self._stop = threading.Event()

@@ -200,6 +200,31 @@ def test_admission_control_holds_back_a_group_that_would_be_stale(tmp_path: Path
     assert off._may_start()  # the reference's behaviour: start freely, drop later
 
 
+def test_a_resumed_step_that_already_chose_its_groups_counts_the_buffer_for_the_next_step(tmp_path: Path) -> None:
+    """The state a kill mid-step leaves: step 1 admitted groups 2 and 3, groups 4 and 5
+    wait on disk for step 2, version 1 is published. A new group is then taken at step 3
+    at the earliest, two steps after version 1: admission control must hold it back.
+    (It started it, counting the buffer from step 1, and step 3 dropped it as stale: seen
+    in the killed-run test below.)"""
+    from rollflow.storage.async_groups import Admission, write_admission, write_group
+
+    class Published:
+        version = 1
+
+    config = _workers(tmp_path, limit=1, batch=2).config
+    folder = RunFolder(tmp_path / "run")
+    stamps = {i: GroupStamp(i, f"t{i}", i // 4, i // 4, 0.0, 1.0) for i in range(6)}  # 0-3 at v0, 4-5 at v1
+    for stamp in stamps.values():
+        write_group(folder, stamp, [])
+    for step, admitted in ((0, (0, 1)), (1, (2, 3))):
+        write_admission(folder, Admission(step, admitted, (), 0.0), stamps)
+    resumed = RolloutWorkers(config, folder, generator=Published(), first_step=1)  # type: ignore[arg-type]
+    assert set(resumed.buffer.finished) == {4, 5}
+    assert not resumed._may_start(), "a group started now would be stale when step 3 takes it"
+    Published.version = 2  # step 1 trained and published: the group would be one step old
+    assert resumed._may_start()
+
+
 # ---------------------------------------------------------------- real runs (vLLM server)
 
 
