@@ -170,11 +170,9 @@ class VLLMServerSpec:
         env["HF_HUB_OFFLINE"] = "1"
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list(os.sched_getaffinity(0)))
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
-        # The model runs in the engine process (``--distributed-executor-backend uni``), not
-        # in a third process that imports vLLM once more: 11-14 s off every start. vLLM's
-        # multiprocess executor would give its worker these OpenMP settings; they are given
-        # here instead. VLLM_ENABLE_V1_MULTIPROCESSING=1 in the environment restores the
-        # worker process (the CPU platform then turns "uni" back into "mp").
+        # The model in the engine process (see the module docstring), with the OpenMP
+        # settings vLLM's multiprocess executor would give its worker. "1" in the
+        # environment restores the worker (the CPU platform then turns "uni" into "mp").
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
             env.update(worker_openmp_environment(env["VLLM_CPU_OMP_THREADS_BIND"], env))

@@ -56,9 +56,9 @@ class ModelConfig:
     # float32 is safe on any CPU. bfloat16 is 1.3x (decoding) to 1.75x (LoRA update) faster
     # where the CPU has bfloat16 units (bench/dtype_bench.py: AMX), and peft keeps LoRA
     # weights in float32 under it; elsewhere it is emulated and far slower (an AVX2-only
-    # CPU: rollouts 3x, a LoRA update over 10x). "auto" picks bfloat16 where oneDNN has a
-    # bfloat16 path on this CPU, else float32, in each process that loads the model.
-    # float16 is for GPUs.
+    # CPU: rollouts 3x, a LoRA update over 10x). "auto" picks bfloat16 where the device
+    # runs it natively (a CPU with oneDNN's bfloat16 path, a CUDA device that supports
+    # it), else float32, in each process that loads the model. float16 is for GPUs.
     dtype: Dtype = "float32"
     # Where this process's models run (the trainer, the transformers sampler, a local
     # teacher): "auto" is the first CUDA device when PyTorch sees one, else the CPU;

@@ -323,12 +323,14 @@ def test_a_killed_async_lora_run_resumed_trains_every_group_once_stamped_with_th
     )  # fmt: skip
     run_dir = tmp_path / "run"
     folder = RunFolder(run_dir)
-    child = start_train_process(_write(config, tmp_path, "killed"), run_dir, tmp_path / "stderr.txt")
+
     def buffered() -> set[int]:
+        """Finished groups no step has taken yet, once step 0 is trained."""
         if not (folder.step_dir(0) / "metrics.json").exists():
             return set()
         return set(finished_groups(folder)) - consumed_groups(folder)
 
+    child = start_train_process(_write(config, tmp_path, "killed"), run_dir, tmp_path / "stderr.txt")
     try:
         # The generator and the admissions are threads of the trainer: with its process group
         # stopped the folder cannot change, so the state checked is the state the kill leaves

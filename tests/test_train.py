@@ -440,3 +440,16 @@ def test_a_stop_request_abandons_the_step_and_writes_no_checkpoint(tiny_model_di
     clear_stop()
     train_stage(config, tmp_path, 0)  # the step is simply redone
     assert folder.is_complete(0, "train") and len(folder.checkpoints()) == 1
+
+
+def test_the_model_and_its_batches_go_to_the_device_asked_for(tiny_model_dir: Path) -> None:
+    """The one device a CPU-only machine has besides the CPU is ``meta``: it stands in for a
+    GPU here, to show the device reaches the weights and every batch tensor (an argument
+    dropped on the way would leave them on the CPU, which the suite would never notice)."""
+    from rollflow.policy.models import ModelRef, load_causal_lm
+    from rollflow.tasks.train import _microbatch_tensors
+
+    model, _ = load_causal_lm(ModelRef(path=str(tiny_model_dir)), device="meta")
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    tensors = _microbatch_tensors([sample("e#0", [1, 2, 3], [0, 1, 1], 1.0)], 0, model.device)
+    assert {t.device.type for t in tensors.values()} == {"meta"}
