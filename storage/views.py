@@ -1,5 +1,6 @@
 """The DuckDB views over one or more run folders: ``episodes``, ``scores``, ``samples``,
-``teacher`` (OPD runs only; empty elsewhere), ``steps``.
+``teacher`` (OPD runs only; empty elsewhere), ``steps``; and ``rescores`` and ``replays``
+over what ``rollflow rescore`` / ``rollflow replay`` wrote beside a run (storage/derived.py).
 
 Each view is a ``UNION ALL`` over (run, split) of one ``read_parquet`` (or ``read_json``
 for ``train.json``) of the files listed here, so a half-written temporary is never read
@@ -28,6 +29,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
+from rollflow.storage.derived import DERIVED_SCHEMAS, derived_files
 from rollflow.storage.errors import SchemaMismatchError, StorageError
 from rollflow.storage.parquet import check_file
 from rollflow.storage.runfolder import OPTIONAL_STAGES, SPLIT_DIRS, STAGES, RunFolder, parse_step_dirname
@@ -208,3 +210,36 @@ def create_admissions_view(con: duckdb.DuckDBPyConnection, files: Sequence[tuple
         "CREATE VIEW admissions AS SELECT NULL::VARCHAR AS run_id, NULL::BIGINT AS step, "
         f"NULL::DOUBLE AS train_wait_s, {fields} WHERE false"
     )
+
+
+# ---------------------------------------------------------------- rescores and replays
+
+
+def derived_view_files(folders: Sequence[RunFolder], view: str) -> list[tuple[str, list[Path]]]:
+    """Each run's chunk files of ``view`` (``rescores`` or ``replays``; storage/derived.py)."""
+    found = []
+    for folder in folders:
+        paths = derived_files(folder, view)
+        if paths:
+            found.append((folder.run_id, paths))
+    return found
+
+
+def create_derived_view(
+    con: duckdb.DuckDBPyConnection, view: str, files: Sequence[tuple[str, list[Path]]]
+) -> None:
+    """``rescores``: one scores row per episode and rescore (its name in ``rescore``), joinable
+    to ``scores`` and ``episodes`` on ``run_id, episode_id``. ``replays``: one row per episode
+    and replay. ``run_id`` is the run folder's name, as in every other view."""
+    schema = DERIVED_SCHEMAS[view].remove_metadata()
+    if not files:
+        con.register(f"_empty_{view}", schema.empty_table())
+        con.execute(f"CREATE VIEW {view} AS SELECT * FROM _empty_{view}")
+        return
+    columns = ", ".join('{} AS run_id' if n == "run_id" else f'"{n}"' for n in schema.names)
+    selects = [
+        f"SELECT {columns.format(_literal(run_id))} "
+        f"FROM read_parquet({_paths_literal(paths)}, hive_partitioning = false)"
+        for run_id, paths in files
+    ]
+    con.execute(f"CREATE VIEW {view} AS\n" + "\nUNION ALL\n".join(selects))
