@@ -256,7 +256,7 @@ def chat_policy(
         from rollflow.flows.export import ExportError
 
         raise ExportError(f"{folder.root} is not a run folder (no config.toml)")
-    config = load_config(folder.config_path)
+    config = load_config(folder.config_path, frozen=True)
     rollout = config.rollout
     settings = SamplingSettings(
         temperature=rollout.temperature, top_p=rollout.top_p, max_completion_tokens=rollout.max_completion_tokens,

@@ -46,10 +46,11 @@ def run_eval(args: argparse.Namespace) -> int:
         root = eval_flow(
             config_path=args.config, run_dir=args.run_dir, env=args.env, model=args.model,
             adapter=args.adapter, base_url=args.base_url, api_model=args.api_model, num_tasks=args.tasks,
+            log_report=False,  # printed below, to stdout
         )
     except _user_errors() as exc:
         raise UserError(str(exc)) from exc
-    config = load_config(Path(root) / "config.toml")
+    config = load_config(Path(root) / "config.toml", frozen=True)
     sys.stdout.write(format_report(eval_report(root), describe_policy(config)))
     return 0
 

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rollflow.policy.models import load_causal_lm, load_tokenizer
+from rollflow.storage.filemodes import give_ordinary_modes
 from rollflow.storage.parquet import temporary_path
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.checkpoints import (
@@ -87,6 +88,7 @@ def export_policy(run_dir: str | Path, out: str | Path, step: int | None = None,
     try:
         result = _write_export(config, folder, checkpoint, tmp, final, merged)
         (tmp / EXPORT_FILE).write_text(json.dumps(asdict(result), indent=1) + "\n")
+        give_ordinary_modes(tmp)  # safetensors writes 0600, and copy2 keeps a mode
         if final.exists():
             final.rmdir()  # empty, checked above
         tmp.rename(final)
@@ -128,7 +130,7 @@ def base_model_folder(config: RunConfig) -> Path:
 def _run_config(folder: RunFolder) -> RunConfig:
     if not folder.config_path.is_file():
         raise ExportError(f"{folder.root} is not a run folder (no config.toml)")
-    return load_config(folder.config_path)
+    return load_config(folder.config_path, frozen=True)
 
 
 def _checked_out(out: Path) -> Path:

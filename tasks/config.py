@@ -25,6 +25,7 @@ import re
 import tomllib
 import types
 import typing
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -315,16 +316,19 @@ class PipelineConfig:
 
     The gate (``rollflow.tasks.gate``) promotes the trained policy to the registered
     model's ``champion`` alias only when its validation gain over the champion (or, with
-    none yet, over the policy GRPO started from) clears ``gate_z`` standard errors above
-    ``gate_min_gain``, paired by task.
+    none yet, over the policy GRPO started from), paired by task, passes an exact
+    one-sided sign-flip test at ``gate_alpha`` (the rate at which an equal policy is
+    promoted), on at least ``gate_min_discordant`` changed tasks, with a mean change
+    above ``gate_min_gain``.
     """
 
     sft: bool = False  # warm-start with [sft] on [env]'s transcripts before GRPO
     model_name: str = "rollflow-policy"  # the MLflow registered model
     start_from_champion: bool = False  # GRPO starts from the champion when there is one
     gate_column: str = "passed"  # compared per task: passed (pass rate) or final_reward
-    gate_z: float = 1.0
-    gate_min_gain: float = 0.0
+    gate_alpha: float = 0.05  # the largest one-sided p that promotes
+    gate_min_discordant: int = 5  # the fewest tasks whose value must have changed
+    gate_min_gain: float = 0.0  # the mean change must exceed this; < 0 is warned about
 
     def __post_init__(self) -> None:
         _check_types(self, "pipeline")
@@ -332,7 +336,12 @@ class PipelineConfig:
             raise ConfigError(
                 f"[pipeline].gate_column must be 'passed' or 'final_reward', got {self.gate_column!r}"
             )
-        _in_range(self, "pipeline", "gate_z", 0.0, None)
+        _in_range(self, "pipeline", "gate_alpha", 0.0, 1.0, low_open=True)
+        _at_least(self, "pipeline", "gate_min_discordant", 0)
+        if self.gate_min_gain < 0:
+            from rollflow.tasks.gate import negative_margin_warning
+
+            warnings.warn(negative_margin_warning(self.gate_min_gain), UserWarning, stacklevel=3)
         if not self.model_name.strip():
             raise ConfigError("[pipeline].model_name must not be empty")
 
@@ -374,12 +383,25 @@ ALIASES: dict[str, tuple[str, str]] = {
     "max_context_tokens": ("rollout", "max_model_length"),
 }
 
+# Settings that are gone: (section, key) -> what to set instead.
+RETIRED: dict[tuple[str, str], str] = {
+    ("pipeline", "gate_z"): (
+        "the gate is now an exact one-sided test: set [pipeline].gate_alpha, the false-promotion "
+        "rate (gate_z = 1 corresponds to about 0.16, gate_z = 2 to about 0.023; default 0.05)"
+    ),
+}
+
 
 # ---------------------------------------------------------------- public API
 
 
-def load_config(path: str | Path) -> RunConfig:
-    """Read and validate a TOML config file."""
+def load_config(path: str | Path, *, frozen: bool = False) -> RunConfig:
+    """Read and validate a TOML config file.
+
+    ``frozen``: the file is a run folder's own ``config.toml``, written by ``config_to_toml``
+    of an earlier rollflow; settings since retired (``RETIRED``) are dropped from it, so an
+    old run still resumes, exports and rescores. A user's config naming one is refused.
+    """
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -389,6 +411,11 @@ def load_config(path: str | Path) -> RunConfig:
         document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{path} is not valid TOML: {error}") from None
+    if frozen:
+        document = {
+            section: {k: v for k, v in table.items() if (section, k) not in RETIRED} if isinstance(table, dict) else table
+            for section, table in document.items()
+        }
     return parse_config(document)
 
 
@@ -456,6 +483,8 @@ def _parse_section(section: str, table: Mapping[str, Any]) -> Any:
 def _canonical_key(section: str, key: str, known: list[str]) -> str:
     if key in known:
         return key
+    if (section, key) in RETIRED:
+        raise ConfigError(f"[{section}].{key} is no longer a setting: {RETIRED[section, key]}")
     alias = ALIASES.get(key)
     if alias is not None and alias[0] == section:
         return alias[1]

@@ -105,7 +105,7 @@ def open_stored_run(run_dir: Path | str, where: str | None = None) -> StoredRun:
         task_ids.setdefault(split, set()).add(task_id)
     return StoredRun(
         folder=folder,
-        config=load_config(folder.config_path),
+        config=load_config(folder.config_path, frozen=True),
         chosen_ids=frozenset(r[2] for r in rows),
         task_ids={s: frozenset(ids) for s, ids in task_ids.items()},
     )

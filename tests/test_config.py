@@ -221,3 +221,15 @@ def test_the_model_device_is_checked_in_the_config_and_on_the_machine() -> None:
         with pytest.raises(ModelLoadError, match="CUDA device"):
             resolve_device(f"cuda:{torch.cuda.device_count()}")
     assert auto_dtype(torch.device("cpu")) == auto_dtype()  # the CPU rule, as before
+
+
+def test_a_run_frozen_before_a_setting_retired_still_loads(tmp_path: Path) -> None:
+    # An older rollflow froze every section, [pipeline].gate_z included: the run must still
+    # resume, export and rescore, while a user's own config naming it is refused.
+    text = config_to_toml(RunConfig()).replace("[pipeline]\n", "[pipeline]\ngate_z = 1.0\n", 1)
+    assert "gate_z = 1.0" in text
+    frozen = tmp_path / "config.toml"
+    frozen.write_text(text, encoding="utf-8")
+    assert load_config(frozen, frozen=True) == RunConfig()
+    with pytest.raises(ConfigError, match=r"gate_z is no longer a setting"):
+        load_config(frozen)

@@ -61,7 +61,7 @@ def tiny_pipeline(tmp_path: Path, model_dir: Path, name: str, num_steps: int) ->
         train=replace(base.train, num_steps=num_steps),
         validation=replace(base.validation, validation_interval=num_steps),
         tracking=replace(base.tracking, tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"),
-        pipeline=PipelineConfig(model_name=f"{name}-policy", gate_min_gain=-10.0),
+        pipeline=PipelineConfig(model_name=f"{name}-policy", gate_min_gain=-10.0, gate_alpha=1.0, gate_min_discordant=0),
     )
     path = tmp_path / f"{name}.toml"
     path.write_text(config_to_toml(config))
