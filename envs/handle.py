@@ -32,6 +32,7 @@ from typing import Any, Literal, Protocol
 from rollflow.envs.agent import Policy, PolicyAction, PolicySession
 from rollflow.envs.checks import require_int
 from rollflow.envs.episode import ActionTokens, EpisodeRollout
+from rollflow.envs.tracebacks import keep_traceback
 from rollflow.envs.types import Message, Split, Task, TaskExample, TruncationCause
 
 Style = Literal["hook", "async"]
@@ -112,8 +113,11 @@ def task_id_for(payload: TaskExample | Task) -> str:
 
 
 def describe_error(exc: BaseException, where: str) -> str:
-    """``"ExceptionType: message (in where)"``: what ``EpisodeRollout.error`` holds."""
-    return f"{type(exc).__name__}: {exc} (in {where})"
+    """``"ExceptionType: message (in where)"``: what ``EpisodeRollout.error`` holds; its
+    traceback goes to ``envs/tracebacks.py`` for a stage that keeps them."""
+    error = f"{type(exc).__name__}: {exc} (in {where})"
+    keep_traceback(exc, error)
+    return error
 
 
 class StageFailure(Exception):

@@ -1,6 +1,7 @@
 """The Python API of the reference docs: ``train_multi_turn(config, tasks, env_factory, val_tasks)``.
 
-It runs the very same Prefect flow as ``rollflow train``: the environment objects are
+It runs the very same Prefect flow as ``rollflow train``, after the same checks
+(``tasks/preflight.py``): the environment objects are
 registered in-process (``envs/registry.py``) and named in the run's config, so the stages
 load them exactly as they load a bundled environment by name.
 
@@ -20,6 +21,7 @@ from rollflow.envs.registry import register_environment
 from rollflow.envs.types import Task
 from rollflow.tasks.config import EnvConfig, RunConfig, config_to_toml
 from rollflow.tasks.grpo_config import GRPOConfig
+from rollflow.tasks.preflight import check_run_config
 
 
 def train_multi_turn(
@@ -44,6 +46,7 @@ def train_multi_turn(
     key = _environment_key(suite)
     spec = register_environment(key, suite)
     run_config = replace(run_config, env=EnvConfig(name=spec, kwargs={"key": key}))
+    check_run_config(run_config)  # before Prefect starts and before a run folder is made
     with tempfile.TemporaryDirectory(prefix="rollflow-config-") as scratch:
         config_path = Path(scratch) / "train_multi_turn.toml"
         config_path.write_text(config_to_toml(run_config))

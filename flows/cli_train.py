@@ -12,8 +12,12 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rollflow.flows.cli import Command, UserError, register
+
+if TYPE_CHECKING:
+    from rollflow.flows.runs import RunHandle
 
 
 def _quiet_prefect_defaults() -> None:
@@ -26,8 +30,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from rollflow.flows.runs import RunSetupError
     from rollflow.policy.models import ModelLoadError
     from rollflow.tasks.config import ConfigError
+    from rollflow.tasks.step_health import StepFailedError
 
-    return (ConfigError, RunSetupError, EnvironmentLoadError, ModelLoadError, FileNotFoundError)
+    return (ConfigError, RunSetupError, EnvironmentLoadError, ModelLoadError, FileNotFoundError, StepFailedError)
 
 
 def _train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,11 +55,10 @@ def run_resume(args: argparse.Namespace) -> int:
 def _run_flow(config_path: str | None, run_dir: str | None) -> int:
     _quiet_prefect_defaults()
     try:
-        from rollflow.flows.runs import open_run
-
-        # A bad config or folder fails here in one clear line, before Prefect starts; the
-        # flow then runs on the frozen copy in the (new or existing) run folder.
-        handle = open_run(config_path, run_dir)
+        # A bad config, folder, environment or model path fails here in one clear line,
+        # before Prefect starts and before a new run folder is made; the flow then runs
+        # on the frozen copy in the (new or existing) run folder.
+        handle = _checked_run(config_path, run_dir)
         from rollflow.flows.train import train_flow
 
         folder = train_flow(run_dir=str(handle.root))
@@ -62,6 +66,26 @@ def _run_flow(config_path: str | None, run_dir: str | None) -> int:
         raise UserError(str(exc)) from exc
     print(folder)
     return 0
+
+
+def _checked_run(config_path: str | None, run_dir: str | None) -> RunHandle:
+    """The run to start or resume, once ``check_run_config`` passed on its config."""
+    from rollflow.flows.runs import check_supported, open_run
+    from rollflow.tasks.config import load_config
+    from rollflow.tasks.preflight import check_run_config
+
+    if config_path is None:  # resume: the folder exists already, opening it makes nothing
+        handle = open_run(None, run_dir)
+        try:
+            check_run_config(handle.config)
+        except BaseException:
+            handle.close()
+            raise
+        return handle
+    config = load_config(config_path)
+    check_supported(config)
+    check_run_config(config)
+    return open_run(config_path, run_dir)
 
 
 def _env_arguments(parser: argparse.ArgumentParser) -> None:

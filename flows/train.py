@@ -53,8 +53,10 @@ from rollflow.tasks.metrics import (
     recorded_stage_seconds,
     run_timed,
     start_tracking,
+    step_outcome,
     validation_metrics_stage,
 )
+from rollflow.tasks.policy_io import ActingPolicy
 from rollflow.tasks.rollout import rollout_stage
 from rollflow.tasks.scoring import score_stage
 from rollflow.tasks.teacher import check_teacher, teacher_stage
@@ -65,7 +67,9 @@ _STAGE = dict(cache_policy=NO_CACHE, persist_result=False)
 
 
 @task(name="rollout", task_run_name="rollout step {step} ({split})", **_STAGE)
-def rollout(config: RunConfig, run_dir: Path, step: int, split: str = "train", policy: Policy | None = None) -> Path:
+def rollout(
+    config: RunConfig, run_dir: Path, step: int, split: str = "train", policy: Policy | ActingPolicy | None = None
+) -> Path:
     return rollout_stage(config, run_dir, step, split, policy)
 
 
@@ -104,7 +108,8 @@ def validation_metrics(config: RunConfig, run_dir: Path, step: int) -> Path:
     return validation_metrics_stage(config, run_dir, step)
 
 
-def validate(config: RunConfig, run_dir: Path, step: int, policy: Policy | None = None) -> None:
+def validate(config: RunConfig, run_dir: Path, step: int, policy: Policy | ActingPolicy | None = None) -> None:
+    """Validation before ``step`` (an async run's policy comes watched: ``pinned_for_validation``)."""
     rollout(config, run_dir, step, "validation", policy)
     scoring(config, run_dir, step, "validation")
     validation_metrics(config, run_dir, step)
@@ -123,20 +128,23 @@ def train_flow(config_path: str | None = None, run_dir: str | None = None) -> st
     resumes that run with its frozen config; both start a new run in ``run_dir`` (or resume
     it, when it already holds the same config).
     """
-    handle = open_run(config_path, run_dir)
-    handle.report(f"run folder {handle.root}")
-    start_tracking(handle.config, handle.root)
+    handle = open_run(config_path, run_dir)  # holds the run folder's lock until closed
     try:
-        with one_training_at_a_time(f"train {handle.root.name}"):
-            run_training(handle)
-    except BaseException:
-        try:  # mark the MLflow run FAILED, but never hide why the run failed
-            finish_tracking(handle.config, handle.root, succeeded=False)
-        except Exception as tracking_error:  # noqa: BLE001 - reported, the original propagates
-            handle.report(f"could not close the MLflow run: {tracking_error}")
-        raise
-    finish_tracking(handle.config, handle.root, succeeded=True)
-    return str(handle.root)
+        handle.report(f"run folder {handle.root}")
+        start_tracking(handle.config, handle.root)
+        try:
+            with one_training_at_a_time(f"train {handle.root.name}"):
+                run_training(handle)
+        except BaseException:
+            try:  # mark the MLflow run FAILED, but never hide why the run failed
+                finish_tracking(handle.config, handle.root, succeeded=False)
+            except Exception as tracking_error:  # noqa: BLE001 - reported, the original propagates
+                handle.report(f"could not close the MLflow run: {tracking_error}")
+            raise
+        finish_tracking(handle.config, handle.root, succeeded=True)
+        return str(handle.root)
+    finally:
+        handle.close()
 
 
 def step_stages(config: RunConfig) -> tuple[tuple[str, Callable[..., Path]], ...]:
@@ -165,8 +173,9 @@ def run_lockstep_training(handle: RunHandle) -> None:
         metrics(config, root, step)
         seconds = recorded_stage_seconds(handle.folder, step)
         handle.report(
-            f"step {step + 1}/{config.train.num_steps} done in {sum(seconds.values()):.1f}s "
-            + " ".join(f"{k}={v:.1f}s" for k, v in seconds.items())
+            f"step {step + 1}/{config.train.num_steps} done in {sum(seconds.values()):.1f}s: "
+            f"{step_outcome(handle.folder, step)} ("
+            + " ".join(f"{k}={v:.1f}s" for k, v in seconds.items()) + ")"
         )
     if validation_due(config, config.train.num_steps):
         validate(config, root, config.train.num_steps)
@@ -195,7 +204,7 @@ def run_async_training(handle: RunHandle) -> None:
                     run_timed(folder, step, name, partial(stage, config, root, step))
                 publisher.publish(step + 1, folder.checkpoint_dir(step))
                 metrics(config, root, step)
-                handle.report(f"step {step + 1}/{config.train.num_steps} done (async)")
+                handle.report(f"step {step + 1}/{config.train.num_steps} done (async): {step_outcome(folder, step)}")
             publisher.join()
             if validation_due(config, config.train.num_steps):
                 validate(config, root, config.train.num_steps, generator.pinned_for_validation(config.train.num_steps))

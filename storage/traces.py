@@ -13,7 +13,10 @@ by final reward, and a seeded sample of the rest. One trace per episode:
   message that answered it out.
 
 Idempotent: the logged trace ids go to ``traces.json`` in the pass's folder, and a pass
-that has one is not logged again (a resumed run never duplicates traces).
+that has one is not logged again (a resumed run never duplicates traces). Each trace is
+tagged with its MLflow run, pass and episode (``rollflow.pass``, ``rollflow.episode``), so
+a pass whose process died after logging but before ``traces.json`` finds its traces in
+MLflow on resume and logs only the episodes still missing.
 
 Simplified, and why: span times are the logging times, not the episode's (episodes store
 their total latency only); a turn's input is what was new, not the whole history, so a
@@ -33,6 +36,8 @@ from rollflow.storage.parquet import write_bytes_atomic
 from rollflow.storage.records import EpisodeRecord, ScoreRecord
 
 TRACES_FILE = "traces.json"
+PASS_TAG = "rollflow.pass"  # "<mlflow run id>:<split folder>/<pass folder>"
+EPISODE_TAG = "rollflow.episode"
 
 
 @dataclass(frozen=True)
@@ -76,32 +81,56 @@ def log_validation_traces(
 
     by_id = {e.episode_id: e for e in episodes}
     score_by_id = {s.episode_id: s for s in scores}
+    client = MlflowClient(tracking_uri)
+    pass_key = f"{mlflow_run_id}:{Path(pass_dir).parent.name}/{Path(pass_dir).name}"
     # None when unset: restoring MLflow's resolved default instead would pin it (and the
     # MLFLOW_TRACKING_URI it exports) to ./mlflow.db, where the pipeline then registered.
     previous = mlflow.get_tracking_uri() if mlflow.is_tracking_uri_set() else None
     mlflow.set_tracking_uri(tracking_uri)  # the fluent tracing API exports to the global URI
     try:
+        logged = logged_pass_traces(client, experiment_id, pass_key)  # by an attempt that died
         trace_ids = [
-            _log_episode(mlflow, experiment_id, by_id[episode_id], score_by_id[episode_id])
+            logged.get(episode_id) or _log_episode(
+                mlflow, experiment_id, by_id[episode_id], score_by_id[episode_id],
+                {PASS_TAG: pass_key, EPISODE_TAG: episode_id},
+            )
             for episode_id in select_episodes(scores, selection) if episode_id in by_id
         ]
         mlflow.flush_trace_async_logging()
         if trace_ids:
-            MlflowClient(tracking_uri).link_traces_to_run(trace_ids, mlflow_run_id)
+            client.link_traces_to_run(trace_ids, mlflow_run_id)
     finally:
         mlflow.set_tracking_uri(previous)
     write_bytes_atomic(json.dumps({"trace_ids": trace_ids}).encode(), marker)
     return trace_ids
 
 
-def _log_episode(mlflow: Any, experiment_id: str, episode: EpisodeRecord, score: ScoreRecord) -> str:
+def logged_pass_traces(client: Any, experiment_id: str, pass_key: str) -> dict[str, str]:
+    """Episode id -> trace id of the traces already in MLflow for the pass ``pass_key``."""
+    found: dict[str, str] = {}
+    token = None
+    while True:
+        page = client.search_traces(
+            locations=[experiment_id], filter_string=f"tags.`{PASS_TAG}` = '{pass_key}'",
+            include_spans=False, max_results=100, page_token=token,
+        )
+        for trace in page:
+            found.setdefault(trace.info.tags[EPISODE_TAG], trace.info.trace_id)
+        token = page.token
+        if not token:
+            return found
+
+
+def _log_episode(
+    mlflow: Any, experiment_id: str, episode: EpisodeRecord, score: ScoreRecord, tags: Mapping[str, str]
+) -> str:
     from mlflow.entities import SpanType
 
     rollout = episode.rollout
     messages = list(rollout.messages)
     first_action = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
     root = mlflow.start_span_no_context(
-        f"episode {episode.episode_id}", span_type=SpanType.AGENT, experiment_id=experiment_id,
+        f"episode {episode.episode_id}", span_type=SpanType.AGENT, experiment_id=experiment_id, tags=dict(tags),
         inputs={"task_id": episode.task_id, "messages": messages[:first_action]},
         attributes={
             "episode_id": episode.episode_id, "step": episode.step, "split": episode.split,
@@ -123,6 +152,8 @@ def _log_turns(mlflow: Any, root: Any, messages: Sequence[Mapping[str, Any]]) ->
     from mlflow.entities import SpanType
 
     actions = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not actions:  # the episode ended before its first action (a prompt that overflowed the context)
+        return
     for turn, (start, end) in enumerate(zip(actions, [*actions[1:], len(messages)], strict=True), start=1):
         action, replies = messages[start], list(messages[start + 1 : end])
         before = [] if turn == 1 else list(messages[actions[turn - 2] + 1 : start])

@@ -36,6 +36,7 @@ from rollflow.tasks.collect import async_step_metrics
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.transcript import render_episode
 from rollflow.tasks.config import RunConfig, flatten_config
+from rollflow.tasks.step_health import step_summary
 
 METRICS_JSON = "metrics.json"
 STAGE_SECONDS_JSON = "stage_seconds.json"  # stage name -> wall seconds of its one real run
@@ -73,9 +74,16 @@ def rollout_metrics(run_dir: Path, step: int, split: str) -> dict[str, float]:
     con = open_run_sql([run_dir])
     try:
         raw = step_metrics(con, step=step, split=split)
+        _, rows = run_query(  # left out of the baseline: the rollout or its scorer raised
+            con,
+            "SELECT count_if(scoring_error IS NOT NULL) / count(*) FROM scores "
+            f"WHERE split = '{split}' AND step = {int(step)}",
+        )
     finally:
         con.close()
-    return {_EPISODE_KEYS[name]: value for name, value in raw.items()}
+    metrics = {_EPISODE_KEYS[name]: value for name, value in raw.items()}
+    metrics["episodes/failed_ratio"] = float(rows[0][0]) if rows and rows[0][0] is not None else 0.0
+    return metrics
 
 
 def teacher_step_metrics(run_dir: Path, step: int) -> dict[str, float]:
@@ -160,6 +168,11 @@ def metrics_stage(config: RunConfig, run_dir: Path, step: int) -> Path:
     metrics.update(async_step_metrics(folder, step))
     _log(config, folder, step, metrics)
     return folder.write_json_atomic(path, _json_safe(metrics))
+
+
+def step_outcome(folder: RunFolder, step: int) -> str:
+    """The step line's numbers (``tasks/step_health.py``'s ``step_summary``) from its ``metrics.json``."""
+    return step_summary(folder.read_json(folder.step_dir(step) / METRICS_JSON))
 
 
 def validation_metrics_stage(config: RunConfig, run_dir: Path, step: int) -> Path:

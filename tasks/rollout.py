@@ -7,7 +7,8 @@ the first ``num_tasks``) ``[validation].episodes_per_task`` times (once by defau
 episode at a time when ``sequential_validation`` is set.
 
 Output: ``episodes`` for the step, written as part files, one per chunk of groups, then
-sealed. A killed rollout keeps its finished parts; the resumed one replays only the
+sealed; an errored episode's traceback goes to the step's ``errors.jsonl`` before its
+chunk's part is written (``tasks/step_health.py``). A killed rollout keeps its finished parts; the resumed one replays only the
 missing chunks. Each chunk samples with a seed derived from (seed, split, step, chunk),
 so a replayed chunk is the same chunk.
 
@@ -58,6 +59,7 @@ from rollflow.envs.runner import (
     load_environment_handle,
     play_groups,
 )
+from rollflow.envs.tracebacks import keeping_tracebacks
 from rollflow.envs.types import Split
 from rollflow.storage.parquet import part_index
 from rollflow.storage.records import EpisodeRecord
@@ -65,6 +67,7 @@ from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import episode_records_to_table
 from rollflow.tasks.config import ConfigError, RunConfig
 from rollflow.tasks.policy_io import UNMANAGED_SERVER, ActingPolicy, GeneratorError, open_policy
+from rollflow.tasks.step_health import episode_errors, keep_episode_errors
 
 PROGRESS_EVERY_S = 15.0
 MAX_GENERATOR_RESTARTS = 2  # per stage: a server that keeps dying is not a transient fault
@@ -141,9 +144,10 @@ def rollout_stage(
             label = f"rollout {split} step {step} chunk {index + 1}/{len(chunks)}"
             while True:  # replayed after a generator restart: same seed, same chunk
                 acting.reseed(derive_seed(config.train.seed, split, step, index))
-                rollouts_GE = asyncio.run(
-                    play_with_progress(handle, chunk, group_size, acting.policy, limits, concurrency, label)
-                )
+                with keeping_tracebacks() as tracebacks:
+                    rollouts_GE = asyncio.run(
+                        play_with_progress(handle, chunk, group_size, acting.policy, limits, concurrency, label)
+                    )
                 if restarts.chunk_is_good(acting, rollouts_GE, label):
                     break
             records = [
@@ -151,9 +155,19 @@ def rollout_stage(
                 for g, (item, rollouts_E) in enumerate(zip(chunk, rollouts_GE, strict=True))
                 for e, rollout in enumerate(rollouts_E)
             ]
+            _keep_errors(folder, step, split, records, tracebacks)
             folder.write_stage_part(episode_records_to_table(records), step, "episodes", index, split)
             _progress(split, step, index + 1, len(chunks), started)
     return folder.seal_stage(step, "episodes", split)
+
+
+def _keep_errors(
+    folder: RunFolder, step: int, split: str, records: list[EpisodeRecord], tracebacks: dict[str, str]
+) -> None:
+    """The chunk's errored episodes, with their tracebacks, in the step's ``errors.jsonl``."""
+    failed = [(r, r.rollout.error) for r in records if r.rollout.error is not None]
+    errors = episode_errors("rollout", failed, tracebacks)
+    keep_episode_errors(folder, step, split, "rollout", [r.episode_id for r in records], errors)
 
 
 class _Restarts:

@@ -51,9 +51,13 @@ Then, per episode:
    episodes' final rewards; ``advantage = final - mean``, divided by ``std + 1e-6`` when
    ``scale_advantages_by_std``. A group whose counted rewards are all equal (or that has
    fewer than two) is marked ``zero_variance`` and gets advantage 0.
-5. **trained?** Not when left out of the baseline; not when truncated (any cause) under
-   ``overlong_masking``, though its reward stayed in the baseline; not in a zero-variance
-   group under ``dynamic_sampling``.
+5. **trained?** Never a validation episode; not when left out of the baseline; not when
+   truncated (any cause) under ``overlong_masking``, though its reward stayed in the
+   baseline; not in a zero-variance group under ``dynamic_sampling``.
+
+The stage keeps each scorer's traceback in the step's ``errors.jsonl`` and refuses a step
+whose every episode failed or overflowed the context (``StepFailedError``, before
+``scores.parquet`` is written, so a resume scores again): ``tasks/step_health.py``.
 
 Simplified on purpose: dynamic sampling only skips zero-variance groups; it does not
 resample to refill the batch as DAPO does (a step trains on fewer groups instead). The
@@ -68,17 +72,28 @@ import enum
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import MappingProxyType
 from typing import cast
 
 from rollflow.envs.episode import EpisodeRollout
 from rollflow.envs.runner import EnvironmentHandle, EpisodeScore, TaskItem, load_environment_handle
+from rollflow.envs.tracebacks import keeping_tracebacks
 from rollflow.envs.types import Split, TruncationCause
 from rollflow.storage.records import EpisodeRecord, ScoreRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import score_records_to_table, table_to_episode_records
 from rollflow.tasks.config import RunConfig
+from rollflow.tasks.preflight import prompt_tokens
+from rollflow.tasks.step_health import (
+    StepFailedError,
+    check_step_outcome,
+    discard_episodes,
+    episode_errors,
+    errors_path,
+    keep_episode_errors,
+)
 
 STD_EPSILON = 1e-6
 SPLITS = ("train", "validation")
@@ -288,7 +303,7 @@ def _record(
         overlong_penalty=shaped.overlong_penalty, final_reward=shaped.final_reward,
         passed=env_passed(member.ending, score), group_mean=mean, group_std=std,
         group_size=group_size, zero_variance=zero_variance, advantage=advantage,
-        trained=shaped.counted and not (masked or skipped),
+        trained=episode.split == "train" and shaped.counted and not (masked or skipped),
         scoring_error=None if shaped.counted else _why_left_out(episode.rollout, score),
     )
 
@@ -319,9 +334,29 @@ def score_stage(
     episodes = table_to_episode_records(folder.read_stage(step, "episodes", split))
     if handle is None:
         handle = load_environment_handle(config.env.name, config.env.kwargs)
-    env_scores = asyncio.run(score_groups(handle, split, episodes, config.rollout.concurrency))
+    with keeping_tracebacks() as tracebacks:
+        env_scores = asyncio.run(score_groups(handle, split, episodes, config.rollout.concurrency))
     records = score_episodes_to_records(episodes, env_scores, ScoringSettings.from_config(config))
+    scorer_failed = [
+        (e, r.scoring_error) for e, r in zip(episodes, records, strict=True)
+        if r.scoring_error is not None and e.rollout.error is None  # the rollout kept its own
+    ]
+    errors = episode_errors("scoring", scorer_failed, tracebacks)
+    keep_episode_errors(folder, step, split, "scoring", [e.episode_id for e in episodes], errors)
+    measure = partial(_prompt_tokens, config, handle, split)
+    try:
+        check_step_outcome(episodes, records, errors_path(folder, step, split), config.rollout.max_model_length, measure)
+    except StepFailedError as failed:
+        if config.rollout.max_steps_off_policy is None and any(e.rollout.error for e in episodes):
+            discard_episodes(folder, step, split)
+            raise StepFailedError(f"{failed}; its episodes were discarded: `rollflow resume` plays them again") from None
+        raise
     return folder.write_stage(score_records_to_table(records), step, "scores", split)
+
+
+def _prompt_tokens(config: RunConfig, handle: EnvironmentHandle, split: str, episode: EpisodeRecord) -> int:
+    items = {item.task_id: item for item in handle.tasks(cast(Split, split))}
+    return prompt_tokens(config, handle, items[episode.task_id])
 
 
 async def score_groups(

@@ -6,14 +6,15 @@ import dataclasses
 import json
 from pathlib import Path
 
+import pytest
 from mlflow import MlflowClient
 
 from rollflow.storage.synthetic import synthetic_episode, synthetic_score
 from rollflow.storage.traces import TRACES_FILE, TraceSelection, log_validation_traces, select_episodes
 
 
-def validation_pass(count: int) -> tuple[list, list]:
-    episodes = [synthetic_episode("run", 5, task, 0, split="validation") for task in range(count)]
+def validation_pass(count: int, step: int = 5) -> tuple[list, list]:
+    episodes = [synthetic_episode("run", step, task, 0, split="validation") for task in range(count)]
     scores = [dataclasses.replace(synthetic_score(e, reward=task / 10), final_reward=task / 10, passed=task > 7)
               for task, e in enumerate(episodes)]
     return episodes, scores
@@ -64,3 +65,62 @@ def test_each_episode_is_a_trace_with_a_span_per_turn_and_tool_call(tmp_path: Pa
     again = log_validation_traces(uri, experiment, run_id, pass_dir, episodes, scores, TraceSelection(1, 1, 1))
     assert again == ids and json.loads((pass_dir / TRACES_FILE).read_text())["trace_ids"] == ids
     assert len(client.search_traces(locations=[experiment], run_id=run_id)) == 3  # a resume adds none
+
+
+def test_a_crash_between_logging_and_traces_json_logs_no_trace_twice(tmp_path: Path, monkeypatch) -> None:
+    """The process dies after the traces reached MLflow but before ``traces.json`` (here: before
+    they were linked to the run, then after); the resume logs no episode a second time."""
+    import rollflow.storage.traces as traces_module
+    from mlflow import MlflowClient as RealClient
+
+    uri, client, experiment, run_id = mlflow_run(tmp_path)
+    selection = TraceSelection(1, 1, 1)
+
+    class Crash(BaseException):
+        """Stands in for SIGKILL: nothing after it runs."""
+
+    def crash(*_: object, **__: object) -> None:
+        raise Crash
+
+    for step, crash_at in enumerate(("link_traces_to_run", "write_bytes_atomic"), start=5):
+        episodes, scores = validation_pass(4, step)
+        pass_dir = tmp_path / "validation" / f"step={step:06d}"
+        pass_dir.mkdir(parents=True)
+        with monkeypatch.context() as patch:
+            if crash_at == "link_traces_to_run":
+                patch.setattr(RealClient, "link_traces_to_run", crash)
+            else:
+                patch.setattr(traces_module, "write_bytes_atomic", crash)
+            with pytest.raises(Crash):
+                log_validation_traces(uri, experiment, run_id, pass_dir, episodes, scores, selection)
+        assert not (pass_dir / TRACES_FILE).exists()
+        ids = log_validation_traces(uri, experiment, run_id, pass_dir, episodes, scores, selection)
+        assert len(ids) == 3 and json.loads((pass_dir / TRACES_FILE).read_text())["trace_ids"] == ids
+
+    logged = client.search_traces(locations=[experiment], max_results=100)
+    names = sorted(t.data.spans[0].name for t in logged)
+    assert len(names) == 6 and len(set(names)) == 6, names  # 3 episodes a pass, each logged once
+    linked = client.search_traces(locations=[experiment], run_id=run_id, max_results=100)
+    assert sorted(t.info.trace_id for t in linked) == sorted(t.info.trace_id for t in logged)
+
+
+def test_an_episode_that_overflowed_before_acting_is_a_trace_without_turns(tmp_path: Path) -> None:
+    """A prompt longer than max_model_length: the transcript holds no assistant message."""
+    from rollflow.envs.types import TruncationCause
+
+    uri, client, experiment, run_id = mlflow_run(tmp_path)
+    episodes, scores = validation_pass(2)
+    opening = tuple(m for m in episodes[0].rollout.messages if m["role"] in ("system", "user"))[:2]
+    overflowed = dataclasses.replace(
+        episodes[0].rollout, messages=opening, response_text="", turns=0, terminated=False, truncated=True,
+        truncation_cause=TruncationCause.CONTEXT_OVERFLOW, error=None, actions=(),
+    )
+    episodes[0] = dataclasses.replace(episodes[0], rollout=overflowed)
+    pass_dir = tmp_path / "pass"
+    pass_dir.mkdir()
+    ids = log_validation_traces(uri, experiment, run_id, pass_dir, episodes, scores, TraceSelection(1, 1, 0))
+    assert len(ids) == 2
+    spans = {t.data.spans[0].name: t.data.spans for t in client.search_traces(locations=[experiment], run_id=run_id)}
+    root_only = spans["episode validation/5/0/0"]
+    assert [s.name for s in root_only] == ["episode validation/5/0/0"]
+    assert root_only[0].attributes["ending"] == "context_overflow"

@@ -1,0 +1,181 @@
+"""Checks before a run starts: the files it loads, its environment, its prompts' length.
+
+``check_run_config(config)`` is what ``rollflow train`` / ``resume`` and
+``train_multi_turn`` call before Prefect starts and before a run folder is made, so a
+mistake costs a second and one line (``PreflightError``, a ``ConfigError`` naming the
+setting) instead of a dead run folder and a page of tracebacks from inside a stage:
+
+- **model files**: ``[model].path``, ``[model].gguf_file``, ``[model].adapter`` and the
+  teacher's ``[train].teacher_path`` / ``teacher_adapter`` exist and are what the loader
+  wants (a relative path is relative to the working directory, which the error names);
+- **the environment**: ``[env].name`` imports and ``load_environment(**[env].kwargs)``
+  takes those arguments and returns an environment with training tasks; an async-style one
+  has a turn limit (``[rollout].max_turns``);
+- **the prompt fits**: the first training task's (and, with validation on, the first
+  validation task's) opening prompt, rendered with the policy's chat template and tools,
+  leaves room for at least one token within ``[rollout].max_model_length``.
+
+Simplified: only the first task of each split is measured (opening one episode per task
+for every task could cost as much as a rollout); the check plays that episode with a
+probe policy that records the prompt and ends it at once (``context_overflow``), so the
+environment's ``start_episode`` / ``Env.reset`` really run, and its close. The
+``openai`` backend's tokenizer is the server's, so its prompts are not measured here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+from rollflow.envs.agent import PolicyAction
+from rollflow.envs.runner import (
+    EnvironmentHandle,
+    EnvironmentLoadError,
+    EpisodeLimits,
+    TaskItem,
+    load_environment_handle,
+)
+from rollflow.envs.types import Message, Split, ToolSpec
+from rollflow.tasks.config import ConfigError, RunConfig
+
+
+class PreflightError(ConfigError):
+    """A run would fail once started; the message names the setting and the value."""
+
+
+def check_run_config(config: RunConfig) -> None:
+    """Every check above, cheapest first; the first problem raises ``PreflightError``."""
+    check_model_files(config)
+    handle = check_environment(config)
+    check_prompts_fit(config, handle)
+
+
+# ---------------------------------------------------------------- model files
+
+
+def _relative_note(value: str) -> str:
+    return "" if Path(value).is_absolute() else f" (relative to the working directory {Path.cwd()})"
+
+
+def _must_exist(key: str, value: str | None) -> Path | None:
+    if value is None:
+        return None
+    path = Path(value)
+    if not path.exists():
+        raise PreflightError(f"{key} = {value!r} does not exist{_relative_note(value)}")
+    return path
+
+
+def check_model_files(config: RunConfig) -> None:
+    model = config.model
+    folder = _must_exist("[model].path", model.path)
+    if model.gguf_file is not None:
+        gguf = Path(model.gguf_file) if folder is None else folder / model.gguf_file
+        if not gguf.is_file():
+            relative_to = (
+                f"a name inside [model].path = {model.path!r}" if folder is not None
+                else f"relative to the working directory {Path.cwd()}"
+            )
+            raise PreflightError(
+                f"[model].gguf_file = {model.gguf_file!r} does not exist (looked for {gguf.absolute()}: {relative_to})"
+            )
+    elif folder is not None and not (folder / "config.json").is_file():
+        kind = "a file" if folder.is_file() else f"a folder without config.json ({folder.absolute()})"
+        raise PreflightError(
+            f"[model].path = {model.path!r} is {kind}, not a Hugging Face model folder; "
+            "for a GGUF model set [model].gguf_file (the file, or its name inside [model].path)"
+        )
+    _check_adapter("[model].adapter", model.adapter)
+    _must_exist("[train].teacher_path", config.train.teacher_path)
+    _check_adapter("[train].teacher_adapter", config.train.teacher_adapter)
+
+
+def _check_adapter(key: str, value: str | None) -> None:
+    adapter = _must_exist(key, value)
+    if adapter is not None and not (adapter / "adapter_config.json").is_file():
+        raise PreflightError(f"{key} = {value!r} is not a peft adapter folder (no adapter_config.json in it)")
+
+
+# ---------------------------------------------------------------- the environment
+
+
+def check_environment(config: RunConfig) -> EnvironmentHandle:
+    """The loaded environment, or one line naming ``[env].name`` / ``[env].kwargs``."""
+    from rollflow.tasks.rollout import episode_limits
+
+    env = config.env
+    try:
+        handle = load_environment_handle(env.name, env.kwargs)
+    except EnvironmentLoadError as exc:
+        setting = f"[env].kwargs = {dict(env.kwargs)!r}" if str(exc).startswith("bad arguments") else "[env].name"
+        raise PreflightError(f"{setting}: {exc}".splitlines()[0]) from exc
+    if not handle.tasks("train"):
+        raise PreflightError(f"[env].name = {env.name!r}: the environment has no training tasks")
+    for split in _measured_splits(config):
+        episode_limits(config, split, handle.style)  # an async env needs a turn limit
+    return handle
+
+
+def _measured_splits(config: RunConfig) -> tuple[Split, ...]:
+    return ("train", "validation") if config.validation.validation_interval > 0 else ("train",)
+
+
+# ---------------------------------------------------------------- the prompt fits
+
+
+def check_prompts_fit(config: RunConfig, handle: EnvironmentHandle) -> None:
+    if config.rollout.backend == "openai":
+        return
+    budget = config.rollout.max_model_length
+    for split in _measured_splits(config):
+        items = handle.tasks(split)
+        if not items:
+            continue
+        length = prompt_tokens(config, handle, items[0])
+        if length >= budget:
+            raise PreflightError(
+                f"[rollout].max_model_length = {budget} cannot hold the prompt of {split} task "
+                f"{items[0].task_id!r}: it is {length} tokens, with no room left for a reply"
+            )
+
+
+def prompt_tokens(config: RunConfig, handle: EnvironmentHandle, item: TaskItem) -> int:
+    """The length in tokens of ``item``'s opening prompt as the policy would see it."""
+    from rollflow.policy.codec import ChatCodec
+    from rollflow.policy.models import load_tokenizer
+    from rollflow.tasks.checkpoints import base_model_ref
+
+    probe = _PromptProbe()
+    rollout = asyncio.run(handle.play(item, probe, EpisodeLimits(max_turns=1)))
+    if not probe.prompts:
+        failure = rollout.error or "it never asked the policy for an action"
+        raise PreflightError(f"[env].name = {config.env.name!r}: task {item.task_id!r} cannot start: {failure}")
+    messages, tool_specs = probe.prompts[0]
+    codec = ChatCodec(load_tokenizer(base_model_ref(config)))
+    return len(codec.render_prompt_ids(messages, tool_specs))
+
+
+class _PromptProbe:
+    """A policy that records its first prompt and ends the episode there ("context")."""
+
+    version = 0
+
+    def __init__(self) -> None:
+        self.prompts: list[tuple[list[Message], list[ToolSpec]]] = []
+
+    def open_session(self, tool_specs: Sequence[ToolSpec]) -> _ProbeSession:
+        return _ProbeSession(self, list(tool_specs))
+
+
+class _ProbeSession:
+    def __init__(self, probe: _PromptProbe, tool_specs: list[ToolSpec]) -> None:
+        self.probe = probe
+        self.tool_specs = tool_specs
+
+    async def act(self, messages: Sequence[Message]) -> PolicyAction:
+        self.probe.prompts.append((list(messages), self.tool_specs))
+        return PolicyAction(text="", finish_reason="context", sampling_attempts=0)
+
+    async def close(self) -> None:
+        return None

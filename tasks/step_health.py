@@ -1,0 +1,171 @@
+"""A step's failed episodes made loud: their tracebacks kept, a step that trained on nothing refused.
+
+Failures are data (an episode's ``error``, a score's ``scoring_error``), so one bad episode
+never sinks a batch. Three things keep that from hiding a broken environment:
+
+- **tracebacks are kept** in the step's folder, ``errors.jsonl`` (``steps/step=N/`` or
+  ``validation/step=N/``): one JSON object a line, ``{"stage", "episode_id", "task_id",
+  "error", "traceback"}``, written by the rollout stage (the episode raised) and the scoring
+  stage (its scorer raised). ``traceback`` is None where the error was no exception (a
+  scorer that returned the wrong type). A stage writing again (a replayed chunk, a resumed
+  scoring) replaces its own lines for the episodes it covers, so the file holds each
+  episode's latest attempt.
+- **a step whose every episode failed or overflowed the context fails the run**
+  (``StepFailedError``, raised by the scoring stage before it writes ``scores.parquet``,
+  so a resume after the fix scores again): its message names the most common error and
+  the traceback file, or the prompt's length against ``[rollout].max_model_length``.
+  Where episodes errored in the rollout itself, a lockstep run also discards the step's
+  episodes (``discard_episodes``), so the resume plays them again with the fixed
+  environment. An async run keeps them: its admitted groups are not replayed.
+- **each step line** says the step's reward, pass rate, and failed and overflowed counts
+  (``step_summary``).
+
+Simplified: an overflowed episode counts as useless whatever it sampled before the
+context filled; a step with any other ending in it trains and passes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rollflow.envs.types import TruncationCause
+from rollflow.storage.parquet import temporary_path, write_bytes_atomic
+from rollflow.storage.records import EpisodeRecord, ScoreRecord
+from rollflow.storage.runfolder import RunFolder
+
+ERRORS_JSONL = "errors.jsonl"
+
+
+class StepFailedError(RuntimeError):
+    """Every episode of a step failed or overflowed: there is nothing to learn from it."""
+
+
+@dataclass(frozen=True)
+class EpisodeError:
+    stage: str  # "rollout" (the episode raised) or "scoring" (its scorer raised)
+    episode_id: str
+    task_id: str
+    error: str
+    traceback: str | None
+
+
+def errors_path(folder: RunFolder, step: int, split: str) -> Path:
+    return folder.step_dir(step, split) / ERRORS_JSONL
+
+
+def read_episode_errors(path: Path) -> list[EpisodeError]:
+    if not path.is_file():
+        return []
+    return [EpisodeError(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+def keep_episode_errors(
+    folder: RunFolder, step: int, split: str, stage: str, covered: Iterable[str], errors: Sequence[EpisodeError]
+) -> Path | None:
+    """Replace ``stage``'s lines for the ``covered`` episode ids with ``errors``; the file's
+    path, or None when it has no line and never had one."""
+    path = errors_path(folder, step, split)
+    ids = set(covered)
+    kept = [e for e in read_episode_errors(path) if not (e.stage == stage and e.episode_id in ids)]
+    rows = [*kept, *errors]
+    if not rows and not path.exists():
+        return None
+    write_bytes_atomic("".join(json.dumps(asdict(e)) + "\n" for e in rows).encode(), path)
+    return path
+
+
+def episode_errors(
+    stage: str, failed: Iterable[tuple[EpisodeRecord, str]], tracebacks: Mapping[str, str]
+) -> list[EpisodeError]:
+    """One ``EpisodeError`` per (episode, error line), with the traceback kept under that line."""
+    return [EpisodeError(stage, e.episode_id, e.task_id, error, tracebacks.get(error)) for e, error in failed]
+
+
+# ---------------------------------------------------------------- a step with nothing to learn from
+
+
+def check_step_outcome(
+    episodes: Sequence[EpisodeRecord],
+    records: Sequence[ScoreRecord],
+    where: Path,
+    max_model_length: int,
+    prompt_tokens: Callable[[EpisodeRecord], int],
+) -> None:
+    """Raise ``StepFailedError`` when every episode failed or overflowed the context.
+
+    ``records[i]`` scores ``episodes[i]``; ``where`` is the traceback file;
+    ``prompt_tokens(episode)`` measures a prompt (called only when every episode overflowed
+    before its first action).
+    """
+    if not episodes:
+        return
+    failed = [e.rollout.error or r.scoring_error for e, r in zip(episodes, records, strict=True) if r.scoring_error]
+    overflowed = [
+        e for e, r in zip(episodes, records, strict=True)
+        if r.scoring_error is None and e.rollout.truncation_cause == TruncationCause.CONTEXT_OVERFLOW
+    ]
+    if len(failed) + len(overflowed) < len(episodes):
+        return
+    first = episodes[0]
+    label = f"step {first.step}" if first.split == "train" else f"{first.split} step {first.step}"
+    total = len(episodes)
+    if failed and not overflowed:
+        raise StepFailedError(f"{label}: all {total} episodes failed: {_commonest(failed)} (tracebacks in {where})")
+    budget = f"[rollout].max_model_length is {max_model_length}"
+    if not failed and all(e.rollout.turns == 0 for e in overflowed):
+        raise StepFailedError(
+            f"{label}: all {total} episodes overflowed the context before their first action: the prompt of "
+            f"task {first.task_id} is {prompt_tokens(first)} tokens, {budget}"
+        )
+    if not failed:
+        raise StepFailedError(f"{label}: all {total} episodes overflowed the context ({budget})")
+    raise StepFailedError(
+        f"{label}: no episode to learn from: {len(failed)} of {total} failed ({_commonest(failed)}; tracebacks "
+        f"in {where}), the other {len(overflowed)} overflowed the context ({budget})"
+    )
+
+
+def discard_episodes(folder: RunFolder, step: int, split: str) -> None:
+    """Take the step's episodes out of the run (renamed to a temporary, then removed), so
+    a resume plays them again: episodes the rollout itself failed teach nothing."""
+    output = folder.stage_output(step, "episodes", split)
+    if output is None:
+        return
+    doomed = temporary_path(output)
+    os.rename(output, doomed)  # atomic: a crash leaves a temporary, which a resume discards
+    if doomed.is_dir():
+        shutil.rmtree(doomed)
+    else:
+        doomed.unlink()
+
+
+def _commonest(errors: Sequence[str]) -> str:
+    counted = Counter(errors).most_common()
+    error, count = counted[0]
+    others = len(errors) - count
+    return error if not others else f"{error} ({count} of them; the other {others}: {len(counted) - 1} other errors)"
+
+
+# ---------------------------------------------------------------- the step line
+
+
+def step_summary(metrics: Mapping[str, float | None]) -> str:
+    """``reward 0.412 pass 25% failed 0/8 overflows 1/8`` from a step's ``metrics.json``."""
+    count = int(metrics.get("episodes/count") or 0)
+
+    def share(key: str) -> int:
+        return round((metrics.get(key) or 0.0) * count)
+
+    reward, passed = metrics.get("reward/mean"), metrics.get("reward/pass_rate")
+    shown_reward = "n/a" if reward is None else f"{reward:.3f}"
+    shown_pass = "n/a" if passed is None else f"{passed:.0%}"
+    return (
+        f"reward {shown_reward} pass {shown_pass} errors {share('episodes/failed_ratio')}/{count} "
+        f"overflows {share('episodes/context_overflow_ratio')}/{count}"
+    )

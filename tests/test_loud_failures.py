@@ -1,0 +1,106 @@
+"""Broken environments fail the run loudly (issue 22): a step whose every episode errored or
+overflowed names the cause, tracebacks are kept in the run folder, each step line says how
+the step went. One-step tiny runs (2 tasks x 2 episodes, 16 tokens) under Prefect's harness."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+import broken_env
+from rollflow.flows.train import train_flow
+from rollflow.storage.runfolder import RunFolder
+from rollflow.tasks.config import config_to_toml, load_config
+from rollflow.tasks.step_health import ERRORS_JSONL, StepFailedError
+from tiny_run import tiny_config_at
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+
+def one_step_config(tmp_path: Path, model_dir: Path, broken: str | None, max_model_length: int = 1024) -> Path:
+    """configs/tiny.toml for one step, no validation, no tracking; ``broken_env`` when ``broken``."""
+    path = tiny_config_at(tmp_path, model_dir)
+    config = load_config(path)
+    env = config.env if broken is None else replace(config.env, name="broken_env:load_environment",
+                                                    kwargs={"broken": broken})
+    config = replace(
+        config,
+        env=env,
+        rollout=replace(config.rollout, max_model_length=max_model_length),
+        train=replace(config.train, num_steps=1),
+        validation=replace(config.validation, validation_interval=0),
+        tracking=replace(config.tracking, enabled=False),
+    )
+    path.write_text(config_to_toml(config))
+    return path
+
+
+def kept_errors(run_dir: Path) -> list[dict]:
+    lines = (RunFolder(run_dir).step_dir(0) / ERRORS_JSONL).read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_a_scorer_that_always_raises_fails_the_run_naming_it(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = one_step_config(tmp_path, tiny_model_dir, broken="score")
+    errors_file = RunFolder(tmp_path / "run").step_dir(0) / ERRORS_JSONL
+    with pytest.raises(StepFailedError) as failed:
+        train_flow(config_path=str(config), run_dir=str(tmp_path / "run"))
+    message = str(failed.value)
+    assert message.startswith("step 0: all 4 episodes failed: ValueError: the scorer is broken (in score_episode)")
+    assert f"tracebacks in {errors_file}" in message
+    kept = kept_errors(tmp_path / "run")
+    assert sorted(e["episode_id"] for e in kept) == ["train/0/0/0", "train/0/0/1", "train/0/1/0", "train/0/1/1"]
+    assert {e["stage"] for e in kept} == {"scoring"}
+    assert all('raise ValueError("the scorer is broken")' in e["traceback"] for e in kept)
+    folder = RunFolder(tmp_path / "run")
+    assert not folder.is_complete(0, "scores") and folder.is_complete(0, "episodes")  # a resume scores again
+    monkeypatch.setattr(broken_env, "REPAIRED", {"score"})
+    train_flow(run_dir=str(tmp_path / "run"))
+    assert folder.completed_steps() == [0] and kept_errors(tmp_path / "run") == []
+
+
+def test_a_step_that_always_raises_fails_the_run_and_a_resume_after_the_fix_replays_it(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = one_step_config(tmp_path, tiny_model_dir, broken="step")
+    run_dir = tmp_path / "run"
+    with pytest.raises(StepFailedError, match=r"^step 0: all 4 episodes failed: KeyError: 'the step is broken' "
+                       r"\(in step_episode\) \(tracebacks in .*errors\.jsonl\); its episodes were discarded"):
+        train_flow(config_path=str(config), run_dir=str(run_dir))
+    kept = kept_errors(run_dir)
+    assert len(kept) == 4 and {e["stage"] for e in kept} == {"rollout"}
+    assert all('raise KeyError("the step is broken")' in e["traceback"] for e in kept)
+    assert all(e["task_id"].startswith("say-") for e in kept)
+    assert not RunFolder(run_dir).is_complete(0, "episodes")
+
+    monkeypatch.setattr(broken_env, "REPAIRED", {"step"})
+    train_flow(run_dir=str(run_dir))
+    assert RunFolder(run_dir).completed_steps() == [0]
+    assert kept_errors(run_dir) == []  # the replayed episodes replaced the failed attempt's lines
+
+
+def test_a_prompt_longer_than_the_context_fails_the_run_with_its_length(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    config = one_step_config(tmp_path, tiny_model_dir, broken="long_prompt", max_model_length=100)
+    with pytest.raises(StepFailedError, match=r"^step 0: all 4 episodes overflowed the context before their "
+                       r"first action: the prompt of task say-\d is \d{3} tokens, \[rollout\]\.max_model_length is 100"):
+        train_flow(config_path=str(config), run_dir=str(tmp_path / "run"))
+
+
+def test_each_step_line_says_reward_pass_rate_errors_and_overflows(
+    tiny_model_dir: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    config = one_step_config(tmp_path, tiny_model_dir, broken=None)
+    train_flow(config_path=str(config), run_dir=str(tmp_path / "run"))
+    lines = [line for line in capfd.readouterr().err.splitlines() if "step 1/1 done" in line]
+    assert len(lines) == 1, lines
+    metrics = json.loads((RunFolder(tmp_path / "run").step_dir(0) / "metrics.json").read_text())
+    assert f"reward {metrics['reward/mean']:.3f}" in lines[0]
+    assert f"pass {metrics['reward/pass_rate']:.0%}" in lines[0]
+    assert "errors 0/4" in lines[0] and "overflows 0/4" in lines[0]
