@@ -27,8 +27,14 @@ gate numbers as tags, so a rejected one can still be promoted by hand.
 is one (SFT is then skipped: the champion already knows the task); else from the SFT
 policy when ``[pipeline].sft``; else from ``[model]``.
 
+**The champion's base**: a champion that is a LoRA adapter is evaluated (and trained
+from) on tonight's ``[model]``, so it must be the base the adapter was made for: its
+``rollflow.base_model`` tag (else its ``adapter_config.json``) is compared with
+``[model]`` before anything runs, and a mismatch is refused naming both bases.
+
 **One training at a time**: the whole chain holds the machine's training slot
-(``rollflow.flows.concurrency``).
+(``rollflow.flows.concurrency``), and the pipeline folder's lock (``rollflow.flows.runs``):
+a second process on the same folder is refused at once.
 
 Simplified, and why: the champion is re-evaluated every night rather than trusting its
 old numbers, since the validation tasks, the seed or the code may have changed; the
@@ -46,7 +52,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rollflow.flows.concurrency import one_training_at_a_time
-from rollflow.flows.runs import RunSetupError, freeze_config
+from rollflow.flows.runs import RunSetupError, freeze_config, run_folder_lock
 from rollflow.storage.registry import PolicyRegistry, PolicyVersion
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.runs import mark_run_kind
@@ -55,6 +61,7 @@ from rollflow.tasks.gate import GATE_FILE, GateDecision, GateSettings, gate_stag
 
 PIPELINE_FILE = "pipeline.json"
 GRPO_CONFIG = "grpo.toml"
+BUNDLED_BASE = "bundled SmolLM2-135M-Instruct"
 
 
 @dataclass(frozen=True)
@@ -157,10 +164,44 @@ def register(model_name: str, tracking_uri: str | None, policy: Path, root: Path
 
 
 def _base_model(config: RunConfig) -> str:
+    """``[model]``'s base as the ``rollflow.base_model`` tag records it: an absolute path."""
     model = config.model
-    if model.path is None:
-        return "bundled SmolLM2-135M-Instruct"
-    return str(Path(model.path) / model.gguf_file) if model.gguf_file else model.path
+    if model.path is None and model.gguf_file is None:
+        return BUNDLED_BASE
+    where = Path(model.path or "") / model.gguf_file if model.gguf_file else Path(str(model.path))
+    return str(where.resolve())
+
+
+def check_champion_base(champion: PolicyVersion | None, config: RunConfig) -> None:
+    """Refuse a champion adapter made for another base than ``config``'s ``[model]``.
+
+    Its base is its ``rollflow.base_model`` tag, else its ``adapter_config.json``'s
+    ``base_model_name_or_path``; a full-weight champion is its own base (nothing to check).
+    """
+    if champion is None or not champion.is_adapter:
+        return
+    if champion.base_model is not None:
+        theirs, ours, recorded = champion.base_model, _base_model(config), "its rollflow.base_model tag"
+    else:
+        adapter_config = champion.source / "adapter_config.json"
+        if not adapter_config.is_file():
+            return  # nothing says which base: evaluating it will load it or fail loudly
+        from rollflow.flows.export import base_model_folder
+
+        theirs = str(json.loads(adapter_config.read_text()).get("base_model_name_or_path"))
+        ours, recorded = str(base_model_folder(config)), str(adapter_config)
+    if theirs == BUNDLED_BASE or ours == BUNDLED_BASE:
+        same = theirs == ours
+    else:
+        same = Path(theirs).resolve() == Path(ours).resolve()
+    if not same:
+        raise RunSetupError(
+            f"the champion of {champion.name!r} (version {champion.version}, {champion.source}) is a LoRA "
+            f"adapter for the base {theirs} ({recorded}), but tonight's [model] base is {ours}: its "
+            f"evaluation (the gate's baseline) and any training from it would run on a base it was not "
+            f"trained for. Set [model].path (or gguf_file) to {theirs}, promote a version trained on "
+            f"{ours} (rollflow registry promote VERSION), or use another [pipeline].model_name"
+        )
 
 
 def _mlflow_run_id(run_dir: Path) -> str | None:
@@ -179,13 +220,15 @@ def pipeline_flow(config_path: str | None = None, run_dir: str | None = None) ->
     config = load_config(config_path if config_path is not None else Path(str(run_dir)) / "config.toml")
     check_pipeline_config(config)
     root = pipeline_root(config, run_dir)
-    freeze_config(RunFolder(root), config)
-    mark_run_kind(root, "pipeline")
     log = get_run_logger()
-    log.info("pipeline folder %s", root)
     settings = config.pipeline
     registry = PolicyRegistry(settings.model_name, config.tracking.tracking_uri)
-    with one_training_at_a_time(f"pipeline {root.name}"):
+    if not (root / GATE_FILE).is_file():  # the champion is still to be evaluated (and maybe trained)
+        check_champion_base(registry.champion(), config)
+    with run_folder_lock(root), one_training_at_a_time(f"pipeline {root.name}"):
+        freeze_config(RunFolder(root), config)
+        mark_run_kind(root, "pipeline")
+        log.info("pipeline folder %s", root)
         champion = registry.champion()
         from_champion = champion is not None and settings.start_from_champion
         sft_policy = None
@@ -197,7 +240,9 @@ def pipeline_flow(config_path: str | None = None, run_dir: str | None = None) ->
         if not (root / GATE_FILE).is_file():
             candidate = [_validation_scores(grpo_dir, grpo.train.num_steps)]
             baseline = _baseline_passes(registry.champion(), grpo_dir, grpo_config, root)
-            gate(candidate, baseline, GateSettings(settings.gate_column, settings.gate_z, settings.gate_min_gain), root)
+            gate_settings = GateSettings(column=settings.gate_column, alpha=settings.gate_alpha,
+                                         min_discordant=settings.gate_min_discordant, min_gain=settings.gate_min_gain)
+            gate(candidate, baseline, gate_settings, root)
         decision = read_decision(root / GATE_FILE)
         log.info("gate: %s", decision.summary())
         policy = export_final_policy(grpo_dir, root / "policy")
@@ -213,6 +258,7 @@ def _baseline_passes(champion: PolicyVersion | None, grpo_dir: Path, grpo_config
 
     if champion is None:
         return [_validation_scores(grpo_dir, 0)]
+    check_champion_base(champion, load_config(grpo_config))  # it may have moved since the night began
     evaluated = eval_flow(config_path=str(grpo_config), run_dir=str(root / "eval-champion"), **_eval_policy(champion))
     return [_validation_scores(Path(evaluated), 0)]
 

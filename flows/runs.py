@@ -7,12 +7,29 @@ way, whatever a killed process left half-written is discarded before any stage r
 Giving a config again for an existing folder is allowed when it means the same run: the
 two are compared as parsed configs, not as text, so a setting that rollflow added since
 the folder was made (frozen copies lack it; it takes its default) is no mismatch.
+
+**One process at a time per run folder.** ``open_run`` takes an ``flock`` on ``run.lock``
+in the folder, before it discards anything or freezes a config, and holds it until the
+handle is closed (``train_flow`` closes it as it returns) or the process ends. A second
+process on the same folder (``rollflow train --run-dir``, ``resume``, the pipeline) is
+refused at once with ``RunFolderBusyError``, naming the holder's PID (written into the
+file); it never waits, since a run beside itself would write every stage twice. The lock
+is the kernel's, so it goes with its process however that ends, SIGKILL and OOM included:
+a stale ``run.lock`` is just a file, and the next run takes it. Within one process it is
+reentrant (the CLI opens the run before Prefect starts, then the flow opens it again):
+nested holders count, and the last one out releases it. Simplified: only processes that
+share the folder's filesystem see each other (two machines on one NFS folder may not).
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,8 +47,18 @@ from rollflow.tasks.metrics import METRICS_JSON  # written last in a step: the s
 from rollflow.tasks.policy_io import check_training_backend
 
 
+LOCK_FILE = "run.lock"
+
+_lock_guard = threading.Lock()
+_held_locks: dict[Path, tuple[int, int]] = {}  # resolved run folder -> (open fd, nested holders)
+
+
 class RunSetupError(ValueError):
     """The run cannot start: no config, no such run folder, an unsupported setting."""
+
+
+class RunFolderBusyError(RunSetupError):
+    """Another process runs this folder; the message names its PID."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +75,10 @@ class RunHandle:
 
     def report(self, message: str) -> None:
         print(f"[{self.folder.run_id}] {message}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """Let go of the run folder's lock (taken by ``open_run``)."""
+        release_run_folder(self.root)
 
 
 def new_run_dir(config: RunConfig, config_path: Path) -> Path:
@@ -68,18 +99,76 @@ def open_run(config_path: str | Path | None, run_dir: str | Path | None) -> RunH
         config = load_config(config_path)
         root = Path(run_dir) if run_dir is not None else new_run_dir(config, Path(config_path))
         folder = RunFolder(root)
-        freeze_config(folder, config)
+        acquire_run_folder(root)
     else:
         folder = RunFolder(Path(str(run_dir)))
         if not folder.config_path.exists():
             raise RunSetupError(f"{folder.root}: not a run folder (no config.toml to resume from)")
-        config = load_config(folder.config_path)
-    check_supported(config)
+        acquire_run_folder(folder.root)
+    try:
+        if config_path is not None:
+            freeze_config(folder, config)
+        else:
+            config = load_config(folder.config_path, frozen=True)
+        check_supported(config)
+    except BaseException:
+        release_run_folder(folder.root)
+        raise
     handle = RunHandle(config=config, folder=folder)
     discarded = folder.discard_temporaries()
     if discarded:
         handle.report(f"discarded {len(discarded)} half-written file(s) from an interrupted run")
     return handle
+
+
+@contextmanager
+def run_folder_lock(root: Path) -> Iterator[None]:
+    """Hold ``root``'s lock for the body (creating ``root``); see the module docstring."""
+    acquire_run_folder(root)
+    try:
+        yield
+    finally:
+        release_run_folder(root)
+
+
+def acquire_run_folder(root: Path) -> None:
+    """Take ``root``'s lock for this process, or count one more holder; refuse at once if
+    another process holds it."""
+    key = Path(root).resolve()
+    with _lock_guard:
+        if key in _held_locks:
+            fd, count = _held_locks[key]
+            _held_locks[key] = (fd, count + 1)
+            return
+        key.mkdir(parents=True, exist_ok=True)
+        fd = os.open(key / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunFolderBusyError(
+                f"{key} is in use by another rollflow process (PID {holder}, see {key / LOCK_FILE}): "
+                f"two processes on one run folder would write every stage twice; wait for it to end "
+                f"or stop it (kill {holder}), then resume"
+            ) from None
+        pid = f"{os.getpid()}\n".encode()
+        if os.pread(fd, 32, 0) != pid:  # this process's own PID already: no rewrite, no new mtime
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, pid, 0)
+        _held_locks[key] = (fd, 1)
+
+
+def release_run_folder(root: Path) -> None:
+    """Drop one holder; the last one closes the file, which releases the lock."""
+    key = Path(root).resolve()
+    with _lock_guard:
+        fd, count = _held_locks[key]
+        if count > 1:
+            _held_locks[key] = (fd, count - 1)
+            return
+        del _held_locks[key]
+        os.close(fd)
 
 
 def freeze_config(folder: RunFolder, config: RunConfig) -> None:
@@ -91,7 +180,7 @@ def freeze_config(folder: RunFolder, config: RunConfig) -> None:
         folder.write_config(config_to_toml(config))
         return
     try:
-        frozen = load_config(folder.config_path)
+        frozen = load_config(folder.config_path, frozen=True)
     except ConfigError as exc:
         raise ConfigMismatchError(
             f"{folder.config_path}: the run's frozen config does not read with this rollflow "
@@ -132,12 +221,8 @@ def check_async(config: RunConfig) -> None:
             "([train].use_lora = false): in-flight generation switches to the new weights, "
             "which a LoRA run keeps per version instead; use 'background_publish' with LoRA"
         )
-    if rollout.weight_sync_type != "synchronous" and config.train.keep_checkpoints < 2:
-        raise ConfigError(
-            f"[rollout].weight_sync_type = {rollout.weight_sync_type!r} publishes a checkpoint while "
-            "the next step trains, and that step's pruning would delete it with "
-            f"[train].keep_checkpoints = {config.train.keep_checkpoints}: keep at least 2"
-        )
+    # Any keep_checkpoints works: pruning spares what the run still reads (a publication in
+    # flight, adapters in use, the resume's checkpoint): tasks/checkpoints.py's checkpoints_to_keep.
     if rollout.backend != "vllm":
         raise ConfigError(
             "[rollout].max_steps_off_policy (async collection) needs [rollout].backend = 'vllm': "

@@ -8,11 +8,15 @@ not wanted):
   file, the bundled model, optionally a peft adapter on it), one forward pass per sequence
   under ``log_softmax(logits / temperature)``: the trainer's convention, so the teacher's
   and the student's logprobs describe the same tempered distributions.
-- ``ServerTeacher``: a vLLM server, ``POST /v1/completions`` with the token ids as
-  ``prompt``, ``max_tokens = 1`` and ``prompt_logprobs = 0``; vLLM answers each prompt
-  token's logprob given its prefix (the first is ``null``), keyed by the token id. Those
-  are the raw model's logprobs (temperature 1), so ``check_server_temperature`` refuses a
-  run sampling at another temperature rather than compare unlike distributions.
+- ``ServerTeacher``: a vLLM server, ``POST /v1/completions`` with all but the last token
+  id as ``prompt``, ``max_tokens = 1`` and ``prompt_logprobs = 0``; vLLM answers each
+  prompt token's logprob given its prefix (the first is ``null``), keyed by the token id,
+  and ``logprob_token_ids = [last]`` gives the last token's at the generated position. So
+  a sample as long as the server's ``max_model_len`` fits (prompt + 1 generated token); a
+  longer one is refused naming that limit (read once from ``GET /v1/models``). Those are
+  the raw model's logprobs (temperature 1, no top-p or top-k), so
+  ``check_server_temperature`` refuses a run sampling at another temperature rather than
+  compare unlike distributions.
 
 A token-level signal needs one vocabulary: ``check_same_tokenizer`` compares the two
 sides' fingerprints (model vocabulary size, tokenizer length, special-token ids, the ids
@@ -22,13 +26,14 @@ of a probe text and of a probe chat rendered with the template) and raises
 
 Simplified: a local teacher scores one sequence per forward pass (no padding, no
 micro-batches: on CPU a step's few dozen samples are seconds next to rollout), and a
-server teacher posts one request per sequence, sequentially, retrying transport errors
-twice.
+server teacher posts one request per sequence, sequentially, retrying transport errors and
+the student's retried statuses (5xx, 408, 429) twice, with a short pause.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -38,6 +43,8 @@ import torch
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from rollflow.policy.models import ModelRef, hf_model_folder, load_causal_lm, load_tokenizer
+from rollflow.policy.openai_backend import server_error_message
+from rollflow.policy.vllm_backend import _RETRIED_STATUS, VLLMPolicyError, _models  # the student's rules
 
 PROBE_TEXT = 'Probe: 12 + 30 = 42; {"name": "lookup", "arguments": {"key": "élan"}}\n'
 PROBE_CHAT = (
@@ -47,6 +54,7 @@ PROBE_CHAT = (
 )
 _SERVER_ATTEMPTS = 3
 _SERVER_TIMEOUT_S = 300.0
+_SERVER_RETRY_DELAY_S = 0.5  # times the attempt number: a restarting server gets a moment
 
 
 class TeacherError(RuntimeError):
@@ -172,16 +180,41 @@ class ServerTeacher:
         self.url = root if root.endswith("/v1") else f"{root}/v1"
         self.api_model = api_model
         self.name = f"{api_model} at {base_url}"
+        self._max_model_len: int | None = None  # from GET /models, on the first sample
 
     def token_logprobs(self, input_ids: Sequence[int], wanted: Sequence[bool]) -> list[float]:
         assert len(input_ids) == len(wanted), f"{len(input_ids)} tokens but {len(wanted)} wanted flags"
+        if len(input_ids) < 2:
+            return [0.0] * len(input_ids)  # token 0 has nothing to predict it
+        self._check_fits(len(input_ids))
+        # The prompt is all but the last token, whose logprob is read at the one generated
+        # position: prompt + 1 token fits a server whose max_model_len is the sample's length.
+        *context, last = input_ids
         body = {
-            "model": self.api_model, "prompt": list(input_ids), "max_tokens": 1,
-            "temperature": 1.0, "prompt_logprobs": 0,
+            "model": self.api_model, "prompt": context, "max_tokens": 1, "temperature": 1.0,
+            "top_p": 1.0, "top_k": -1, "min_p": 0.0, "prompt_logprobs": 0, "logprobs": 0,
+            "logprob_token_ids": [last], "return_tokens_as_token_ids": True,
         }
         answer = self._post("/completions", body)
-        logprobs = parse_prompt_logprobs(answer, input_ids, self.name)
+        logprobs = [*parse_prompt_logprobs(answer, context, self.name), parse_next_logprob(answer, last, self.name)]
         return [lp if w else 0.0 for lp, w in zip(logprobs, wanted, strict=True)]
+
+    def _check_fits(self, length: int) -> None:
+        """Refuse a sequence longer than the server's ``max_model_len`` (asked once)."""
+        if self._max_model_len is None:
+            try:
+                listed = _models(self.url)
+            except VLLMPolicyError as error:
+                raise TeacherError(f"teacher {self.name}: {error}") from error
+            if self.api_model not in listed:
+                raise TeacherError(f"teacher {self.name}: {self.url} does not serve it; it serves {sorted(listed)}")
+            self._max_model_len = listed[self.api_model] or 0  # 0: the server does not say
+        if 0 < self._max_model_len < length:
+            raise TeacherError(
+                f"teacher {self.name}: a sample of {length} tokens does not fit its "
+                f"max_model_len={self._max_model_len}; start the teacher server with "
+                "--max-model-len at least [rollout].max_model_length"
+            )
 
     def fingerprint(self) -> TokenizerFingerprint:
         probe = self._post("/tokenize", {"model": self.api_model, "prompt": PROBE_TEXT, "add_special_tokens": False})
@@ -195,19 +228,21 @@ class ServerTeacher:
     def _post(self, path: str, body: Mapping[str, Any]) -> Any:
         # /tokenize sits at the server root in vLLM, /completions under /v1
         url = self.url.removesuffix("/v1") + path if path == "/tokenize" else self.url + path
-        last: Exception | None = None
-        for _ in range(_SERVER_ATTEMPTS):
+        last = ""
+        for attempt in range(1, _SERVER_ATTEMPTS + 1):
             try:
                 response = httpx.post(url, json=dict(body), timeout=_SERVER_TIMEOUT_S)
             except httpx.TransportError as error:  # transient: retried
-                last = error
-                continue
-            if response.status_code != 200:
-                raise TeacherError(
-                    f"teacher {self.name}: {url} answered HTTP {response.status_code}: {response.text[:300]}"
-                )
-            return response.json()
-        raise TeacherError(f"teacher {self.name}: {url} did not answer: {last}")
+                last = f"{type(error).__name__}: {error}"
+            else:
+                if response.status_code == 200:
+                    return response.json()
+                last = f"HTTP {response.status_code}: {server_error_message(response)}"
+                if response.status_code not in _RETRIED_STATUS:  # a refusal: the same body fails again
+                    raise TeacherError(f"teacher {self.name}: {url} answered {last}")
+            if attempt < _SERVER_ATTEMPTS:
+                time.sleep(_SERVER_RETRY_DELAY_S * attempt)
+        raise TeacherError(f"teacher {self.name}: {url} failed {_SERVER_ATTEMPTS} times; last: {last}")
 
 
 def parse_prompt_logprobs(answer: Any, input_ids: Sequence[int], teacher: str) -> list[float]:
@@ -235,6 +270,23 @@ def parse_prompt_logprobs(answer: Any, input_ids: Sequence[int], teacher: str) -
             raise TeacherError(f"teacher {teacher}: no logprob for prompt token {token} at position {position}")
         out.append(float(found["logprob"]))
     return out
+
+
+def parse_next_logprob(answer: Any, token: int, teacher: str) -> float:
+    """The logprob of ``token`` at a completion's one generated position.
+
+    ``logprob_token_ids = [token]`` makes vLLM put ``token`` in that position's
+    ``top_logprobs``, keyed ``"token_id:<id>"`` (``return_tokens_as_token_ids``), beside
+    whatever token it sampled.
+    """
+    try:
+        top = answer["choices"][0]["logprobs"]["top_logprobs"][0]
+        return float(top[f"token_id:{token}"])
+    except (KeyError, IndexError, TypeError, ValueError) as error:
+        raise TeacherError(
+            f"teacher {teacher}: no logprob for token {token} at the generated position (a vLLM "
+            f"server that knows logprob_token_ids, 0.32 or newer?): {str(answer)[:300]}"
+        ) from error
 
 
 def check_server_temperature(temperature: float, teacher: str) -> None:

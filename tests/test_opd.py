@@ -120,6 +120,63 @@ def test_vllm_prompt_logprobs_are_read_by_token_id_and_position() -> None:
         parse_prompt_logprobs(answer, [10, 11, 13], "t")
 
 
+class _FlakyTokenizeServer:
+    """An HTTP server on localhost whose ``/tokenize`` answers the given statuses in turn,
+    then 200 with tokens: a teacher server restarting, overloaded or refusing."""
+
+    def __init__(self, statuses: list[int]) -> None:
+        import http.server
+        import threading
+
+        self.statuses, self.requests = list(statuses), 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+                self.rfile.read(int(self.headers["Content-Length"]))
+                outer.requests += 1
+                status = outer.statuses.pop(0) if outer.statuses else 200
+                body = json.dumps({"tokens": [1, 2, 3]} if status == 200 else {"error": "busy"}).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize(("statuses", "requests", "error"), [
+    ([503, 502], 4, None),  # a 5xx is retried like the student's requests (then /tokenize twice)
+    ([503, 500, 503], 3, "HTTP 503"),  # three in a row: the last one is named
+    ([400], 1, "HTTP 400"),  # a refusal is final at once
+])
+def test_a_server_teacher_retries_5xx_and_not_4xx(statuses: list[int], requests: int, error: str | None) -> None:
+    from rollflow.policy.teacher import ServerTeacher
+
+    server = _FlakyTokenizeServer(statuses)
+    try:
+        teacher = ServerTeacher(server.base_url, "policy")
+        if error is None:
+            assert teacher.fingerprint().probe_ids == (1, 2, 3)
+        else:
+            with pytest.raises(TeacherError, match=error):
+                teacher.fingerprint()
+    finally:
+        server.close()
+    assert server.requests == requests
+
+
 # ---------------------------------------------------------------- the tokenizer check
 
 
@@ -324,11 +381,23 @@ def test_a_vllm_teachers_prompt_logprobs_equal_the_local_teachers(tmp_path: Path
         tokenize=True, return_dict=False,
     )
     wanted = [t >= len(ids) - 5 for t in range(len(ids))]  # the tail: the "action"
+    # A sample that fills the teacher's context: what flatten keeps when the last action
+    # took the whole remaining budget, scored by a teacher serving the student's length.
+    max_len = 128
+    text = " ".join(f"crate {i} sits in bay {i % 7}." for i in range(200))
+    full = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                         return_dict=False)[:max_len]
+    full_wanted = [t >= max_len - 8 for t in range(max_len)]
     local = LocalTeacher(ModelRef(path=str(tiny_model_dir)), temperature=1.0)
-    with VLLMServer(VLLMServerSpec(str(tiny_model_dir), max_model_len=512, kvcache_space_gib=1)) as server:
+    with VLLMServer(VLLMServerSpec(str(tiny_model_dir), max_model_len=max_len, kvcache_space_gib=1)) as server:
         remote = ServerTeacher(server.base_url, "policy")
         check_same_tokenizer(local.fingerprint(), remote.fingerprint(), local.name, remote.name)
         served = remote.token_logprobs(ids, wanted)
+        served_full = remote.token_logprobs(full, full_wanted)
+        with pytest.raises(TeacherError, match=f"{max_len + 1} tokens.*max_model_len={max_len}"):
+            remote.token_logprobs([*full, full[-1]], [*full_wanted, True])
     mine = local.token_logprobs(ids, wanted)
     assert served == pytest.approx(mine, abs=1e-3)
     assert [v == 0.0 for v in served] == [not w for w in wanted]
+    assert len(full) == max_len and served_full == pytest.approx(local.token_logprobs(full, full_wanted), abs=1e-3)
+    assert served_full[-1] != 0.0  # the last token's logprob comes from the generated position

@@ -50,7 +50,8 @@ def test_every_night_registers_and_only_the_gate_moves_the_champion(
 
     registry = PolicyRegistry("tiny-policy", f"sqlite:///{tmp_path / 'mlflow.db'}")
     night1 = tmp_path / "night1"
-    first = pipeline_flow(config_path=str(pipeline_config(tmp_path, tiny_model_dir, "n1", gate_min_gain=-10.0)),
+    first = pipeline_flow(config_path=str(pipeline_config(tmp_path, tiny_model_dir, "n1", gate_min_gain=-10.0,
+                                                     gate_alpha=1.0, gate_min_discordant=0)),
                           run_dir=str(night1))
     assert first["version"] == 1 and first["promoted"] is True and first["champion"] == 1
     assert not (night1 / "eval-champion").exists()  # no champion yet: gated against GRPO's step 0
@@ -76,6 +77,37 @@ def test_every_night_registers_and_only_the_gate_moves_the_champion(
     assert again == second
     assert files_with_mtimes(night2) == before  # nothing redone, nothing rewritten
     assert [v.version for v in registry.versions()] == [1, 2]
+
+
+@pytest.mark.parametrize("recorded_by", ["registry tag", "adapter config"])
+def test_a_champion_adapter_for_another_base_is_refused_naming_both_bases(
+    recorded_by: str, prefect_harness: object, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The champion is a LoRA adapter trained on another base (tonight's [model] moved): the
+    pipeline refuses before it evaluates or trains anything, and leaves no folder behind."""
+    from peft import LoraConfig, get_peft_model
+
+    from rollflow.flows.pipeline import pipeline_flow
+    from rollflow.policy.models import ModelRef, build_tiny_model, load_causal_lm
+
+    other_base = build_tiny_model(tmp_path / "other-base", seed=1).resolve()
+    model, _ = load_causal_lm(ModelRef(path=str(other_base)))
+    adapter = tmp_path / "champion"
+    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(str(adapter))
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(other_base)
+    tags = {"rollflow.adapter": "true"}
+    if recorded_by == "registry tag":
+        tags["rollflow.base_model"] = str(other_base)
+    registry = PolicyRegistry("tiny-policy", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    registry.promote(registry.register(adapter, tmp_path / "night0", tags=tags).version)
+
+    night = tmp_path / "night1"
+    config = pipeline_config(tmp_path, tiny_model_dir, "n1", start_from_champion=True)
+    with pytest.raises(RunSetupError, match="champion") as raised:
+        pipeline_flow(config_path=str(config), run_dir=str(night))
+    message = str(raised.value)
+    assert str(other_base) in message and str(tiny_model_dir.resolve()) in message, message
+    assert "[model].path" in message and not night.exists()
 
 
 def test_the_pipeline_needs_validation_for_its_gate(prefect_harness: object, tiny_model_dir: Path, tmp_path: Path) -> None:

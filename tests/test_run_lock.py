@@ -1,0 +1,119 @@
+"""One process at a time per run folder (flows/run_lock.py), with real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rollflow.flows.runs import RunSetupError, freeze_config, open_run
+from rollflow.storage.runfolder import RunFolder
+from rollflow.tasks.config import load_config
+
+HOLD = """
+import sys, time
+from rollflow.flows.runs import open_run
+open_run(None, sys.argv[1])
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def rollflow(*args: str, stderr: Path) -> subprocess.Popen[str]:
+    """A real ``rollflow`` command in its own process group (with any Prefect server it starts)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    env.pop("PREFECT_API_URL", None)
+    with stderr.open("w") as log:
+        return subprocess.Popen([sys.executable, "-m", "rollflow.flows.cli", *args], env=env,
+                                stdout=subprocess.DEVNULL, stderr=log, text=True, start_new_session=True)
+
+
+def kill_group(child: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    child.wait(timeout=60)
+
+
+def wait_for(child: subprocess.Popen[str], done: object, what: str, within_s: float = 300) -> None:
+    deadline = time.monotonic() + within_s
+    while not done():  # type: ignore[operator]
+        assert child.poll() is None, f"the first process ended before {what}"
+        assert time.monotonic() < deadline, f"{what} never happened"
+        time.sleep(0.05)
+
+
+def frozen_run(tmp_path: Path, tiny_config_path: Path) -> Path:
+    """A run folder with its config frozen and nothing run yet (no lock taken here)."""
+    root = tmp_path / "run"
+    freeze_config(RunFolder(root), load_config(tiny_config_path))
+    return root
+
+
+def assert_refused_at_once_naming(root: Path, holder: int, tmp_path: Path) -> None:
+    started = time.monotonic()
+    second = rollflow("resume", str(root), stderr=tmp_path / "second.txt")
+    try:
+        second.wait(timeout=60)
+    finally:
+        kill_group(second)
+    seconds = time.monotonic() - started
+    message = (tmp_path / "second.txt").read_text()
+    assert second.returncode != 0 and f"PID {holder}" in message, message[-2000:]
+    assert "Traceback" not in message and seconds < 30, (seconds, message[-2000:])
+
+
+def test_a_second_resume_is_refused_at_once_naming_the_holder_and_sigkill_frees_the_folder(
+    tiny_config_path: Path, tmp_path: Path
+) -> None:
+    root = frozen_run(tmp_path, tiny_config_path)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(root)], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "holding\n"
+        assert (root / "run.lock").read_text().strip() == str(holder.pid)
+        with pytest.raises(RunSetupError, match=f"PID {holder.pid}"):
+            open_run(None, root)
+        assert_refused_at_once_naming(root, holder.pid, tmp_path)  # and `rollflow resume`
+    finally:
+        kill_group(holder)  # SIGKILL: the kernel drops the flock with the process
+    handle = open_run(None, root)
+    assert (root / "run.lock").read_text().strip() == str(os.getpid())
+    handle.close()
+
+
+def test_one_process_may_open_its_run_again(tiny_config_path: Path, tmp_path: Path) -> None:
+    """The CLI opens the run, then its flow opens it again in the same process."""
+    root = frozen_run(tmp_path, tiny_config_path)
+    first, again = open_run(None, root), open_run(None, root)
+    assert first.root == again.root == root
+    again.close()
+    probe = subprocess.run([sys.executable, "-c", HOLD.replace("time.sleep(600)", ""), str(root)],
+                           capture_output=True, text=True)
+    assert probe.returncode != 0 and f"PID {os.getpid()}" in probe.stderr  # the first holder still has it
+    first.close()
+    probe = subprocess.run([sys.executable, "-c", HOLD.replace("time.sleep(600)", ""), str(root)],
+                           capture_output=True, text=True)
+    assert probe.returncode == 0, probe.stderr[-2000:]  # the last one out released it
+
+
+@pytest.mark.slow
+def test_two_rollflow_resumes_of_one_folder_the_second_refused_while_the_first_trains(
+    tiny_config_path: Path, tmp_path: Path
+) -> None:
+    root = frozen_run(tmp_path, tiny_config_path)
+    first = rollflow("resume", str(root), stderr=tmp_path / "first.txt")
+    try:
+        # the flow is running (Prefect started, the flow opened the run again): still held
+        wait_for(first, lambda: (root / "steps" / "step=000000").exists(), "the first step started")
+        assert_refused_at_once_naming(root, first.pid, tmp_path)
+        assert first.poll() is None, (tmp_path / "first.txt").read_text()[-2000:]
+    finally:
+        kill_group(first)
+    open_run(None, root).close()  # the kernel released the SIGKILLed holder's lock
