@@ -26,6 +26,7 @@ from typing import Any
 
 import duckdb
 
+from rollflow.policy.procs import start_watchdog
 from rollflow.policy.stopping import SIGTERM_EXIT_CODE, StopRequested, exit_on_sigterm
 from rollflow.storage.errors import StorageError
 from rollflow.storage.query import describe_views, open_run_sql, run_query
@@ -210,7 +211,12 @@ register(Command("runs", "list runs with their status and last finished step", _
 # Subcommands kept in their own modules; each registers itself when imported.
 COMMAND_MODULES = (
     "rollflow.flows.cli_train", "rollflow.flows.cli_eval", "rollflow.flows.cli_serve", "rollflow.flows.cli_pipeline",
+    "rollflow.flows.cli_rescore",
 )
+
+
+# Commands that start servers (vLLM, Prefect's): a watchdog ends them if the run is killed.
+WATCHED_COMMANDS = frozenset({"train", "resume", "pipeline", "eval", "sft"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -232,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    if args.command in WATCHED_COMMANDS:
+        start_watchdog()  # SIGKILL or OOM skips atexit: it stops what the run started (policy/procs.py)
     try:
         return COMMANDS[args.command].run(args)
     except (UserError, StorageError) as exc:

@@ -50,13 +50,16 @@ from typing import Any
 
 import duckdb
 
+from rollflow.storage.derived import DERIVED_KINDS
 from rollflow.storage.errors import NoDataError, StorageError
 from rollflow.storage.views import (
     VIEW_KINDS,
     admission_files,
     collect_files,
     create_admissions_view,
+    create_derived_view,
     create_view,
+    derived_view_files,
     resolve_run_folders,
 )
 
@@ -166,6 +169,8 @@ TEACHER_METRIC_KEYS = {"teacher_kl": "opd/teacher_kl"}
 _READ_ONLY_HINT = "only SELECT, WITH, FROM, VALUES, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN"
 # EXPLAIN [ANALYZE] [(options)]: ANALYZE runs the statement it explains, so that is checked too
 _EXPLAIN_PREFIX = re.compile(r"^\s*explain\b(\s+analy[sz]e\b)?(\s*\([^)]*\))?", re.IGNORECASE)
+# the first keyword after any blanks and comments; FORCE INSTALL counts as one
+_LEADING_KEYWORD = re.compile(r"(?:\s+|--[^\n]*(?:\n|$)|/\*.*?\*/)*(force\s+install\b|[a-z]+)", re.IGNORECASE | re.DOTALL)
 
 
 class ReadOnlyQueryError(StorageError):
@@ -189,6 +194,10 @@ def open_run_sql(run_dirs: Sequence[Path | str] | Path | str) -> duckdb.DuckDBPy
     admissions = admission_files(folders)
     create_admissions_view(con, admissions)
     allowed.extend(str(p) for _, paths in admissions for p in paths)
+    for view in DERIVED_KINDS:
+        derived = derived_view_files(folders, view)
+        create_derived_view(con, view, derived)
+        allowed.extend(str(p) for _, paths in derived for p in paths)
     con.execute("SET allowed_paths = $paths", {"paths": allowed})
     con.execute("SET autoinstall_known_extensions = false")
     con.execute("SET autoload_known_extensions = false")
@@ -216,8 +225,24 @@ def run_query(con: duckdb.DuckDBPyConnection, sql: str) -> tuple[list[str], list
         raise QueryError(str(exc)) from exc
 
 
+def _statement_name(statement: duckdb.Statement) -> str:
+    """The statement's leading keyword as written (``INSTALL``, ``PRAGMA``, ``CHECKPOINT``):
+    DuckDB's types lump some together (INSTALL is a LOAD, PRAGMA a SET, CHECKPOINT a CALL)."""
+    found = _LEADING_KEYWORD.match(statement.query)
+    word = " ".join(found.group(1).upper().split()) if found else "WITH"
+    if word != "WITH":
+        return word
+    try:
+        return statement.type.name
+    except ValueError:  # a type the duckdb module has no name for
+        return "this"
+
+
 def _refuse_writes(statement: duckdb.Statement) -> None:
-    kind = statement.type
+    try:
+        kind = statement.type
+    except ValueError:  # a type the duckdb module has no name for: not a query either
+        kind = None
     if kind == duckdb.StatementType.EXPLAIN:
         inner = _EXPLAIN_PREFIX.sub("", statement.query, count=1)
         try:
@@ -229,7 +254,7 @@ def _refuse_writes(statement: duckdb.Statement) -> None:
         raise ReadOnlyQueryError(f"refused: EXPLAIN of anything but a query ({_READ_ONLY_HINT})")
     if kind != duckdb.StatementType.SELECT:
         raise ReadOnlyQueryError(
-            f"refused: {kind.name} statements change data or the session, and run SQL is "
+            f"refused: {_statement_name(statement)} statements change data or the session, and run SQL is "
             f"read-only ({_READ_ONLY_HINT})"
         )
 

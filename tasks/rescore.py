@@ -40,6 +40,7 @@ from rollflow.storage.derived import RESCORE_SCHEMA, DerivedOutput
 from rollflow.storage.query import QueryError, open_run_sql, run_query
 from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import SPLIT_DIRS, RunFolder
+from rollflow.storage.runlock import run_folder_lock
 from rollflow.storage.runs import looks_like_run
 from rollflow.storage.schemas import score_records_to_table, table_to_episode_records
 from rollflow.tasks.config import RunConfig, load_config
@@ -147,6 +148,11 @@ ChunkTable = Callable[[str, int, Sequence[EpisodeRecord]], pa.Table]
 
 def write_chunks(run: StoredRun, output: DerivedOutput, make_table: ChunkTable) -> DerivedSummary:
     """``make_table(split, step, episodes)`` for each chunk not yet written, then seal."""
+    with run_folder_lock(output.root):  # two rescores of one name would write each chunk twice
+        return _write_missing_chunks(run, output, make_table)
+
+
+def _write_missing_chunks(run: StoredRun, output: DerivedOutput, make_table: ChunkTable) -> DerivedSummary:
     written = skipped = rows = 0
     for split, step in run.chunks():
         if output.chunk_path(split, step).exists():

@@ -22,6 +22,7 @@ from rescore_env import make_changeable_run
 import rollflow.tasks.rescore as rescore_module
 from rollflow.flows.cli import main
 from rollflow.storage.derived import DerivedNameError
+from rollflow.storage.runlock import RunFolderBusyError
 from rollflow.storage.query import open_run_sql, run_query
 from rollflow.tasks.replay import replay_run
 from rollflow.tasks.rescore import RescoreError, rescore_run
@@ -160,6 +161,26 @@ def test_a_rescore_process_killed_mid_way_resumes_without_doubles(run_dir: Path)
     assert summary.chunks_skipped >= 1 and summary.chunks_skipped + summary.chunks_written == 3
     counts = query(run_dir, "SELECT count(*), count(DISTINCT episode_id) FROM rescores")
     assert counts == query(run_dir, "SELECT count(*), count(*) FROM episodes")
+
+
+def test_a_second_rescore_of_one_name_is_refused_while_the_first_runs(run_dir: Path) -> None:
+    kwargs = {**SAME, "threshold": 0.9, "score_delay_s": 1.0}
+    command = [sys.executable, "-m", "rollflow.flows.cli", "rescore", str(run_dir), "--env", ENV,
+               "--kwargs", json.dumps(kwargs), "--name", "busy"]  # fmt: skip
+    first = run_dir / "rescores" / "busy" / "train" / "step=000000.parquet"
+    child = subprocess.Popen(command, cwd=Path(__file__).parent, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not first.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert child.poll() is None, "the first rescore ended before it could be raced"
+        with pytest.raises(RunFolderBusyError, match=f"PID {child.pid}"):
+            rescore_run(run_dir, ENV, kwargs, name="busy")
+    finally:
+        child.kill()
+        child.communicate()
+    summary = rescore_run(run_dir, ENV, kwargs, name="busy")  # the kernel freed the lock with the process
+    assert summary.chunks_skipped >= 1
 
 
 def test_the_runs_own_files_are_byte_identical_after_a_rescore_and_a_replay(run_dir: Path) -> None:

@@ -1,4 +1,4 @@
-"""One process at a time per run folder (flows/run_lock.py), with real processes."""
+"""One process at a time per run folder (storage/runlock.py), with real processes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rollflow.flows.runs import RunSetupError, freeze_config, open_run
+from rollflow.flows.runs import RunFolderBusyError, freeze_config, open_run
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.config import load_config
 
@@ -78,7 +78,7 @@ def test_a_second_resume_is_refused_at_once_naming_the_holder_and_sigkill_frees_
     try:
         assert holder.stdout is not None and holder.stdout.readline() == "holding\n"
         assert (root / "run.lock").read_text().strip() == str(holder.pid)
-        with pytest.raises(RunSetupError, match=f"PID {holder.pid}"):
+        with pytest.raises(RunFolderBusyError, match=f"PID {holder.pid}"):
             open_run(None, root)
         assert_refused_at_once_naming(root, holder.pid, tmp_path)  # and `rollflow resume`
     finally:
