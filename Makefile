@@ -61,7 +61,8 @@ quick: setup .rollflow/tiny-model/config.json
 	mkdir -p $(PREFECT_HOME)
 	$(BIN)/rollflow train configs/tiny.toml
 
-.rollflow/tiny-model/config.json: | $(STAMP)
+# Rebuilt when policy/models.py changes: the folder is always what build_tiny_model writes now.
+.rollflow/tiny-model/config.json: policy/models.py | $(STAMP)
 	$(BIN)/python -c "from pathlib import Path; from rollflow.policy.models import build_tiny_model; build_tiny_model(Path('.rollflow/tiny-model'))"
 
 test: setup vllm-setup browser

@@ -177,13 +177,17 @@ def build_tiny_model(
     *,
     num_layers: int = 2,
     hidden_size: int = 64,
-    num_heads: int = 4,
+    num_heads: int = 2,
     intermediate_size: int = 128,
     max_position_embeddings: int = 4096,
     seed: int = 0,
     tokenizer_ref: ModelRef | None = None,
 ) -> Path:
     """Write a random-init Llama with a real tokenizer and chat template to ``dest``.
+
+    The default is 2 heads of 32: vLLM's CPU attention has no kernel for a head size of
+    16 (``rollflow.policy.vllm_cpu``), and the tiny model is what ``configs/tiny.toml``
+    serves with ``backend = "vllm"`` too.
 
     The tokenizer is the bundled SmolLM2 one unless ``tokenizer_ref`` names another, so
     the tiny model reads and writes the same tokens as the default policy. The weights

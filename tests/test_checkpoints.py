@@ -1,0 +1,40 @@
+"""Full-weight checkpoints as vLLM and transformers read them (tasks/checkpoints.py)."""
+
+from __future__ import annotations
+
+import json
+from functools import partialmethod
+from pathlib import Path
+
+import pytest
+import torch
+from test_vllm_server import _vllm_loads
+
+from rollflow.policy.models import ModelRef, load_causal_lm
+from rollflow.policy.vllm_server import DEFAULT_PYTHON, LM_HEAD_SHARD
+from rollflow.storage.records import TrainResult
+from rollflow.storage.runfolder import RunFolder
+from rollflow.tasks.checkpoints import save_checkpoint
+
+
+@pytest.mark.skipif(not DEFAULT_PYTHON.is_file(), reason="needs the vLLM Python (make vllm-setup)")
+def test_a_sharded_full_weight_checkpoint_of_a_tied_model_indexes_its_lm_head_shard(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """B9: save_checkpoint's lm_head shard was outside the index, so vLLM's loader dropped it
+    (a checkpoint shards above transformers' max_shard_size; 4 MB here, 50 GB by default)."""
+    model, tokenizer = load_causal_lm(ModelRef(path=str(tiny_model_dir)))
+    monkeypatch.setattr(type(model), "save_pretrained", partialmethod(type(model).save_pretrained, max_shard_size="4MB"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    result = TrainResult(
+        run_id="r", step=0, policy_version=1, loss=0.0, kl=None, clip_fraction=0.0, grad_norm=0.0,
+        num_samples=1, num_tokens=1, num_action_tokens=1, learning_rate=1e-3, tokens_per_s=1.0,
+    )  # fmt: skip
+    checkpoint = save_checkpoint(RunFolder(tmp_path / "run"), model, tokenizer, optimizer, result, use_lora=False)
+    index = json.loads((checkpoint.path / "model.safetensors.index.json").read_text())
+    assert len(list(checkpoint.path.glob("model-*.safetensors"))) > 1, "the checkpoint was not sharded"
+    assert index["weight_map"]["lm_head.weight"] == LM_HEAD_SHARD
+    assert LM_HEAD_SHARD in _vllm_loads(checkpoint.path)
+    reloaded, _ = load_causal_lm(ModelRef(path=str(checkpoint.path)))  # transformers reads it too
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[name], tensor), name
