@@ -18,6 +18,10 @@ shared server): that is where several flows can meet. A run on Prefect's tempora
 server (plain ``rollflow train`` on a laptop) takes no slot: its server dies with it, and
 with it the background service that frees a crashed holder's lease, so a slot taken there
 could block the next run of that ``PREFECT_HOME`` for good.
+
+Every heavy flow passes here, whatever started it (the CLI, a deployment's worker,
+Python), so this is also where the process's watchdog starts (``rollflow.policy.procs``):
+if the process is killed, the servers its flow started are ended with it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from rollflow.policy.procs import start_watchdog
 
 TRAINING_LIMIT = "rollflow-training"
 LEASE_S = 60.0
@@ -55,6 +61,7 @@ def server_configured() -> bool:
 def one_training_at_a_time(what: str) -> Iterator[None]:
     """Hold the machine's training slot for the body (at once if this thread holds it;
     a no-op without a configured Prefect server)."""
+    start_watchdog()  # once per process
     if not server_configured():
         yield
         return

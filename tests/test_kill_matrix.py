@@ -1,0 +1,331 @@
+"""The kill matrix: a real `rollflow train` on vLLM, SIGKILLed at each kill point, leaves no
+process behind, and its resume trains the same episodes as an uninterrupted run.
+
+For lockstep and async collection, one run each on the tiny vLLM model of
+tests/tiny_run.py (LoRA, 2 steps of 2 groups of 2 episodes) is killed at one point,
+checked, resumed, killed at the next point, and so on; the last resume finishes it:
+- ``rollout``: some of the step's episodes are on disk, not all (seen from outside);
+- ``train``: the step's samples are written and its checkpoint is not (seen from outside);
+- ``checkpoint_write``, ``weight_publish``: the run stops itself there
+  (``$ROLLFLOW_FAULT_POINT``, ``rollflow.policy.procs.fault_point``);
+- the generator server SIGKILLed while requests are in flight (the run restarts it in
+  lockstep; an async run fails, and is resumed).
+Each kill is a SIGKILL of the run's own pid only, as the OOM killer does, with the process
+stopped (SIGSTOP) first so that the snapshot of its descendants taken just before the kill
+is exact. After it, every process of the run ever seen (by pid and start time) and every
+member of their process groups must be gone within seconds: the run's watchdog
+(``rollflow.policy.procs``) is what ends them.
+
+"The same episodes as an uninterrupted run": each step holds its groups' episodes exactly
+once (counted in the ``episodes`` view), each group plays the task of its data position
+(the seeded draw an uninterrupted run makes), no episode carries an error, and async
+trains every collected group at most once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from rollflow.policy.procs import FAULT_POINT_ENV, Proc, descendants, is_alive, process_table, read_proc
+from rollflow.storage.async_groups import finished_groups, read_admission
+from rollflow.storage.query import open_run_sql, run_query
+from rollflow.storage.runfolder import RunFolder
+from rollflow.tasks.config import RunConfig, config_to_toml
+from rollflow.tasks.metrics import recorded_stage_seconds
+from tiny_run import build_vllm_tiny_model
+
+TESTS = Path(__file__).parent
+STEPS, GROUPS, GROUP_SIZE = 2, 2, 2
+LEFTOVER_WAIT_S = 20.0  # the watchdog's SIGTERM grace, its SIGKILL, and the reaping
+RUN_TIMEOUT_S = 300.0
+
+
+@pytest.fixture(scope="module")
+def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_vllm_tiny_model(tmp_path_factory.mktemp("kill-matrix-tiny"))
+
+
+def _config(model_dir: Path, tmp_path: Path, lockstep: bool) -> Path:
+    """test_async_training's tiny async LoRA run; lockstep: one group per rollout chunk."""
+    from test_async_training import async_config
+
+    config: RunConfig = async_config(model_dir, tmp_path, train={"keep_checkpoints": 10})
+    rollout = replace(config.rollout, batch_size=GROUPS, episodes_per_task=GROUP_SIZE)
+    if lockstep:
+        rollout = replace(rollout, max_steps_off_policy=None, concurrency=GROUP_SIZE)
+    config = replace(
+        config,
+        rollout=rollout,
+        train=replace(config.train, num_steps=STEPS),
+        storage=replace(config.storage, runs_dir=str(tmp_path / "runs")),
+    )
+    path = tmp_path / "kill-matrix.toml"
+    path.write_text(config_to_toml(config))
+    return path
+
+
+# ---------------------------------------------------------------- a run, watched from outside
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _describe(procs: list[Proc]) -> str:
+    lines = []
+    for proc in procs:
+        command = _cmdline(proc.pid).replace(b"\0", b" ").decode(errors="replace")
+        lines.append(f"  {proc.pid} (group {proc.pgid}): {command[:150]}")
+    return "\n".join(lines)
+
+
+class RunProcess:
+    """One `rollflow train` / `resume` process, with every process of its tree it was seen with."""
+
+    def __init__(self, argv: list[str], log: Path, fault: str | None = None) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+        env.pop("PREFECT_API_URL", None)  # it starts Prefect's temporary server, a child process
+        env.pop(FAULT_POINT_ENV, None)
+        if fault is not None:
+            env[FAULT_POINT_ENV] = fault
+        self.log = log
+        with log.open("w") as stderr:
+            self.child = subprocess.Popen(
+                [sys.executable, "-m", "rollflow.flows.cli", *argv], env=env,
+                stdout=subprocess.DEVNULL, stderr=stderr, text=True, start_new_session=True,
+            )  # fmt: skip
+        self.seen: dict[tuple[int, int], Proc] = {}
+        self.look()
+
+    def look(self) -> dict[int, Proc]:
+        """The run's process tree now (itself included), added to ``seen``."""
+        table = process_table()
+        tree = descendants([self.child.pid], table)
+        if self.child.pid in table:
+            tree[self.child.pid] = table[self.child.pid]
+        self.seen |= {p.key: p for p in tree.values()}
+        return tree
+
+    def tail(self) -> str:
+        return self.log.read_text()[-3000:]
+
+    def wait_until(self, condition: Callable[[], bool], what: str, timeout_s: float = RUN_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert self.child.poll() is None, f"the run ended before {what}:\n{self.tail()}"
+            assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s:.0f} s:\n{self.tail()}"
+            self.look()
+            time.sleep(0.05)
+
+    def stopped_itself(self) -> bool:
+        proc = read_proc(self.child.pid)
+        return proc is not None and proc.state == "T"
+
+    def vllm_server(self) -> Proc:
+        servers = [p for p in self.look().values() if b"vllm.entrypoints.openai.api_server" in _cmdline(p.pid)]
+        assert len(servers) == 1, f"expected one vLLM API server in the run's tree, found {len(servers)}"
+        return servers[0]
+
+    def kill(self) -> None:
+        """Stop the run, take its tree, SIGKILL the run's own pid (only it), and check that
+        nothing it was seen with is left."""
+        os.kill(self.child.pid, signal.SIGSTOP)
+        self.wait_until(self.stopped_itself, "the run stopping", timeout_s=10)
+        tree = self.look()
+        assert any(p.pid != self.child.pid for p in tree.values()), "the run had no children to leave behind"
+        os.kill(self.child.pid, signal.SIGKILL)
+        self.child.wait(timeout=30)
+        assert_gone(list(self.seen.values()), f"the run killed ({self.log.name})")
+        assert f"rollflow watchdog: run {self.child.pid} ended; stopped" in self.log.read_text(), self.tail()
+
+    def finish(self) -> int:
+        """Wait for the run to end by itself; nothing it was seen with may outlive it."""
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while self.child.poll() is None:
+            assert time.monotonic() < deadline, f"the run did not finish:\n{self.tail()}"
+            self.look()
+            time.sleep(0.1)
+        assert_gone(list(self.seen.values()), f"the run ended ({self.log.name})")
+        return self.child.returncode
+
+
+def _left(procs: list[Proc]) -> list[Proc]:
+    """What is still alive of ``procs`` and of their process groups (zombies are gone)."""
+    groups = {p.pgid for p in procs}
+    alive = {p.pid: p for p in procs if is_alive(p)}
+    alive |= {p.pid: p for p in process_table().values() if p.pgid in groups and p.state != "Z"}
+    alive.pop(os.getpid(), None)
+    return list(alive.values())
+
+
+def assert_gone(procs: list[Proc], when: str) -> None:
+    deadline = time.monotonic() + LEFTOVER_WAIT_S
+    while (left := _left(procs)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if left:
+        found = _describe(left)
+        for proc in left:
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        pytest.fail(f"{when}: {len(left)} process(es) of the run outlived it:\n{found}")
+
+
+# ---------------------------------------------------------------- kill points seen from outside
+
+
+def rollout_half_done(folder: RunFolder, step: int) -> Callable[[], bool]:
+    def seen() -> bool:
+        assert not folder.is_complete(step, "episodes"), f"step {step}'s rollout finished before the kill"
+        return bool(folder.part_paths(step, "episodes", "train"))
+
+    return seen
+
+
+def training(folder: RunFolder, step: int) -> Callable[[], bool]:
+    def seen() -> bool:
+        assert not folder.checkpoint_dir(step).exists(), f"step {step} trained before the kill"
+        return "flatten" in recorded_stage_seconds(folder, step)
+
+    return seen
+
+
+def collecting(folder: RunFolder) -> Callable[[], bool]:
+    """The workers have finished a group (and go on collecting the next ones)."""
+    return lambda: bool(finished_groups(folder))
+
+
+def kill_the_server_mid_request(run: RunProcess, serving: Callable[[], bool]) -> Proc:
+    """SIGKILL the generator's API server once ``serving``; returns it."""
+    run.wait_until(serving, "the generator serving requests")
+    server = run.vllm_server()
+    os.kill(server.pid, signal.SIGKILL)
+    return server
+
+
+# ---------------------------------------------------------------- the episodes trained
+
+
+def _episode_counts(run_dir: Path) -> list[tuple[int, str, str, int, int, int]]:
+    con = open_run_sql([run_dir])
+    try:
+        _, rows = run_query(con, "SELECT step, group_id, task_id, count(*), count(DISTINCT episode_id), "
+                                 "count(error) FROM episodes WHERE split = 'train' GROUP BY ALL ORDER BY ALL")  # fmt: skip
+    finally:
+        con.close()
+    return rows
+
+
+def _train_tasks(config_path: Path) -> list:
+    from rollflow.envs.runner import load_environment_handle
+    from rollflow.tasks.config import load_config
+
+    config = load_config(config_path)
+    return load_environment_handle(config.env.name, config.env.kwargs).tasks("train")
+
+
+def assert_each_group_once(run_dir: Path, task_of: Callable[[int, int], str]) -> None:
+    """Every step's groups, each with its task (``task_of(step, k)``) and GROUP_SIZE episodes once."""
+    expected = [(s, f"train/{s}/{k}", task_of(s, k), GROUP_SIZE, GROUP_SIZE, 0)
+                for s in range(STEPS) for k in range(GROUPS)]  # fmt: skip
+    assert sorted(_episode_counts(run_dir)) == sorted(expected)
+
+
+# ---------------------------------------------------------------- the matrix
+
+
+@pytest.mark.slow
+def test_a_lockstep_run_killed_at_every_point_leaves_nothing_and_resumes_to_the_same_episodes(
+    vllm_model_dir: Path, tmp_path: Path
+) -> None:
+    from rollflow.tasks.config import load_config
+    from rollflow.tasks.rollout import select_train_tasks
+
+    config_path = _config(vllm_model_dir, tmp_path, lockstep=True)
+    run_dir = tmp_path / "run"
+    folder = RunFolder(run_dir)
+    resume = ["resume", str(run_dir)]
+    # 1: the server killed mid-request (restarted, its chunk replayed), then the run in train
+    run = RunProcess(["train", str(config_path), "--run-dir", str(run_dir)], tmp_path / "1-server-train.log")
+    kill_the_server_mid_request(run, rollout_half_done(folder, 0))
+    run.wait_until(training(folder, 0), "step 0's train stage")
+    run.kill()
+    # 2: step 1's adapter going to a fresh server
+    run = RunProcess(resume, tmp_path / "2-publish.log", fault="weight_publish")
+    run.wait_until(run.stopped_itself, "the weight_publish fault point")
+    run.kill()
+    # 3: step 1's rollout, half done
+    run = RunProcess(resume, tmp_path / "3-rollout.log")
+    run.wait_until(rollout_half_done(folder, 1), "step 1's rollout half done")
+    run.kill()
+    # 4: step 1's checkpoint half written (the server still up)
+    run = RunProcess(resume, tmp_path / "4-checkpoint.log", fault="checkpoint_write")
+    run.wait_until(run.stopped_itself, "the checkpoint_write fault point")
+    run.kill()
+    # 5: the rest
+    run = RunProcess(resume, tmp_path / "5-finish.log")
+    assert run.finish() == 0, run.tail()
+    config = load_config(config_path)
+    items = _train_tasks(config_path)
+    assert_each_group_once(
+        run_dir, lambda s, k: select_train_tasks(items, s, GROUPS, config.train.seed)[k].task_id
+    )
+    assert "restarting the vLLM server" in (run_dir / "logs" / "vllm-server.log").read_text()
+
+
+@pytest.mark.slow
+def test_an_async_run_killed_at_every_point_leaves_nothing_and_resumes_to_the_same_episodes(
+    vllm_model_dir: Path, tmp_path: Path
+) -> None:
+    from rollflow.tasks.config import load_config
+    from rollflow.tasks.rollout import select_train_tasks
+
+    config_path = _config(vllm_model_dir, tmp_path, lockstep=False)
+    run_dir = tmp_path / "run"
+    folder = RunFolder(run_dir)
+    resume = ["resume", str(run_dir)]
+    # 1: collecting, before step 0 took its groups
+    run = RunProcess(["train", str(config_path), "--run-dir", str(run_dir)], tmp_path / "1-rollout.log")
+    run.wait_until(collecting(folder), "a group collected")
+    run.kill()
+    # 2: step 0's train stage
+    run = RunProcess(resume, tmp_path / "2-train.log")
+    run.wait_until(training(folder, 0), "step 0's train stage")
+    run.kill()
+    # 3: step 0's checkpoint half written
+    run = RunProcess(resume, tmp_path / "3-checkpoint.log", fault="checkpoint_write")
+    run.wait_until(run.stopped_itself, "the checkpoint_write fault point")
+    run.kill()
+    # 4: version 1 going to the server
+    run = RunProcess(resume, tmp_path / "4-publish.log", fault="weight_publish")
+    run.wait_until(run.stopped_itself, "the weight_publish fault point")
+    run.kill()
+    # 5: the server killed mid-request: the run fails (tasks/collect.py), stopping what it started
+    run = RunProcess(resume, tmp_path / "5-server.log")
+    collected = len(finished_groups(folder))
+    kill_the_server_mid_request(run, lambda: len(finished_groups(folder)) > collected)
+    if run.finish() != 0:
+        # 6: the rest
+        run = RunProcess(resume, tmp_path / "6-finish.log")
+        assert run.finish() == 0, run.tail()
+    config = load_config(config_path)
+    items = _train_tasks(config_path)
+    admitted = [read_admission(folder, s).admitted for s in range(STEPS)]  # type: ignore[union-attr]
+    trained = [index for step in admitted for index in step]
+    assert len(trained) == len(set(trained)) == STEPS * GROUPS, f"a group trained twice: {admitted}"
+    assert_each_group_once(
+        run_dir, lambda s, k: select_train_tasks(items, admitted[s][k], 1, config.train.seed)[0].task_id
+    )
