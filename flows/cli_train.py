@@ -60,8 +60,15 @@ def _run_flow(config_path: str | None, run_dir: str | None) -> int:
         # on the frozen copy in the (new or existing) run folder.
         handle = _checked_run(config_path, run_dir)
         from rollflow.flows.train import train_flow
+        from rollflow.storage.runs import resume_summary
 
-        folder = train_flow(run_dir=str(handle.root))
+        if config_path is None or handle.folder.steps("train"):
+            handle.report(resume_summary(handle.root))
+        try:
+            folder = train_flow(run_dir=str(handle.root))
+        except BaseException:  # a crash, Ctrl-C, SIGTERM: the folder keeps what finished
+            handle.report(f"continue with `rollflow resume {handle.root}`")
+            raise
     except _user_errors() as exc:
         raise UserError(str(exc)) from exc
     print(folder)

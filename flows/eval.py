@@ -128,11 +128,14 @@ def eval_flow(
     base_url: str | None = None,
     api_model: str | None = None,
     num_tasks: int | None = None,
+    log_report: bool = True,
 ) -> str:
     """Evaluate one policy on the validation tasks; returns the run folder.
 
     Without ``config_path`` the defaults are evaluated: the bundled SmolLM2 on the bundled
-    tool-use game. The other arguments are ``EvalOverrides``.
+    tool-use game. ``log_report`` logs the report (a deployment's log shows it); ``rollflow
+    eval`` turns it off and prints the report to stdout instead, once. The other arguments
+    are ``EvalOverrides``.
     """
     base = load_config(config_path) if config_path is not None else RunConfig()
     overrides = EvalOverrides(env, model, adapter, base_url, api_model, num_tasks)
@@ -147,7 +150,8 @@ def eval_flow(
         succeeded = True
     finally:
         finish_tracking(config, folder.root, succeeded)
-    get_run_logger().info("\n%s", format_report(eval_report(folder.root), describe_policy(config)))
+    if log_report:
+        get_run_logger().info("\n%s", format_report(eval_report(folder.root), describe_policy(config)))
     return str(folder.root)
 
 

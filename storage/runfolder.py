@@ -41,6 +41,7 @@ from rollflow.storage.errors import (
     StageExistsError,
     StorageError,
 )
+from rollflow.storage.filemodes import give_ordinary_modes
 from rollflow.storage.parquet import (
     COMPLETE_MARKER,
     fsync_dir,
@@ -280,6 +281,7 @@ class RunFolder:
         if not Path(tmp_dir).is_dir():
             raise StorageError(f"{tmp_dir}: not a folder; nothing to commit")
         final.parent.mkdir(parents=True, exist_ok=True)
+        give_ordinary_modes(Path(tmp_dir))  # safetensors writes 0600
         _fsync_tree(Path(tmp_dir))
         os.rename(tmp_dir, final)
         fsync_dir(final.parent)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollflow.storage.parquet import write_bytes_atomic
-from rollflow.storage.runfolder import SPLIT_DIRS, RunFolder
+from rollflow.storage.runfolder import SPLIT_DIRS, STAGES, RunFolder
 
 KIND_FILE = "run_kind"
 RUN_KINDS = ("train", "eval", "sft", "pipeline")
@@ -128,6 +128,21 @@ def run_status(root: Path | str) -> RunStatus:
         config_problem=problem,
         kind=run_kind(folder.root),
     )
+
+
+def resume_summary(root: Path | str) -> str:
+    """One line on what a training run folder holds and where a resume continues."""
+    s = run_status(root)
+    planned = f" of {s.num_steps}" if s.num_steps is not None else ""
+    step = s.latest_checkpoint
+    checkpoint = "no checkpoint" if step is None else f"the checkpoint of step {step}"
+    found = f"found {s.finished_steps}{planned} steps trained, {checkpoint}"
+    if s.complete:
+        return f"{found}; only validation not yet written is left"
+    stage = s.stopped_stage or STAGES["train"][0]
+    kept = STAGES["train"][: STAGES["train"].index(stage)]
+    return f"{found}; continuing at step {s.next_step} from its {stage} stage" + (
+        f" ({', '.join(kept)} kept)" if kept else "")
 
 
 def looks_like_run(path: Path) -> bool:

@@ -42,6 +42,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from rollflow.policy.codec import ChatCodec
 from rollflow.policy.models import generation_stop_ids
 from rollflow.policy.stopping import raise_if_stop_requested
+from rollflow.storage.filemodes import give_ordinary_modes
 from rollflow.storage.parquet import temporary_path
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.checkpoints import load_policy_for_training, seed_everything
@@ -243,6 +244,7 @@ def _commit_policy(
         if not result.use_lora:
             tokenizer.save_pretrained(str(tmp))  # a loadable HF folder for [model].path
         (tmp / RESULT_FILE).write_text(json.dumps(asdict(result), indent=2))
+        give_ordinary_modes(tmp)  # safetensors writes 0600
         os.rename(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

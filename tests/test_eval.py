@@ -7,6 +7,7 @@ not the SQL the report uses), so a wrong query or a wrong join would show.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -136,9 +137,11 @@ def test_report_text_names_every_figure_and_the_show_command(tiny_eval: Path) ->
 
 
 def test_rollflow_eval_prints_the_report(
-    tiny_model_dir: Path, tmp_path: Path, prefect_harness: object, capsys: pytest.CaptureFixture[str]
+    tiny_model_dir: Path, tmp_path: Path, prefect_harness: object, capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     repo = Path(__file__).resolve().parent.parent
+    caplog.set_level(logging.INFO, logger="prefect")  # what a user's console shows (tests run at WARNING)
     status = main([
         "eval", "--config", str(repo / "configs" / "tiny.toml"), "--model", str(tiny_model_dir),
         "--tasks", "1", "--run-dir", str(tmp_path / "cli"),
@@ -146,6 +149,7 @@ def test_rollflow_eval_prints_the_report(
     text = capsys.readouterr().out
     assert status == 0 and text.startswith(f"evaluation {tmp_path / 'cli'}") and "episodes      1 " in text
     assert f"policy        {tiny_model_dir}" in text
+    assert not [r for r in caplog.records if "pass rate" in r.getMessage()]  # printed once, not logged too
     assert main(["eval", "--tasks", "0"]) == 1
     assert main(["eval", "--model", str(tmp_path / "missing"), "--run-dir", str(tmp_path / "x")]) == 1
     assert "is not a Hugging Face model folder" in capsys.readouterr().err

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import stat
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -187,6 +189,30 @@ def test_the_cli_prints_the_vllm_line_for_an_adapter(
     printed = capsys.readouterr().out
     assert "exported step 0 (policy version 1) as a LoRA adapter" in printed
     assert f"--enable-lora --lora-modules policy={out} --max-lora-rank 8" in printed  # rank 4: vLLM's next accepted value
+
+
+def _file_modes(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): stat.S_IMODE(p.stat().st_mode) for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_checkpoints_and_exports_get_the_modes_of_ordinary_files(
+    tmp_path: Path, tiny_model_dir: Path, umask: int
+) -> None:
+    """safetensors writes its files 0600; a checkpoint or export is read by other users (a
+    vLLM server, a colleague), so every file gets what open() gives under the umask."""
+    previous = os.umask(umask)
+    try:
+        folder = run_with_checkpoints(tmp_path / "run", tiny_model_dir, use_lora=True, steps=1)
+        export_policy(folder.root, tmp_path / "adapter")
+        export_policy(folder.root, tmp_path / "merged", merged=True)
+    finally:
+        os.umask(previous)
+    expected = 0o666 & ~umask
+    for written in (folder.checkpoint_dir(0), tmp_path / "adapter", tmp_path / "merged"):
+        modes = _file_modes(written)
+        assert any(name.endswith(".safetensors") for name in modes), written
+        assert modes == dict.fromkeys(modes, expected), written
 
 
 # ---------------------------------------------------------------- refusals

@@ -15,6 +15,7 @@ import pytest
 from safetensors.torch import load_file
 
 import rollflow.flows.train as train_module
+from rollflow.flows.cli import main
 from rollflow.flows.runs import RunSetupError, open_run
 from rollflow.flows.train import train_flow
 from rollflow.storage.errors import ConfigMismatchError
@@ -127,6 +128,22 @@ def test_a_crash_in_any_stage_resumes_to_the_same_run(
         assert resumed["weights"][name].equal(tensor), f"{name} differs after resume"
     tracker = RunTracker.open(run_dir)
     assert [s for s, _ in tracker.metric_history("optim/loss")] == [0, 1]
+
+
+def test_a_failed_run_names_the_resume_command_and_the_resume_says_where_it_continues(
+    tiny_config_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "crashed"
+    with monkeypatch.context() as patch:
+        crash_at_step_one(patch, "train_stage")
+        with pytest.raises(InjectedCrash):
+            main(["train", str(tiny_config_path), "--run-dir", str(run_dir)])
+    assert f"continue with `rollflow resume {run_dir}`" in capsys.readouterr().err
+    assert main(["resume", str(run_dir)]) == 0
+    err = capsys.readouterr().err
+    assert ("found 1 of 2 steps trained, the checkpoint of step 0; continuing at step 1 from its "
+            "train stage (episodes, scores, samples kept)") in err, err
+    assert "rollflow resume" not in err  # it finished: no hint
 
 
 def test_a_stop_request_mid_rollout_records_no_episode_and_the_rollout_replays(
@@ -289,6 +306,7 @@ def test_sigterm_stops_the_run_and_its_prefect_server_then_resume_finishes_it(
         if child.poll() is None:
             kill_group(child)
     assert child.returncode == 143, stderr.read_text()[-2000:]
+    assert f"continue with `rollflow resume {run_dir}`" in stderr.read_text()
     if not group_gone(child.pid, within_s=10):  # the server was told to stop; give it a moment
         ps = subprocess.run(["ps", "-o", "pid,args", "-g", str(child.pid)], capture_output=True, text=True)
         kill_group(child)

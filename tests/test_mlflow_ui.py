@@ -1,8 +1,8 @@
 """The MLflow UI shows a run's validation episodes as traces, in a real headless browser.
 
 A real ``mlflow server`` on a free loopback port serves the test's SQLite store, with one
-validation pass logged as traces (storage/traces.py); Debian's Chromium (installed by the
-Makefile's set-up) renders the run's Traces tab, and the rendered page must list every
+validation pass logged as traces (storage/traces.py); Debian's Chromium (installed by
+``make browser``, which ``make test`` runs) renders the run's Traces tab, and the rendered page must list every
 logged episode and show one's opening question. The server is stopped whatever happens.
 """
 
@@ -27,9 +27,13 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
+MISSING_CHROMIUM = ("Debian's chromium is not installed: run `make browser` (`make test` runs it), "
+                    "or apt-get install chromium")
+
+
 def rendered_dom(url: str, profile: Path) -> str:
     chromium = shutil.which("chromium")
-    assert chromium, "Debian's chromium is not installed: run `make setup` (it installs it), or apt-get install chromium"
+    assert chromium, MISSING_CHROMIUM
     done = subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--virtual-time-budget=30000",
                            "--dump-dom", url], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -61,3 +65,10 @@ def test_the_runs_traces_tab_lists_the_validation_episodes(tmp_path: Path) -> No
     assert "5 of 5" in dom, f"the trace list did not render:\n{dom[-3000:]}\n{tail(log)}"
     best = next(e for e in episodes if e.episode_id == "validation/5/5/0")
     assert best.rollout.messages[1]["content"] in dom  # the episode's opening question is on the page
+
+
+def test_the_missing_chromium_hint_names_the_make_target_that_installs_it() -> None:
+    target = MISSING_CHROMIUM.split("`make ")[1].split("`")[0]
+    makefile = (Path(__file__).resolve().parent.parent / "Makefile").read_text()
+    recipe = makefile.split(f"\n{target}:", 1)[1].split("\n\n", 1)[0]
+    assert "apt-get install" in recipe and "chromium" in recipe, (target, recipe)

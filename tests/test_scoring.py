@@ -115,6 +115,13 @@ def test_errored_episodes_leave_the_baseline_and_are_never_trained() -> None:
     assert records[2].scoring_error == "not scored" and records[3].scoring_error == "Scorer: bad"
 
 
+def test_validation_episodes_are_never_trained() -> None:
+    eps = [episode(rollout(), 0, i, split) for split in ("train", "validation") for i in range(2)]
+    records = score_episodes_to_records(eps, [env_score(r) for r in (1.0, 0.0, 1.0, 0.0)], ScoringSettings())
+    assert [r.trained for r in records] == [True, True, False, False]
+    assert [r.advantage != 0.0 for r in records] == [True] * 4  # still scored like a training group
+
+
 def test_overlong_masking_keeps_truncated_rewards_in_the_baseline() -> None:
     eps = group(rollout(), rollout(TruncationCause.MAX_TURNS), rollout(TruncationCause.ENV))
     settings = ScoringSettings(overlong_masking=True, scale_advantages_by_std=False)

@@ -21,6 +21,7 @@ from rollflow.envs.runner import EpisodeLimits, load_environment_handle
 from rollflow.envs.types import EnvironmentStepResult, Message, RewardResult, TaskExample, ToolSpec
 from rollflow.policy.codec import ChatCodec, TokenState
 from rollflow.policy.models import ModelRef, load_causal_lm
+from rollflow.storage.filemodes import current_umask
 from rollflow.tasks.checkpoints import load_policy_for_training
 from rollflow.tasks.config import ModelConfig, RunConfig, SFTConfig, load_config
 from rollflow.tasks.sft import completion_nll, mean_completion_loss, read_sft_result, sft_rows, sft_stage
@@ -304,6 +305,8 @@ def test_full_weight_sft_is_a_folder_grpo_loads_as_its_model(tiny_model_dir: Pat
     rows, _ = sft_rows(config, ChatCodec(tokenizer))
     policy = sft_stage(config, tmp_path / "run")
     assert (policy / "config.json").is_file() and (policy / "tokenizer.json").is_file()
+    modes = {p.name: p.stat().st_mode & 0o777 for p in policy.iterdir() if p.is_file()}
+    assert modes == dict.fromkeys(modes, 0o666 & ~current_umask())  # safetensors writes 0600
     train_config = replace(config, model=ModelConfig(path=str(policy)))
     model, _ = load_policy_for_training(train_config, None)
     saved, _ = load_causal_lm(ModelRef(path=str(policy)))

@@ -300,6 +300,27 @@ def test_writes_are_refused(run: RunFolder, sql: str) -> None:
         run_query(con, sql)
 
 
+@pytest.mark.parametrize(
+    ("sql", "named"),
+    [
+        ("INSTALL httpfs", "INSTALL"),  # DuckDB's type for these three is LOAD
+        ("force install httpfs", "FORCE INSTALL"),
+        ("-- a comment first\n  LOAD httpfs", "LOAD"),
+        ("PRAGMA threads = 1", "PRAGMA"),  # DuckDB's type: SET
+        ("USE memory", "USE"),  # SET
+        ("CHECKPOINT", "CHECKPOINT"),  # CALL
+        ("IMPORT DATABASE 'dump'", "IMPORT"),  # PRAGMA
+        ("ANALYZE", "ANALYZE"),  # VACUUM
+        ("UPDATE EXTENSIONS", "UPDATE"),  # a type the duckdb module has no name for
+        ("WITH a AS (SELECT 1) INSERT INTO t SELECT * FROM a", "INSERT"),
+    ],
+)
+def test_a_refusal_names_the_statement_as_written(run: RunFolder, sql: str, named: str) -> None:
+    con = open_run_sql(run.root)
+    with pytest.raises(ReadOnlyQueryError, match=f"^refused: {named} statements change data"):
+        run_query(con, sql)
+
+
 def test_files_never_change_and_nothing_else_is_readable(run: RunFolder, tmp_path: Path) -> None:
     def fingerprint() -> dict[str, str]:
         files = sorted(p for p in run.root.rglob("*") if p.is_file())
