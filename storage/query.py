@@ -170,7 +170,9 @@ _READ_ONLY_HINT = "only SELECT, WITH, FROM, VALUES, DESCRIBE, SHOW, SUMMARIZE, E
 # EXPLAIN [ANALYZE] [(options)]: ANALYZE runs the statement it explains, so that is checked too
 _EXPLAIN_PREFIX = re.compile(r"^\s*explain\b(\s+analy[sz]e\b)?(\s*\([^)]*\))?", re.IGNORECASE)
 # the first keyword after any blanks and comments; FORCE INSTALL counts as one
-_LEADING_KEYWORD = re.compile(r"(?:\s+|--[^\n]*(?:\n|$)|/\*.*?\*/)*(force\s+install\b|[a-z]+)", re.IGNORECASE | re.DOTALL)
+_LEADING_KEYWORD = re.compile(
+    r"(?:\s+|--[^\n]*(?:\n|$)|/\*.*?\*/)*(force\s+install\b|[a-z]+)", re.IGNORECASE | re.DOTALL
+)
 
 
 class ReadOnlyQueryError(StorageError):
