@@ -10,8 +10,9 @@ the whole context *as token ids* to ``{base_url}/completions``::
 
 The answer's ``token_ids`` (the end-of-turn token included) and ``token_logprobs`` become
 the action; the server never re-renders or re-tokenizes anything, so training sees
-exactly what was sampled. ``M`` is the loaded adapter's name (``policy-v{version}``) once
-an adapter is loaded, else the served model name: a server is never sent base and
+exactly what was sampled. ``M`` is the loaded adapter's name once an adapter is loaded
+(``adapter_name``: ``policy-<run>-v{version}``, named by run so that runs sharing a server
+never replace each other's adapters), else the served model name: a server is never sent base and
 adapter requests together (on CPU vLLM 0.32 serves a base request batched with adapter
 requests with an adapter; upstream bug).
 
@@ -42,10 +43,14 @@ Where an action was sampled: the episode record has no column for it (its schema
 owned elsewhere), so ``VLLMPolicy.stats.sampled_by`` counts actions per (server, model
 name, version); the version is also on every episode (``Policy.version``).
 
-Weight sync (``load_adapter``): ``POST /v1/load_lora_adapter`` on every server under
-``policy-v{version}``, then ``POST /v1/unload_lora_adapter`` of the previous version. The
-server must be able to read the adapter folder (same machine or a shared filesystem), and
-must run with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``. Full
+Weight sync (``load_adapter``): ``POST /v1/load_lora_adapter`` on every server under the
+version's name with ``load_inplace: false``, then ``POST /v1/unload_lora_adapter`` of the
+previous version. A name is loaded once: vLLM keeps the request it was loaded with, and
+one loaded in place makes the engine read the folder again at every step (and fail once
+the folder is pruned); loading a name this policy already loaded from the same folder is
+a no-op, from another folder an unload and a load. The server must be able to read the
+adapter folder (same machine or a shared filesystem), and must run with ``--enable-lora``
+and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``. Full
 weights cannot be pushed over HTTP here: a managed server restarts on the new checkpoint
 folder (``rollflow.tasks.policy_io``).
 
@@ -147,6 +152,7 @@ class VLLMPolicy:
         self.codec = ChatCodec(tokenizer, stop_token_ids=stop_token_ids)
         self.served_model = served_model
         self.adapter_name: str | None = None
+        self._loaded: dict[str, Path] = {}  # adapter name -> folder, on every server (views share it)
         self.max_lora_rank = max_lora_rank  # known for managed servers; None: ask the server
         self.version = version
         self.stats = VLLMStats()
@@ -204,48 +210,49 @@ class VLLMPolicy:
 
     # ------------------------------------------------------------ new policy versions
 
-    def load_adapter(self, adapter_dir: str | Path, version: int) -> None:
-        """Act with the LoRA adapter in ``adapter_dir`` as ``policy-v{version}`` from now on
-        (the previously loaded one is unloaded)."""
-        name, previous = self.add_adapter(adapter_dir, version), self.adapter_name
+    def load_adapter(self, adapter_dir: str | Path, version: int, name: str) -> None:
+        """Act with the LoRA adapter in ``adapter_dir``, served as ``name``, as ``version``
+        from now on (the previously loaded one is unloaded)."""
+        previous = self.adapter_name
+        self.add_adapter(adapter_dir, name)
         if previous is not None and previous != name:
-            for url in self.base_urls:
-                _admin_post(f"{url}/unload_lora_adapter", {"lora_name": previous}, what=f"unloading {previous}")
+            self.remove_adapter(previous)
         self.adapter_name, self.version = name, version
 
     def unload_adapter(self) -> None:
         """Act with the base model again (the loaded adapter, if any, is unloaded)."""
         if self.adapter_name is None:
             return
-        for url in self.base_urls:
-            _admin_post(f"{url}/unload_lora_adapter", {"lora_name": self.adapter_name}, what=f"unloading {self.adapter_name}")
+        self.remove_adapter(self.adapter_name)
         self.adapter_name = None
 
     # ------------------------------------------------------------ several versions at once (async)
 
-    def add_adapter(self, adapter_dir: str | Path, version: int) -> str:
-        """Load ``adapter_dir`` as ``policy-v{version}`` beside the adapters already loaded.
+    def add_adapter(self, adapter_dir: str | Path, name: str) -> None:
+        """Load ``adapter_dir`` as ``name`` beside the adapters already loaded, once.
 
         Async collection keeps every version an in-flight group samples with; the server
-        needs ``--max-loras`` at least that many. Returns the adapter's name.
+        needs ``--max-loras`` at least that many.
         """
         adapter = Path(adapter_dir).resolve()
+        if self._loaded.get(name) == adapter:
+            return
         rank = _adapter_rank(adapter)
         if self.max_lora_rank is not None and rank > self.max_lora_rank:
             raise VLLMPolicyError(
                 f"{adapter} has LoRA rank {rank}, above the server's --max-lora-rank {self.max_lora_rank}"
             )
-        name = adapter_name(version)
+        if name in self._loaded:  # this policy loaded the name from another folder
+            self.remove_adapter(name)
         for url in self.base_urls:
-            body = {"lora_name": name, "lora_path": str(adapter), "load_inplace": True}
-            _admin_post(f"{url}/load_lora_adapter", body, what=f"loading adapter {adapter}")
-        return name
+            _load_lora(url, name, adapter)
+        self._loaded[name] = adapter
 
-    def remove_adapter(self, version: int) -> None:
-        """Unload ``policy-v{version}`` (no request may still name it)."""
-        name = adapter_name(version)
+    def remove_adapter(self, name: str) -> None:
+        """Unload adapter ``name`` (no request may still name it)."""
         for url in self.base_urls:
             _admin_post(f"{url}/unload_lora_adapter", {"lora_name": name}, what=f"unloading {name}")
+        self._loaded.pop(name, None)
 
     def reload_weights(self, model_dir: str | Path, version: int) -> float:
         """Swap the servers' full weights for ``model_dir``'s in place; returns the seconds taken.
@@ -286,9 +293,10 @@ class VLLMPolicy:
         return view
 
 
-def adapter_name(version: int) -> str:
-    """The name a policy version's LoRA adapter is served under."""
-    return f"policy-v{version}"
+def adapter_name(prefix: str, version: int) -> str:
+    """The name a policy version's LoRA adapter is served under: ``<prefix>-v<version>``
+    (the prefix names the run: ``rollflow.tasks.policy_io.run_adapter_prefix``)."""
+    return f"{prefix}-v{version}"
 
 
 class VLLMSession:
@@ -515,6 +523,20 @@ def _reset_prefix_cache(root: str, attempts: int = 20) -> None:
             return
         time.sleep(0.25)
     raise VLLMPolicyError(f"{root}: the prefix cache would not reset (requests still running?)")
+
+
+def _load_lora(url: str, name: str, adapter: Path) -> None:
+    """Load ``adapter`` as ``name`` on one server, not in place. A name the server already
+    holds (loaded by an earlier process of the same run) is unloaded and loaded again."""
+    body = {"lora_name": name, "lora_path": str(adapter), "load_inplace": False}
+    what = f"loading adapter {adapter} as {name}"
+    try:
+        _admin_post(f"{url}/load_lora_adapter", body, what=what)
+    except VLLMPolicyError:
+        if name not in _models(url):  # refused for another reason: that error stands
+            raise
+        _admin_post(f"{url}/unload_lora_adapter", {"lora_name": name}, what=f"unloading {name}")
+        _admin_post(f"{url}/load_lora_adapter", body, what=what)
 
 
 def _adapter_rank(adapter: Path) -> int:

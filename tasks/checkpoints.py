@@ -26,6 +26,8 @@ import json
 import random
 import shutil
 import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rollflow.policy.models import ModelRef, load_causal_lm, resolve_device
+from rollflow.policy.procs import fault_point
 from rollflow.policy.vllm_server import write_lm_head_shard
 from rollflow.storage.parquet import temporary_path
 from rollflow.storage.records import TrainResult
@@ -207,6 +210,7 @@ def save_checkpoint(
         # peft: the trained adapter only (not a frozen reference); else the whole model
         adapters = {"selected_adapters": [TRAINED_ADAPTER]} if use_lora else {}
         model.save_pretrained(str(tmp), **adapters)
+        fault_point("checkpoint_write")  # tests: a kill with the checkpoint half written
         if not use_lora:
             tokenizer.save_pretrained(str(tmp))  # a full-weight checkpoint is a whole HF folder
             if getattr(model.config, "tie_word_embeddings", False):  # for vLLM's in-place reload
@@ -234,11 +238,62 @@ def checkpoint_train_result(checkpoint: Checkpoint) -> TrainResult:
     return train_result_from_json(json.loads((checkpoint.path / RESULT_FILE).read_text()))
 
 
+# ---------------------------------------------------------------- retention
+
+# The policy versions this process still reads from a run's checkpoints, by run folder:
+# an async generator registers what it serves and publishes (``reading_versions``).
+_VERSIONS_READ: dict[Path, list[Callable[[], set[int]]]] = {}
+
+
+@contextmanager
+def reading_versions(folder: RunFolder, versions: Callable[[], set[int]]) -> Iterator[None]:
+    """While open, ``checkpoints_to_keep`` spares the checkpoints of ``versions()``."""
+    readers = _VERSIONS_READ.setdefault(folder.root.resolve(), [])
+    readers.append(versions)
+    try:
+        yield
+    finally:
+        readers.remove(versions)
+
+
+def checkpoints_to_keep(folder: RunFolder, keep: int) -> set[int]:
+    """The steps whose checkpoints the run still needs; every other one may go.
+
+    - The newest ``keep`` (``[train].keep_checkpoints``): training continues from the
+      newest, and a lockstep resume needs nothing else (a step's rollout is on disk
+      before its training).
+    - An async resume: it starts at the first step without ``metrics.json``, and when that
+      step already admitted its groups (its train stage may be done, its checkpoint
+      committed) its generator serves that step's version, the checkpoint before it.
+    - What this process still reads: an async generator's loaded LoRA adapters (a running
+      group samples them, and vLLM re-reads an evicted adapter's folder) and a
+      publication in flight (``reading_versions``).
+    """
+    from rollflow.storage.async_groups import admission_path
+    from rollflow.tasks.metrics import METRICS_JSON  # not at the top: tasks.metrics imports this module
+
+    found = folder.checkpoints()
+    needed = {step for step, _ in found[-keep:]}  # keep >= 1 ([train] checks it)
+    first = 0
+    while (folder.step_dir(first) / METRICS_JSON).exists():
+        first += 1
+    if first > 0 and admission_path(folder, first).exists():
+        needed.add(first - 1)
+    read = {v for versions in _VERSIONS_READ.get(folder.root.resolve(), []) for v in versions()}
+    if read:
+        needed |= {step for step, path in found if read_checkpoint(path).policy_version in read}
+    return needed
+
+
 def prune_checkpoints(folder: RunFolder, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` checkpoints; renamed away first, then removed,
-    so a crash mid-delete leaves a temporary (discarded on resume), never a torn checkpoint."""
+    """Delete the checkpoints the run no longer needs (``checkpoints_to_keep``); renamed
+    away first, then removed, so a crash mid-delete leaves a temporary (discarded on
+    resume), never a torn checkpoint."""
     removed: list[Path] = []
-    for _, path in folder.checkpoints()[:-keep]:
+    needed = checkpoints_to_keep(folder, keep)
+    for step, path in folder.checkpoints():
+        if step in needed:
+            continue
         doomed = temporary_path(path)
         path.rename(doomed)
         shutil.rmtree(doomed)

@@ -30,9 +30,11 @@ only guard (the reference's behaviour).
 
 Publication (``weight_sync_type``), after each training step, of version ``s + 1``:
 
-- LoRA: the adapter is loaded beside the others as ``policy-v{s+1}``; a group's every
-  request names its start version's adapter, so an episode is sampled by one version
-  from first token to last; an adapter is unloaded once no running group uses it.
+- LoRA: the adapter is loaded (once, not in place) beside the others as
+  ``policy-<run>-v{s+1}``; a group's every request names its start version's adapter, so
+  an episode is sampled by one version from first token to last; an adapter is unloaded
+  once no running group uses it, and its checkpoint is kept until then. A managed server
+  holds every adapter that can be loaded at once (``groups_in_flight + 2``).
   Version 0 is served as an adapter too (a fresh one, whose zero B matrices leave the
   base model's outputs unchanged): vLLM on CPU must never batch base and adapter requests.
 - Full weights: the server holds one version. ``pipeline`` pauses new requests, lets the
@@ -83,6 +85,9 @@ from rollflow.storage.schemas import episode_records_to_table
 from rollflow.tasks.async_generator import POLL_S, AsyncGenerator
 from rollflow.tasks.config import RunConfig
 from rollflow.tasks.rollout import derive_seed, episode_limits, select_train_tasks
+
+
+STOP_JOIN_S = 30.0  # the collector stops within a poll once cancelled; this is the backstop
 
 
 class CollectionError(RuntimeError):
@@ -140,8 +145,14 @@ class RolloutWorkers:
         return self
 
     def stop(self) -> None:
+        """Stop the collector: no new group, running ones cancelled (a cancelled group is
+        never written; a resume plays it again), also one waiting behind a closed gate."""
         self._stop.set()
-        self._thread.join(timeout=120)
+        self.generator.stop()
+        self._thread.join(timeout=STOP_JOIN_S)
+        if self._thread.is_alive():
+            print(f"  rollout workers: the collector did not stop within {STOP_JOIN_S:.0f} s "
+                  "(an environment call blocking its event loop?)", file=sys.stderr, flush=True)  # fmt: skip
 
     def take(self, step: int) -> Admission:
         """Wait until ``batch_size`` groups are admissible at ``step``; drop the stale ones."""
@@ -189,15 +200,17 @@ class RolloutWorkers:
         while not self._stop.is_set():
             for task in [t for t in running if t.done()]:
                 running.discard(task)
-                task.result()  # a failed group fails the collector
+                if not task.cancelled():  # cancelled: the generator is stopping
+                    task.result()  # a failed group fails the collector
             now = time.perf_counter()
             if len(running) < slots:
                 self.idle_s += (now - last) * (slots - len(running)) / slots
             last = now
             if len(running) < slots and self._may_start():
-                index = self._next_index()
                 version = await self.generator.start_group()
-                running.add(asyncio.create_task(self._play(index, version)))
+                if version is None:  # stopped
+                    break
+                running.add(asyncio.create_task(self._play(self._next_index(), version)))
                 continue
             await asyncio.sleep(POLL_S)
         for task in running:
@@ -267,6 +280,7 @@ class Publisher:
 
     def publish(self, version: int, source: Path) -> None:
         self.join()
+        self.generator.announce(version)  # its checkpoint is kept from now on, thread or not
         if not self.deferred:
             self.generator.publish(version, source)
             return

@@ -12,7 +12,8 @@ before it (policy version ``s`` in a lockstep run), or the base model at step 0.
   (``rollflow.policy.vllm_server``): started at the first step that needs it, its log in
   the run folder's ``logs/vllm-server.log``, reused by every later step of the process and
   stopped when the process exits. With LoRA, each step loads its checkpoint's adapter as
-  ``policy-v{version}`` before the rollout (and unloads the previous one); with full
+  ``policy-<run>-v{version}`` (``run_adapter_prefix``: named by run, so runs sharing a
+  server keep their own) before the rollout (and unloads the previous one); with full
   weights the server keeps serving the base model's folder and each step's checkpoint is
   swapped in place (``VLLMPolicy.reload_weights``: vLLM's ``reload_weights`` through
   ``/collective_rpc``, then a prefix-cache reset), which replaced a restart. With ``base_urls`` the servers are the user's: they must serve
@@ -37,19 +38,24 @@ flags replace it), since a server holds ~5 GB and two would not fit beside train
 
 from __future__ import annotations
 
+import hashlib
+import os
+import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 from transformers import PreTrainedTokenizerBase
 
 from rollflow.envs.agent import Policy
 from rollflow.policy.models import ModelRef, hf_model_folder, load_causal_lm, load_tokenizer
+from rollflow.policy.procs import fault_point
 from rollflow.policy.sampling import SamplingSettings
-from rollflow.policy.vllm_backend import VLLMPolicy, discover_served_model
+from rollflow.policy.vllm_backend import VLLMPolicy, adapter_name, discover_served_model
 from rollflow.policy.vllm_server import VLLMServer, VLLMServerSpec, lora_rank_limit, untied_serving_folder
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.checkpoints import (
@@ -95,15 +101,24 @@ class GeneratorFault:
         return text
 
 
+class GeneratorWatch(Protocol):
+    """What watches a policy's vLLM servers and rebuilds the policy after a restart."""
+
+    def fault(self) -> GeneratorFault | None: ...
+
+    def restart(self, fault: GeneratorFault) -> Policy: ...
+
+
 @dataclass
 class ActingPolicy:
     """A policy plus a way to fix its sampling seed (a no-op for policies without one).
 
-    ``generator``: the vLLM step this policy samples for (None: nothing to watch or restart).
+    ``generator``: watches the vLLM servers this policy samples on (None: nothing to watch
+    or restart): ``VLLMStep`` for lockstep, the async generator's own for its validation.
     """
 
     policy: Policy
-    generator: VLLMStep | None = None
+    generator: GeneratorWatch | None = None
 
     def reseed(self, seed: int) -> None:
         reseed = getattr(self.policy, "reseed", None)
@@ -112,7 +127,7 @@ class ActingPolicy:
 
     def generator_fault(self) -> GeneratorFault | None:
         """None while every generator server answers (always None for other backends)."""
-        return None if self.generator is None else generator_fault()
+        return None if self.generator is None else self.generator.fault()
 
     def restart_generator(self, fault: GeneratorFault) -> None:
         """Restart the managed server and act with it; ``GeneratorError`` for external ones."""
@@ -129,6 +144,9 @@ class VLLMStep:
     folder: RunFolder | None
     step: int
 
+    def fault(self) -> GeneratorFault | None:
+        return generator_fault()
+
     def restart(self, fault: GeneratorFault) -> Policy:
         if not fault.managed or not _GENERATOR or _GENERATOR[0].server is None:
             raise GeneratorError(f"{fault.describe()}; {UNMANAGED_SERVER}")
@@ -138,9 +156,13 @@ class VLLMStep:
 
 @contextmanager
 def open_policy(
-    config: RunConfig, folder: RunFolder | None, step: int, given: Policy | None = None
+    config: RunConfig, folder: RunFolder | None, step: int, given: Policy | ActingPolicy | None = None
 ) -> Iterator[ActingPolicy]:
-    """The policy that acts at ``step`` (``given`` wins: tests, the Python API)."""
+    """The policy that acts at ``step`` (``given`` wins: tests, the Python API, an async
+    run's validation, which comes with its generator's watch)."""
+    if isinstance(given, ActingPolicy):
+        yield given
+        return
     if given is not None:
         yield ActingPolicy(given)
         return
@@ -226,7 +248,8 @@ def load_vllm_policy(config: RunConfig, folder: RunFolder | None, step: int) -> 
     policy = generator.policy
     policy.settings = sampling_settings(config)
     if ref.adapter is not None:
-        policy.load_adapter(ref.adapter, version)
+        fault_point("weight_publish")  # tests: a kill while the step's weights go to the server
+        policy.load_adapter(ref.adapter, version, adapter_name(run_adapter_prefix(folder), version))
     else:
         policy.unload_adapter()
     wanted = str(ref.path) if full_weights and checkpoint is not None else None
@@ -297,19 +320,34 @@ def _restart_managed(generator: _Generator, folder: RunFolder | None, reason: st
     generator.policy.stats = old.stats
 
 
+def run_adapter_prefix(folder: RunFolder | None) -> str:
+    """``policy-<run id>-<6 hex of its path>``: the run's LoRA adapter names on a server
+    (``adapter_name``), so two runs, or an evaluation beside a run, sharing a server never
+    replace or unload each other's (the hash tells apart runs whose folders share a name).
+    Without a run folder: this process's id."""
+    if folder is None:
+        return f"policy-pid{os.getpid()}"
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "-", folder.run_id)
+    digest = hashlib.sha256(str(folder.root.resolve()).encode()).hexdigest()[:6]
+    return f"policy-{readable}-{digest}"
+
+
 def generator_fault() -> GeneratorFault | None:
     """Why the kept vLLM generator cannot sample now; None when every server answers."""
     if not _GENERATOR:
         return None
-    generator = _GENERATOR[0]
-    server = generator.server
+    return server_fault(_GENERATOR[0].server, _GENERATOR[0].policy.base_urls)
+
+
+def server_fault(server: VLLMServer | None, base_urls: Sequence[str]) -> GeneratorFault | None:
+    """Why ``server`` (managed) or the user's ``base_urls`` (``server`` None) cannot sample."""
     if server is None:
-        for url in generator.policy.base_urls:
+        for url in base_urls:
             problem = _health_problem(url)
             if problem is not None:
                 return GeneratorFault(url, problem, managed=False)
         return None
-    url = generator.policy.base_urls[0]
+    url = base_urls[0]
     problem = None if server.running else server.describe_exit()
     problem = problem or _health_problem(url)
     if problem is None:

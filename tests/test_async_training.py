@@ -66,11 +66,10 @@ def test_pipeline_needs_full_weights() -> None:
     check_async(_parsed({"max_steps_off_policy": 1, "weight_sync_type": "pipeline"}, {"use_lora": False}))
 
 
-def test_deferred_publication_needs_the_published_checkpoint_kept_through_the_next_step() -> None:
-    with pytest.raises(ConfigError, match=r"keep_checkpoints = 1: keep at least 2"):
-        check_async(_parsed({"max_steps_off_policy": 1, "weight_sync_type": "background_publish"},
-                            {"keep_checkpoints": 1}))  # fmt: skip
-    check_async(_parsed({"max_steps_off_policy": 1}, {"keep_checkpoints": 1}))  # inline: no race
+def test_any_publication_mode_may_keep_one_checkpoint() -> None:
+    """Pruning spares a checkpoint being published (tests/test_checkpoint_retention.py)."""
+    for mode in ("synchronous", "background_publish"):
+        check_async(_parsed({"max_steps_off_policy": 1, "weight_sync_type": mode}, {"keep_checkpoints": 1}))
 
 
 def test_async_needs_the_vllm_generator() -> None:
@@ -441,3 +440,31 @@ def test_a_pipeline_run_swaps_full_weights_in_place_and_in_flight_groups_finish_
         source = vllm_model_dir if version == 0 else folder.checkpoint_dir(version - 1)
         model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32).eval()
         _assert_sampled_by(model, records)
+
+
+@pytest.mark.slow
+def test_an_async_lora_run_keeping_one_checkpoint_loads_each_adapter_once_and_never_prunes_one_in_use(
+    vllm_model_dir: Path, prefect_harness: object, tmp_path: Path
+) -> None:
+    """The review's B3 end to end: synchronous publication with keep_checkpoints = 1 while
+    groups run under the version each step's pruning would have deleted (admission control
+    starts groups under version s while step s trains). Each adapter is loaded once, not in
+    place, under the run's own name; no episode errors; only the newest checkpoint is left."""
+    import re
+
+    from rollflow.flows.train import train_flow
+    from rollflow.policy.vllm_backend import adapter_name
+    from rollflow.tasks.policy_io import run_adapter_prefix
+
+    sys.path.insert(0, str(TESTS))
+    config = async_config(vllm_model_dir, tmp_path, groups_in_flight=4, train={"num_steps": 3, "keep_checkpoints": 1})
+    run_dir = Path(train_flow(config_path=str(_write(config, tmp_path, "keep-one")), run_dir=str(tmp_path / "run")))
+    folder = RunFolder(run_dir)
+    for step in range(3):
+        episodes = table_to_episode_records(folder.read_stage(step, "episodes"))
+        assert len(episodes) == 4 and {e.rollout.error for e in episodes} == {None}
+    assert [step for step, _ in folder.checkpoints()] == [2]
+    log = (run_dir / "logs" / "vllm-server.log").read_text()
+    loaded = re.findall(r"Loaded new LoRA adapter: name '([^']+)'", log)
+    assert loaded == [adapter_name(run_adapter_prefix(folder), v) for v in range(4)], loaded
+    assert "Reloaded LoRA adapter" not in log, "an adapter was loaded again"

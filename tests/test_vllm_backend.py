@@ -29,7 +29,7 @@ from rollflow.envs.agent import PolicyAction
 from rollflow.envs.types import Message
 from rollflow.policy.models import ModelRef, load_tokenizer
 from rollflow.policy.sampling import SamplingSettings, sampling_logprobs
-from rollflow.policy.vllm_backend import VLLMPolicy, VLLMPolicyError
+from rollflow.policy.vllm_backend import VLLMPolicy, VLLMPolicyError, adapter_name
 from rollflow.policy.vllm_server import VLLMServer, VLLMServerError, VLLMServerSpec, free_port, write_lm_head_shard
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks import policy_io
@@ -313,15 +313,16 @@ def test_each_step_samples_with_its_checkpoints_adapter_and_is_stamped_with_its_
             policy = policy_io.load_vllm_policy(run_config, folder, step)
             assert isinstance(policy, VLLMPolicy)
             assert policy_io._GENERATOR[0].server is server, "the step reused the running server"
-            assert policy.version == step and policy.request_model == f"policy-v{step}"
+            name = adapter_name(policy_io.run_adapter_prefix(folder), step)  # policy-run-<hash>-v1
+            assert policy.version == step and policy.request_model == name
             actions = _act_all(policy, _conversations())
             sampled = [key for key in policy.stats.sampled_by if key.version == step]
-            assert {(k.model, k.base_url) for k in sampled} == {(f"policy-v{step}", server.base_url)}
+            assert {(k.model, k.base_url) for k in sampled} == {(name, server.base_url)}
             _assert_exact(_with_adapter(model_dir, adapter), actions, 1.0)
             with pytest.raises(AssertionError, match="differ from HF"):
                 _assert_exact(hf_model, actions, 1.0)  # the adapter really changed them
             served = {m["id"] for m in httpx.get(f"{server.base_url}/models").json()["data"]}
-            assert served == {"policy", f"policy-v{step}"}, "the previous version was unloaded"
+            assert served == {"policy", name}, "the previous version was unloaded"
     finally:
         policy_io.load_vllm_policy(run_config, None, 0)  # base again: adapter unloaded
     base_actions = _act_all(_policy(server, tokenizer), _conversations())
@@ -335,7 +336,7 @@ def test_an_adapter_above_the_servers_rank_limit_is_refused(
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"r": LORA_RANK * 4}))
     with pytest.raises(VLLMPolicyError, match=f"rank {LORA_RANK * 4}, above the server's --max-lora-rank {LORA_RANK}"):
-        _policy(server, tokenizer).load_adapter(adapter, version=9)
+        _policy(server, tokenizer).load_adapter(adapter, 9, "policy-wide-v9")
 
 
 def test_rollflow_train_on_the_vllm_server_stamps_each_step_with_the_version_that_sampled_it(

@@ -1,0 +1,149 @@
+"""What a run keeps on disk: ``tasks/checkpoints.py``'s ``checkpoints_to_keep``, which
+``prune_checkpoints`` asks (resume, a publication in flight, the adapters an async
+generator holds). Checkpoint folders here carry only ``version.json``: what pruning reads.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from rollflow.policy import vllm_server
+from rollflow.storage.async_groups import Admission, write_admission
+from rollflow.storage.runfolder import RunFolder
+from rollflow.tasks.checkpoints import prune_checkpoints
+from rollflow.tasks.config import parse_config
+from test_async_generator import FakePolicy, _config, fake_vllm  # noqa: F401 - the fixture
+
+JOIN_S = 5.0
+
+
+def _commit(folder: RunFolder, step: int) -> None:
+    tmp = folder.new_checkpoint_tmp(step)
+    info = {"policy_version": step + 1, "step": step, "use_lora": True, "format": "adapter"}
+    (tmp / "version.json").write_text(json.dumps(info))
+    folder.commit_checkpoint(tmp, step)
+
+
+def _steps(folder: RunFolder) -> list[int]:
+    return [step for step, _ in folder.checkpoints()]
+
+
+def _finish_step(folder: RunFolder, step: int) -> None:
+    folder.step_dir(step).mkdir(parents=True, exist_ok=True)
+    (folder.step_dir(step) / "metrics.json").write_text("{}")
+
+
+def _admit(folder: RunFolder, step: int) -> None:
+    write_admission(folder, Admission(step, (), (), 0.0), {})
+
+
+def test_an_async_run_keeping_one_checkpoint_resumes_after_dying_between_train_and_metrics(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The review's B4: step 1 trained (checkpoint 1 committed, the older one pruned), then
+    the run died before step 1's metrics. The resume starts at step 1, whose generator
+    serves version 1: checkpoint 0."""
+    from rollflow.flows.runs import RunHandle, check_supported
+    from rollflow.flows.train import run_async_training
+
+    class ServerStarted(Exception):
+        pass
+
+    def server_started(*_: object, **__: object) -> None:
+        raise ServerStarted
+
+    config = parse_config({
+        "model": {"path": str(tiny_model_dir)},
+        "rollout": {"backend": "vllm", "max_steps_off_policy": 1},
+        "train": {"keep_checkpoints": 1, "num_steps": 3},
+    })  # fmt: skip
+    check_supported(config)
+    folder = RunFolder(tmp_path / "run")
+    for step in (0, 1):  # as the async schedule does: admit, train (commit, then prune), metrics
+        _admit(folder, step)
+        _commit(folder, step)
+        prune_checkpoints(folder, config.train.keep_checkpoints)
+        if step == 0:
+            _finish_step(folder, 0)
+    assert _steps(folder) == [0, 1], "step 1's resume acts with checkpoint 0"
+    monkeypatch.setattr(vllm_server, "VLLMServer", server_started)
+    with pytest.raises(ServerStarted):  # past the checkpoint lookup: the server is next
+        run_async_training(RunHandle(config=config, folder=folder))
+    _finish_step(folder, 1)
+    _admit(folder, 2)
+    _commit(folder, 2)
+    prune_checkpoints(folder, 1)
+    assert _steps(folder) == [1, 2], "once step 1 is logged, checkpoint 0 is needed no more"
+
+
+def test_a_lockstep_run_keeps_just_its_newest_checkpoints(tmp_path: Path) -> None:
+    folder = RunFolder(tmp_path / "run")
+    for step in range(3):
+        _commit(folder, step)
+        prune_checkpoints(folder, 1)
+        assert _steps(folder) == [step], "lockstep resumes from the newest checkpoint alone"
+    for step in range(3, 6):
+        _commit(folder, step)
+    prune_checkpoints(folder, 2)
+    assert _steps(folder) == [4, 5]
+
+
+def test_an_adapter_a_running_group_samples_keeps_its_checkpoint(
+    fake_vllm: FakePolicy, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The review's B3 crash: a group started under version 1 still runs when step 2 ends
+    and prunes with keep_checkpoints = 1; vLLM reads an adapter's folder again when it
+    evicts and reloads it."""
+    import asyncio
+
+    from rollflow.tasks import async_generator
+
+    monkeypatch.setattr(async_generator, "fresh_adapter", lambda config, folder: tmp_path / "adapter-v0")
+    folder = RunFolder(tmp_path / "run")
+    config = _config(tiny_model_dir, lora=True)
+    config = replace(config, train=replace(config.train, keep_checkpoints=1))
+    with async_generator.open_generator(config, folder, 0) as generator:
+        _commit(folder, 0)
+        generator.publish(1, folder.checkpoint_dir(0))
+        slow = asyncio.run(generator.start_group())
+        assert slow == 1
+        _commit(folder, 1)
+        generator.publish(2, folder.checkpoint_dir(1))
+        _commit(folder, 2)  # version 3, not yet published
+        prune_checkpoints(folder, 1)
+        assert _steps(folder) == [0, 1, 2], "version 1 (a running group) and 2 (new groups) are served"
+        generator.finish_group(slow)
+        generator.retire_unused()
+        prune_checkpoints(folder, 1)
+        assert _steps(folder) == [1, 2]
+    assert _steps(folder) == [2], "a closed generator holds nothing, and prunes what it held"
+
+
+def test_a_checkpoint_being_published_in_the_background_is_not_pruned(
+    fake_vllm: FakePolicy, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from rollflow.tasks.async_generator import open_generator
+    from rollflow.tasks.collect import Publisher
+
+    config = _config(tiny_model_dir, lora=False, weight_sync_type="background_publish")
+    folder = RunFolder(tmp_path / "run")
+    with open_generator(config, folder, 0) as generator:
+        publisher = Publisher(generator, deferred=True)
+        _commit(folder, 0)
+        fake_vllm.reload_may_finish.clear()  # the swap takes a while
+        publisher.publish(1, folder.checkpoint_dir(0))
+        _commit(folder, 1)  # the next step trains meanwhile, and prunes
+        prune_checkpoints(folder, 1)
+        assert _steps(folder) == [0, 1], "the checkpoint being reloaded into the server was deleted"
+        fake_vllm.reload_may_finish.set()
+        done = threading.Thread(target=publisher.join)
+        done.start()
+        done.join(JOIN_S)
+        assert not done.is_alive()
+        prune_checkpoints(folder, 1)
+        assert _steps(folder) == [1]
