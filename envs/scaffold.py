@@ -8,6 +8,9 @@ scripted policy, and finds it by its own package name, so it works wherever the 
 lands (``envs/NAME`` -> spec ``envs.NAME:load_environment``; a top-level folder ->
 ``NAME:load_environment``; ``starter_spec`` says which). The written code imports the
 reference docs' names the way a user's own code should: ``from rollflow import ...``.
+Beside them goes ``train.toml`` (from ``envs/starters/train.toml``): a config that
+``rollflow train`` runs as is, its ``[env].name`` the spec for the working directory.
+Each starter keeps validation tasks apart from its training tasks.
 
 The starters are real modules rather than text templates so that they are type-checked
 and tested with the rest of the code (``tests/test_scaffold.py`` runs the written copies).
@@ -19,6 +22,7 @@ import keyword
 import re
 import sys
 from pathlib import Path
+from string import Template
 from typing import Literal
 
 StarterStyle = Literal["hook", "async", "single"]
@@ -30,6 +34,7 @@ _SOURCES: dict[str, tuple[str, str]] = {  # style -> (folder, class name to rena
     "single": ("single_turn_style", "SingleTurnStarterEnv"),
 }
 _FILES = ("__init__.py", "environment.py", "test_environment.py")
+CONFIG_FILE = "train.toml"
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
@@ -57,7 +62,20 @@ def write_starter(name: str, dest_dir: Path, style: StarterStyle) -> list[Path]:
         target = package_dir / file_name
         target.write_text(re.sub(rf"\b{class_name}\b", new_class_name, source), encoding="utf-8")
         written.append(target)
+    written.append(_write_config(name, Path(dest_dir)))
     return written
+
+
+def _write_config(name: str, dest_dir: Path) -> Path:
+    """``dest_dir/name/train.toml``: the starter config, naming the spec that loads it."""
+    spec, run_from = starter_spec(name, dest_dir)
+    target = dest_dir / name / CONFIG_FILE
+    template = Template((_STARTERS / CONFIG_FILE).read_text(encoding="utf-8"))
+    text = template.substitute(
+        name=name, spec=spec, config_path=target, run_from="" if run_from is None else f" from {run_from}"
+    )
+    target.write_text(text, encoding="utf-8")
+    return target
 
 
 def starter_spec(name: str, dest_dir: Path) -> tuple[str, Path | None]:

@@ -26,6 +26,7 @@ from typing import Any
 
 import duckdb
 
+from rollflow.flows.prefect_home import use_project_prefect_home
 from rollflow.policy.procs import start_watchdog
 from rollflow.policy.stopping import SIGTERM_EXIT_CODE, StopRequested, exit_on_sigterm
 from rollflow.storage.errors import StorageError
@@ -217,6 +218,16 @@ COMMAND_MODULES = (
 
 # Commands that start servers (vLLM, Prefect's): a watchdog ends them if the run is killed.
 WATCHED_COMMANDS = frozenset({"train", "resume", "pipeline", "eval", "sft"})
+# Commands that run Prefect flows: their Prefect state goes to the project, not ~/.prefect.
+PREFECT_COMMANDS = frozenset({"train", "resume", "pipeline", "eval", "sft"})
+
+
+def _give_prefect_a_home() -> None:
+    """Before Prefect's first import (it reads its settings then): flows/prefect_home.py."""
+    try:
+        use_project_prefect_home()
+    except OSError as exc:
+        raise UserError(f"cannot create Prefect's home folder ({exc}); set PREFECT_HOME to a writable one") from exc
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -241,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in WATCHED_COMMANDS:
         start_watchdog()  # SIGKILL or OOM skips atexit: it stops what the run started (policy/procs.py)
     try:
+        if args.command in PREFECT_COMMANDS:
+            _give_prefect_a_home()
         return COMMANDS[args.command].run(args)
     except (UserError, StorageError) as exc:
         print(f"rollflow {args.command}: {exc}".splitlines()[0], file=sys.stderr)

@@ -120,8 +120,8 @@ def run_env(args: argparse.Namespace) -> int:
     for path in written:
         print(path)
     spec, run_from = starter_spec(args.name, Path(args.dest))
-    where = f" and run rollflow from {run_from}" if run_from is not None else ""
-    print(f'train it: put name = "{spec}" under [env] in your config{where}; '
+    where = f"; run rollflow from {run_from}" if run_from is not None else ""
+    print(f'train it: rollflow train {written[-1]} (its [env] has name = "{spec}"){where}; '
           f"play it: python -m pytest {written[0].parent}", file=sys.stderr)
     return 0
 

@@ -7,6 +7,7 @@ import importlib
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,9 @@ from rollflow.envs.runner import EpisodeLimits, load_environment_handle
 from rollflow.envs.scaffold import write_starter
 from rollflow.envs.scripted import constant_policy
 from rollflow.flows.cli import main
+from rollflow.storage.query import open_run_sql, run_query
+from rollflow.tasks.config import config_to_toml, load_config
+from rollflow.tasks.preflight import check_run_config
 
 # What a written test may import besides ``rollflow`` itself: the runner and scripted
 # policies that play the environment (not reference-doc names, so not re-exported).
@@ -27,7 +31,7 @@ def test_the_starter_is_a_loadable_package_named_after_the_environment(
 ) -> None:
     name = f"shop_agent_{style}"
     written = write_starter(name, tmp_path, style)  # type: ignore[arg-type]
-    assert [p.name for p in written] == ["__init__.py", "environment.py", "test_environment.py"]
+    assert [p.name for p in written] == ["__init__.py", "environment.py", "test_environment.py", "train.toml"]
     assert all(p.parent == tmp_path / name for p in written)
     source = (tmp_path / name / "environment.py").read_text()
     class_name = {"hook": "ShopAgentHookEnv", "async": "ShopAgentAsyncEnv", "single": "ShopAgentSingleEnv"}[style]
@@ -135,3 +139,70 @@ def test_env_new_single_turn_writes_a_single_turn_starter(
     assert main(["env", "new", "quiz_env", "--single-turn"]) == 0
     source = (tmp_path / "envs" / "quiz_env" / "environment.py").read_text()
     assert "class QuizEnvEnv(EnvironmentSingleTurn)" in source
+
+
+@pytest.mark.parametrize("style", ["hook", "async", "single"])
+def test_the_starter_validates_on_tasks_it_does_not_train_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, style: str
+) -> None:
+    name = f"held_out_{style}"
+    write_starter(name, tmp_path, style)  # type: ignore[arg-type]
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        handle = load_environment_handle(f"{name}:load_environment")
+        train_ids = {item.task_id for item in handle.tasks("train")}
+        validation_ids = {item.task_id for item in handle.tasks("validation")}
+    finally:
+        for module in [m for m in sys.modules if m == name or m.startswith(f"{name}.")]:
+            del sys.modules[module]
+    assert train_ids and validation_ids
+    assert not train_ids & validation_ids, f"validated on training tasks {sorted(train_ids & validation_ids)}"
+
+
+@pytest.mark.parametrize("style", ["hook", "async", "single"])
+def test_env_new_writes_a_config_the_train_flow_runs_on_the_starter(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tiny_model_dir: Path,
+    prefect_harness: object,
+    style: str,
+) -> None:
+    """The written config as is, but on the tiny model and one short step."""
+    from rollflow.flows.train import train_flow
+
+    name = f"trained_{style}"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    flag = {"hook": "--multi-turn", "async": "--async", "single": "--single-turn"}[style]
+    # Not the default dest `envs`: in this process `envs` is the repository's own folder.
+    assert main(["env", "new", name, flag, "--dest", "my_envs"]) == 0
+    config_path = Path("my_envs") / name / "train.toml"
+    assert str(config_path) in capsys.readouterr().out.splitlines()
+    config = load_config(config_path)
+    assert config.env.name == f"my_envs.{name}:load_environment"
+    check_run_config(config)  # as written: the bundled model's files, the environment, its prompts fit
+    tiny = replace(
+        config,
+        model=replace(config.model, path=str(tiny_model_dir)),
+        rollout=replace(config.rollout, max_completion_tokens=8),
+        train=replace(config.train, num_steps=1),
+        validation=replace(config.validation, num_tasks=1),
+        tracking=replace(config.tracking, enabled=False),
+    )
+    (tmp_path / "tiny.toml").write_text(config_to_toml(tiny))
+    try:
+        root = Path(train_flow(config_path=str(tmp_path / "tiny.toml")))
+    finally:
+        for module in [m for m in sys.modules if m == "my_envs" or m.startswith("my_envs.")]:
+            del sys.modules[module]
+    assert root.parent == tmp_path / "runs"
+    con = open_run_sql([root])
+    _, rows = run_query(con, "SELECT split, count(error) FROM episodes GROUP BY split ORDER BY split")
+    assert rows == [("train", 0), ("validation", 0)]  # both splits played, no episode errored
+    _, [(shared,)] = run_query(
+        con,
+        "SELECT count(*) FROM episodes v JOIN episodes t USING (task_id)"
+        " WHERE v.split = 'validation' AND t.split = 'train'",
+    )
+    assert shared == 0, "the run validated on tasks it trained on"

@@ -95,7 +95,7 @@ class AsyncStarterEnv(Env):
 
 def load_environment(seed: int = 0, num_tasks: int = 20) -> AsyncEnvSuite:
     rng = random.Random(seed)
-    pairs = [(rng.randint(1, 99), rng.randint(1, 99)) for _ in range(num_tasks)]
+    pairs = rng.sample([(a, b) for a in range(1, 100) for b in range(1, 100)], num_tasks)  # no repeats
     tasks = [Task(prompt=f"What is {a} plus {b}?", target=a + b) for a, b in pairs]
     split = max(1, num_tasks * 4 // 5)
     return AsyncEnvSuite(

@@ -8,7 +8,8 @@ Edit this into your own task. What each hook does:
   Tool calls -> run them, return their results, stay open. A plain reply -> done.
 - ``score_episode``: grade the finished transcript. Score behaviours: here mostly the
   right answer, a little for using the tool.
-- ``dataset``: the rows to play, each ``{"input": ..., "output": ...}``.
+- ``dataset``: the rows to play, each ``{"input": ..., "output": ...}``, per split:
+  validation measures the policy on words it never trained on.
 
 Keep the environment stateless: many episodes of one row run at once, and the transcript
 is the only state. Run ``python -m pytest`` on this folder to play it.
@@ -35,13 +36,18 @@ from rollflow import (
     tool_to_spec,
 )
 
-WORDS = ("banana", "tool", "rollout", "environment", "policy", "gradient", "token", "reward")
+TRAIN_WORDS = ("banana", "tool", "rollout", "environment", "policy", "gradient", "token", "reward")
+VALIDATION_WORDS = ("sampler", "episode", "checkpoint", "adapter")
 
 
 def last_number(text: str) -> float | None:
     """The last number written in ``text`` (the reply's answer), or None."""
     found = re.findall(r"-?\d+(?:\.\d+)?", text)
     return float(found[-1]) if found else None
+
+
+def letter_rows(words: Sequence[str]) -> list[dict[str, Any]]:
+    return [{"input": f"How many letters are in the word {word!r}?", "output": len(word)} for word in words]
 
 
 class CountLettersTool:
@@ -60,9 +66,7 @@ class CountLettersTool:
 class HookStarterEnv(EnvironmentMultiTurn):
     def __init__(self, max_turns: int = 4) -> None:
         self.max_turns = max_turns
-        self.dataset = [
-            {"input": f"How many letters are in the word {word!r}?", "output": len(word)} for word in WORDS
-        ]
+        self.dataset = {"train": letter_rows(TRAIN_WORDS), "validation": letter_rows(VALIDATION_WORDS)}
         self.tools = {"count_letters": CountLettersTool()}
 
     def start_episode(self, example: TaskExample, prompt_text: str) -> list[Message]:

@@ -6,7 +6,8 @@ Edit this into your own task. What each hook does:
 - ``score_response``: grade the one reply. Score behaviours: here mostly the right
   number, a little for answering with a number at all.
 - ``dataset``: the rows to play, each ``{"input": ..., "output": ...}``; ``output`` is
-  also what ``rollflow sft`` trains the reply to be.
+  also what ``rollflow sft`` trains the reply to be. One sum in five is held out for
+  validation, never trained on.
 
 One reply per episode, no tools: a task that needs tools or several turns is an
 ``EnvironmentMultiTurn`` (``rollflow env new NAME --multi-turn``). Run
@@ -30,9 +31,11 @@ def last_number(text: str) -> float | None:
 class SingleTurnStarterEnv(EnvironmentSingleTurn):
     def __init__(self, num_examples: int = 32, seed: int = 0) -> None:
         rng = random.Random(seed)
-        pairs = [(rng.randint(2, 99), rng.randint(2, 99)) for _ in range(num_examples)]
-        self.dataset = [{"input": f"What is {a} + {b}?", "output": str(a + b), "id": f"sum-{i}"}
-                        for i, (a, b) in enumerate(pairs)]
+        pairs = rng.sample([(a, b) for a in range(2, 100) for b in range(2, 100)], num_examples)  # no repeats
+        rows = [{"input": f"What is {a} + {b}?", "output": str(a + b), "id": f"sum-{i}"}
+                for i, (a, b) in enumerate(pairs)]
+        split = max(1, num_examples * 4 // 5)
+        self.dataset = {"train": rows[:split], "validation": rows[split:]}
 
     def build_prompt_messages(self, example: TaskExample) -> list[Message]:
         return [

@@ -1,0 +1,64 @@
+"""Where Prefect keeps its state when the ``rollflow`` command runs (flows/prefect_home.py).
+
+Without PREFECT_HOME (and without a Prefect server in PREFECT_API_URL) Prefect writes its
+database and profiles to ``~/.prefect``, shared by every run on the machine, and fails at
+length when $HOME is missing. The command gives it ``<project>/.rollflow/prefect`` instead.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from rollflow.flows.prefect_home import use_project_prefect_home
+
+# `rollflow train` with a config that does not exist: the real entry, stopped in its first
+# line (before Prefect's server starts); then Prefect, imported after it, names its home.
+_REPORT_PREFECT_HOME = (
+    "from rollflow.flows.cli import main\n"
+    "code = main(['train', 'missing.toml'])\n"
+    "from prefect.settings import get_current_settings\n"
+    "print(get_current_settings().home)\n"
+    "raise SystemExit(code)\n"
+)
+
+
+def test_cli_gives_prefect_a_home_under_the_working_folder_not_in_home(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")}
+    env["HOME"] = str(home)
+    result = subprocess.run(
+        [sys.executable, "-c", _REPORT_PREFECT_HOME], cwd=work, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1 and "missing.toml" in result.stderr, result.stderr
+    reported = Path(result.stdout.strip().splitlines()[-1])
+    expected = (work / ".rollflow" / "prefect").resolve()
+    assert reported.resolve() == expected, f"Prefect's home is {reported}, expected {expected}"
+    assert expected.is_dir(), "the Prefect home is created before Prefect starts"
+    assert not (home / ".prefect").exists(), "Prefect wrote to ~/.prefect"
+
+
+def test_prefect_home_is_the_project_root_from_a_subfolder(tmp_path: Path) -> None:
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    sub = tmp_path / "experiments" / "a"
+    sub.mkdir(parents=True)
+    environ: dict[str, str] = {}
+    chosen = use_project_prefect_home(environ, start=sub)
+    assert chosen == (tmp_path / ".rollflow" / "prefect").resolve()
+    assert environ["PREFECT_HOME"] == str(chosen) and chosen.is_dir()
+    assert environ["PREFECT_SERVER_ANALYTICS_ENABLED"] == "false"
+
+
+def test_a_users_prefect_home_or_server_is_left_alone(tmp_path: Path) -> None:
+    own_home = {"PREFECT_HOME": str(tmp_path / "mine")}
+    assert use_project_prefect_home(own_home, start=tmp_path) is None
+    assert own_home["PREFECT_HOME"] == str(tmp_path / "mine")
+    with_server = {"PREFECT_API_URL": "http://127.0.0.1:4200/api"}
+    assert use_project_prefect_home(with_server, start=tmp_path) is None
+    assert "PREFECT_HOME" not in with_server
+    assert not (tmp_path / ".rollflow").exists()
