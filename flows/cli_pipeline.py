@@ -28,9 +28,12 @@ def run_pipeline(args: argparse.Namespace) -> int:
     from rollflow.flows.pipeline import pipeline_flow
     from rollflow.flows.runs import RunSetupError
     from rollflow.storage.errors import ConfigMismatchError
-    from rollflow.tasks.config import ConfigError
+    from rollflow.tasks.config import ConfigError, load_config
+    from rollflow.tasks.preflight import check_run_config
 
     try:
+        if args.config is not None:  # before Prefect starts and before a folder is made
+            check_run_config(load_config(args.config))
         result = pipeline_flow(config_path=args.config, run_dir=args.run_dir)
     except (ConfigError, RunSetupError, EnvironmentLoadError, ConfigMismatchError) as exc:
         raise UserError(str(exc)) from exc
@@ -61,7 +64,7 @@ def run_registry(args: argparse.Namespace) -> int:
         mark = "champion" if champion is not None and champion.version == version.version else ""
         tags = version.tags
         print(f"{version.version:>4}  {mark:<8}  gate {tags.get('gate.baseline', '?')} -> {tags.get('gate.candidate', '?')} "
-              f"(change {tags.get('gate.change', '?')} +- {tags.get('gate.se', '?')}, "
+              f"(change {tags.get('gate.change', '?')} +- {tags.get('gate.se', '?')}, p {tags.get('gate.p_value', '?')}, "
               f"promote={tags.get('gate.promote', '?')})  {version.source}")
     return 0
 

@@ -25,8 +25,11 @@ def tiny_config(tmp_path: Path, model_dir: Path, **sections: dict) -> RunConfig:
     return replace(config, **changes)
 
 
-def rollflow_train(config: RunConfig, tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], float, Path]:
-    """A real `rollflow train` on ``config``; its result, its wall seconds and the run folder it was given."""
+def rollflow_train(
+    config: RunConfig, tmp_path: Path, command: str = "train"
+) -> tuple[subprocess.CompletedProcess[str], float, Path]:
+    """A real `rollflow train` (or ``command``) on ``config``; its result, its wall seconds and the
+    run folder it was given."""
     path = tmp_path / "checked.toml"
     path.write_text(config_to_toml(config))
     run_dir = tmp_path / "run"
@@ -34,7 +37,7 @@ def rollflow_train(config: RunConfig, tmp_path: Path) -> tuple[subprocess.Comple
     env.pop("PREFECT_API_URL", None)
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "rollflow.flows.cli", "train", str(path), "--run-dir", str(run_dir)],
+        [sys.executable, "-m", "rollflow.flows.cli", command, str(path), "--run-dir", str(run_dir)],
         env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )
     return done, time.monotonic() - started, run_dir
@@ -51,6 +54,16 @@ def test_a_wrong_env_name_is_one_line_in_seconds_and_leaves_no_run_folder(
     ]
     assert seconds < 30  # before Prefect starts: imports and the check only
     assert not run_dir.exists()
+
+
+def test_the_pipeline_checks_its_config_before_prefect_starts(tiny_model_dir: Path, tmp_path: Path) -> None:
+    config = tiny_config(tmp_path, tiny_model_dir, env={"name": "no_such_env:load_environment"})
+    done, seconds, run_dir = rollflow_train(config, tmp_path, command="pipeline")
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        "rollflow pipeline: [env].name: no module named 'no_such_env' (environment spec 'no_such_env:load_environment')"
+    ]
+    assert seconds < 30 and not run_dir.exists()
 
 
 def test_a_missing_model_path_names_the_setting_and_where_it_looked(tiny_model_dir: Path, tmp_path: Path) -> None:
