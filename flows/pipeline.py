@@ -146,6 +146,7 @@ def register(model_name: str, tracking_uri: str | None, policy: Path, root: Path
         "gate.column": decision.settings.column,
         "gate.change": f"{change.mean:.6f}",
         "gate.se": f"{change.se:.6f}",
+        "gate.p_value": f"{decision.p_value:.6g}",
         "gate.candidate": f"{decision.candidate_mean:.6f}",
         "gate.baseline": f"{decision.baseline_mean:.6f}",
         "gate.promote": str(decision.promote).lower(),

@@ -57,6 +57,8 @@ def test_every_night_registers_and_only_the_gate_moves_the_champion(
     assert not (night1 / "eval-champion").exists()  # no champion yet: gated against GRPO's step 0
     assert (night1 / "policy" / "adapter_config.json").is_file() and (night1 / "policy" / "tokenizer_config.json").is_file()
     assert registry.champion().source == (night1 / "policy").resolve()
+    gate = json.loads((night1 / "gate.json").read_text())
+    assert float(registry.champion().tags["gate.p_value"]) == pytest.approx(gate["p_value"], rel=1e-5)
     assert run_status(night1).complete
     ref = json.loads((night1 / "grpo" / "tracking.json").read_text())
     traces = MlflowClient(ref["tracking_uri"]).search_traces(locations=[ref["experiment_id"]], run_id=ref["mlflow_run_id"])
