@@ -213,41 +213,48 @@ def _mlflow_run_id(run_dir: Path) -> str | None:
 @flow(name="rollflow-pipeline")
 def pipeline_flow(config_path: str | None = None, run_dir: str | None = None) -> dict[str, object]:
     """Run (or, on the same folder, resume) the pipeline; returns what it registered."""
+    if config_path is None and run_dir is None:
+        raise RunSetupError("give a config to start a pipeline, or its folder to resume it")
+    config = (load_config(config_path) if config_path is not None
+              else load_config(Path(str(run_dir)) / "config.toml", frozen=True))
+    check_pipeline_config(config)
+    root = pipeline_root(config, run_dir)
+    registry = PolicyRegistry(config.pipeline.model_name, config.tracking.tracking_uri)
+    if not (root / GATE_FILE).is_file():  # the champion is still to be evaluated (and maybe trained)
+        check_champion_base(registry.champion(), config)
+    with run_folder_lock(root):
+        freeze_config(RunFolder(root), config)  # before the slot: a waiting night is visible
+        mark_run_kind(root, "pipeline")
+        with one_training_at_a_time(f"pipeline {root.name}"):
+            return _run_pipeline(config, root, registry)
+
+
+def _run_pipeline(config: RunConfig, root: Path, registry: PolicyRegistry) -> dict[str, object]:
+    """The pipeline's stages, with its folder's lock and the training slot held."""
     from rollflow.flows.sft import sft_flow
     from rollflow.flows.train import train_flow
 
-    if config_path is None and run_dir is None:
-        raise RunSetupError("give a config to start a pipeline, or its folder to resume it")
-    config = load_config(config_path if config_path is not None else Path(str(run_dir)) / "config.toml")
-    check_pipeline_config(config)
-    root = pipeline_root(config, run_dir)
     log = get_run_logger()
+    log.info("pipeline folder %s", root)
     settings = config.pipeline
-    registry = PolicyRegistry(settings.model_name, config.tracking.tracking_uri)
-    if not (root / GATE_FILE).is_file():  # the champion is still to be evaluated (and maybe trained)
-        check_champion_base(registry.champion(), config)
-    with run_folder_lock(root), one_training_at_a_time(f"pipeline {root.name}"):
-        freeze_config(RunFolder(root), config)
-        mark_run_kind(root, "pipeline")
-        log.info("pipeline folder %s", root)
-        champion = registry.champion()
-        from_champion = champion is not None and settings.start_from_champion
-        sft_policy = None
-        if settings.sft and not from_champion and not (root / GRPO_CONFIG).is_file():
-            sft_policy = Path(sft_flow(str(root / "config.toml"), run_dir=str(root / "sft")))
-        grpo_config = derive_grpo_config(config, root, sft_policy, champion)
-        grpo_dir = Path(train_flow(config_path=str(grpo_config), run_dir=str(root / "grpo")))
-        grpo = load_config(grpo_config)
-        if not (root / GATE_FILE).is_file():
-            candidate = [_validation_scores(grpo_dir, grpo.train.num_steps)]
-            baseline = _baseline_passes(registry.champion(), grpo_dir, grpo_config, root)
-            gate_settings = GateSettings(column=settings.gate_column, alpha=settings.gate_alpha,
-                                         min_discordant=settings.gate_min_discordant, min_gain=settings.gate_min_gain)
-            gate(candidate, baseline, gate_settings, root)
-        decision = read_decision(root / GATE_FILE)
-        log.info("gate: %s", decision.summary())
-        policy = export_final_policy(grpo_dir, root / "policy")
-        result = register(settings.model_name, config.tracking.tracking_uri, policy, root, grpo_dir, grpo, decision)
+    champion = registry.champion()
+    from_champion = champion is not None and settings.start_from_champion
+    sft_policy = None
+    if settings.sft and not from_champion and not (root / GRPO_CONFIG).is_file():
+        sft_policy = Path(sft_flow(str(root / "config.toml"), run_dir=str(root / "sft")))
+    grpo_config = derive_grpo_config(config, root, sft_policy, champion)
+    grpo_dir = Path(train_flow(config_path=str(grpo_config), run_dir=str(root / "grpo")))
+    grpo = load_config(grpo_config)
+    if not (root / GATE_FILE).is_file():
+        candidate = [_validation_scores(grpo_dir, grpo.train.num_steps)]
+        baseline = _baseline_passes(registry.champion(), grpo_dir, grpo_config, root)
+        gate_settings = GateSettings(column=settings.gate_column, alpha=settings.gate_alpha,
+                                     min_discordant=settings.gate_min_discordant, min_gain=settings.gate_min_gain)
+        gate(candidate, baseline, gate_settings, root)
+    decision = read_decision(root / GATE_FILE)
+    log.info("gate: %s", decision.summary())
+    policy = export_final_policy(grpo_dir, root / "policy")
+    result = register(settings.model_name, config.tracking.tracking_uri, policy, root, grpo_dir, grpo, decision)
     log.info("registered %s version %d%s", settings.model_name, result.version,
              " and made it the champion" if result.promoted else "; the champion stays")
     return dict(result.__dict__)

@@ -199,7 +199,7 @@ def test_a_rewritten_history_falls_back_to_a_full_prefill(tiny_model_dir: Path) 
 
 
 def test_new_weights_drop_every_cache(tiny_model_dir: Path, tmp_path: Path) -> None:
-    other, _ = load_causal_lm(ModelRef(path=str(build_tiny_model(tmp_path / "other", seed=9))))
+    other, _ = load_causal_lm(ModelRef(path=str(build_tiny_model(tmp_path / "other", seed=9, num_heads=4))))
     policy = make_policy(tiny_model_dir)
     actions, cached = asyncio.run(three_turns(policy, lambda: policy.set_weights(other.state_dict(), version=1)))
     assert cached == 0
