@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rollflow.storage.errors import CorruptFileError, SchemaMismatchError, StorageError
-from rollflow.storage.parquet import atomic_file, is_temporary, write_bytes_atomic
+from rollflow.storage.parquet import atomic_file, is_temporary, remove_temporaries, write_bytes_atomic
 from rollflow.storage.records import SCHEMA_VERSION
 from rollflow.storage.runfolder import RunFolder, parse_step_dirname, step_dirname
 from rollflow.storage.schemas import KIND_KEY, SCORE_SCHEMA, VERSION_KEY, schema_difference
@@ -148,13 +147,7 @@ class DerivedOutput:
 
     def discard_temporaries(self) -> list[Path]:
         """What an interrupted write left here (only here: never the run's own files)."""
-        found = [p for p in self.root.rglob("*") if is_temporary(p)] if self.root.is_dir() else []
-        for path in found:
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink(missing_ok=True)
-        return found
+        return remove_temporaries([p for p in self.root.rglob("*") if is_temporary(p)] if self.root.is_dir() else [])
 
     def write_chunk(self, table: pa.Table, split: str, step: int) -> Path:
         """Write one chunk atomically; a chunk already written is never rewritten."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import re
 import secrets
 from collections.abc import Iterator
@@ -68,6 +69,16 @@ def temporary_path(final: Path) -> Path:
 
 def is_temporary(path: Path) -> bool:
     return path.name.startswith(".") and _TMP_INFIX in path.name
+
+
+def remove_temporaries(found: list[Path]) -> list[Path]:
+    """Delete the half-written files and folders in ``found`` (from ``is_temporary``); returns them."""
+    for path in found:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    return found
 
 
 def fsync_dir(folder: Path) -> None:

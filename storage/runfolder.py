@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +46,7 @@ from rollflow.storage.parquet import (
     fsync_dir,
     is_temporary,
     list_parts,
+    remove_temporaries,
     read_table,
     seal_parts,
     temporary_path,
@@ -312,13 +312,7 @@ class RunFolder:
 
     def discard_temporaries(self) -> list[Path]:
         """Remove every half-written temporary (call on resume, never while writing)."""
-        found = self.temporaries()
-        for path in found:
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink(missing_ok=True)
-        return found
+        return remove_temporaries(self.temporaries())
 
 
 def _check_table(table: pa.Table, stage: str, step: int, split: str) -> None:

@@ -33,21 +33,14 @@ import pyarrow as pa
 
 from rollflow.envs.agent import PolicyAction
 from rollflow.envs.episode import EpisodeRollout
+from rollflow.envs.handle import EpisodeLimits
 from rollflow.envs.runner import EnvironmentHandle, TaskItem
 from rollflow.envs.scripted import ScriptedPolicy
 from rollflow.envs.types import Message, Split, TruncationCause
-from rollflow.storage.derived import REPLAY_SCHEMA, DerivedOutput
+from rollflow.storage.derived import REPLAY_SCHEMA
 from rollflow.storage.nested import message_to_row, row_to_message
 from rollflow.storage.records import SCHEMA_VERSION, EpisodeRecord
-from rollflow.tasks.rescore import (
-    DerivedSummary,
-    StoredRun,
-    default_name,
-    load_changed_environment,
-    open_stored_run,
-    output_manifest,
-    write_chunks,
-)
+from rollflow.tasks.rescore import DerivedSummary, StoredRun, derive_run
 from rollflow.tasks.rollout import episode_limits
 
 
@@ -150,9 +143,4 @@ def replay_run(
     name: str | None = None, where: str | None = None,
 ) -> DerivedSummary:
     """Replay the run at ``run_dir`` through ``env(**kwargs)``; see the module docstring."""
-    run = open_stored_run(run_dir, where)
-    handle = load_changed_environment(run, env, kwargs)
-    manifest = output_manifest(run, env, kwargs, where)
-    name = name or default_name(manifest)
-    output = DerivedOutput.open(run.folder, "replays", name, manifest)
-    return write_chunks(run, output, lambda split, step, episodes: replay_table(handle, run, name, split, episodes))
+    return derive_run("replays", replay_table, run_dir, env, kwargs, name, where)

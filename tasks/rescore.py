@@ -185,9 +185,22 @@ def rescore_run(
     name: str | None = None, where: str | None = None,
 ) -> DerivedSummary:
     """Rescore the run at ``run_dir`` with ``env(**kwargs)``; see the module docstring."""
+    return derive_run("rescores", rescore_table, run_dir, env, kwargs, name, where)
+
+
+# (changed env, run, output name, split, episodes) -> the chunk's rows
+ChunkMaker = Callable[[EnvironmentHandle, StoredRun, str, str, Sequence[EpisodeRecord]], pa.Table]
+
+
+def derive_run(
+    kind: str, make_table: ChunkMaker, run_dir: Path | str, env: str,
+    kwargs: Mapping[str, Any] | None, name: str | None, where: str | None,
+) -> DerivedSummary:
+    """Open the run and ``env(**kwargs)``, then write the ``kind`` chunks (``rescores``,
+    ``replays``) that ``make_table`` gives and the output does not hold yet."""
     run = open_stored_run(run_dir, where)
     handle = load_changed_environment(run, env, kwargs)
     manifest = output_manifest(run, env, kwargs, where)
     name = name or default_name(manifest)
-    output = DerivedOutput.open(run.folder, "rescores", name, manifest)
-    return write_chunks(run, output, lambda split, step, episodes: rescore_table(handle, run, name, split, episodes))
+    output = DerivedOutput.open(run.folder, kind, name, manifest)
+    return write_chunks(run, output, lambda split, step, episodes: make_table(handle, run, name, split, episodes))
