@@ -24,7 +24,7 @@ from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_episode_records
 from rollflow.storage.tracking import RunTracker
 from rollflow.tasks.config import ConfigError, load_config
-from tiny_run import tiny_config_at
+from tiny_run import kill_group, tiny_config_at
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -244,15 +244,6 @@ def wait_for(child: subprocess.Popen[str], path: Path) -> None:
         assert child.poll() is None, f"the run ended before {path} appeared"
         assert time.monotonic() < deadline, f"{path} never appeared"
         time.sleep(0.02)
-
-
-def kill_group(child: subprocess.Popen[str]) -> None:
-    """SIGKILL whatever is left of the child's process group, the child included."""
-    try:
-        os.killpg(child.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    child.wait(timeout=60)
 
 
 def group_gone(pgid: int, within_s: float) -> bool:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from tiny_run import kill_group
 
 from rollflow.flows.runs import RunFolderBusyError, freeze_config, open_run
 from rollflow.storage.runfolder import RunFolder
@@ -31,14 +31,6 @@ def rollflow(*args: str, stderr: Path) -> subprocess.Popen[str]:
     with stderr.open("w") as log:
         return subprocess.Popen([sys.executable, "-m", "rollflow.flows.cli", *args], env=env,
                                 stdout=subprocess.DEVNULL, stderr=log, text=True, start_new_session=True)
-
-
-def kill_group(child: subprocess.Popen[str]) -> None:
-    try:
-        os.killpg(child.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    child.wait(timeout=60)
 
 
 def wait_for(child: subprocess.Popen[str], done: object, what: str, within_s: float = 300) -> None:

@@ -1,7 +1,11 @@
-"""The tiny-run config tests share: configs/tiny.toml on a tiny model, with varying rewards."""
+"""What tests of tiny runs share: configs/tiny.toml on a tiny model (with varying rewards), and
+killing a run started in its own process group."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -41,3 +45,12 @@ def build_vllm_tiny_model(dest: Path) -> Path:
         model.get_input_embeddings().weight[eos] = direction / direction.norm() * 8.0
     model.save_pretrained(str(folder))  # safetensors: what vLLM loads
     return folder
+
+
+def kill_group(child: subprocess.Popen[str]) -> None:
+    """SIGKILL whatever is left of the child's process group, the child included."""
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    child.wait(timeout=60)
