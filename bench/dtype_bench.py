@@ -38,8 +38,8 @@ from transformers import DynamicCache
 
 from rollflow.policy.generation import _cache_keyword
 from rollflow.policy.models import build_tiny_model
-from rollflow.tasks.checkpoints import load_policy_for_training
 from rollflow.tasks.config import ModelConfig, RunConfig
+from rollflow.tasks.models import load_policy_for_training
 
 DTYPES = ("float32", "bfloat16")
 

@@ -34,7 +34,6 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -49,11 +48,13 @@ os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="rollflow-overhead
 from prefect import flow  # noqa: E402
 
 from rollflow.flows.runs import open_run  # noqa: E402
+from rollflow.flows.step import run_once, run_stage  # noqa: E402
 from rollflow.flows.train import train_flow, validation_due  # noqa: E402
 from rollflow.policy.models import build_tiny_model  # noqa: E402
+from rollflow.storage.runfolder import RunFolder  # noqa: E402
 from rollflow.tasks.config import RunConfig, TrackingConfig, config_to_toml  # noqa: E402
 from rollflow.tasks.flatten import flatten_stage  # noqa: E402
-from rollflow.tasks.metrics import metrics_stage, run_timed, validation_metrics_stage  # noqa: E402
+from rollflow.tasks.metrics import metrics_stage, validation_metrics_stage  # noqa: E402
 from rollflow.tasks.rollout import rollout_stage  # noqa: E402
 from rollflow.tasks.scoring import score_stage  # noqa: E402
 from rollflow.tasks.train import train_stage  # noqa: E402
@@ -91,25 +92,24 @@ def plain_training(config_path: Path, run_dir: Path) -> None:
     for step in range(config.train.num_steps):
         if validation_due(config, step):
             plain_validation(config, root, step)
-        stages: tuple[tuple[str, Callable[[RunConfig, Path, int], Path]], ...] = (
-            ("rollout", rollout_stage), ("scoring", _score_train), ("flatten", flatten_stage),
-            ("train", train_stage),
-        )
-        for name, stage in stages:
-            run_timed(handle.folder, step, name, partial(stage, config, root, step))
-        metrics_stage(config, root, step)
+        folder, p = handle.folder, handle.folder.step_paths(step)
+        stage = partial(run_stage, folder, step)
+        episodes = stage("rollout", p.episodes, partial(rollout_stage, config, p.episodes, step))
+        scores = stage("scoring", p.scores, partial(score_stage, config, episodes, p.scores))
+        samples = stage("flatten", p.samples, partial(flatten_stage, episodes, scores, p.samples))
+        previous = folder.checkpoint_before(step)
+        stage("train", p.train_json,
+              partial(train_stage, config, samples, None, previous, p.checkpoint, p.train_json))
+        run_once(p.metrics_json, partial(metrics_stage, config, root, step))
     if validation_due(config, config.train.num_steps):
         plain_validation(config, root, config.train.num_steps)
 
 
 def plain_validation(config: RunConfig, root: Path, step: int) -> None:
-    rollout_stage(config, root, step, "validation")
-    score_stage(config, root, step, "validation")
-    validation_metrics_stage(config, root, step)
-
-
-def _score_train(config: RunConfig, root: Path, step: int) -> Path:
-    return score_stage(config, root, step, "train")
+    p = RunFolder(root).step_paths(step, "validation")
+    episodes = run_once(p.episodes, partial(rollout_stage, config, p.episodes, step, "validation"))
+    run_once(p.scores, partial(score_stage, config, episodes, p.scores))
+    run_once(p.metrics_json, partial(validation_metrics_stage, config, root, step))
 
 
 @flow(name="rollflow-bench-warmup")

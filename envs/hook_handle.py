@@ -1,6 +1,6 @@
 """Hook-style environments (``EnvironmentMultiTurn``): their episodes and their scoring.
 
-Episodes run through the one loop, ``rollflow.envs.async_handle.play_env_episode``: each
+Episodes run through the one loop, ``rollflow.envs.loop.play_episode``: each
 episode adapts the environment and its example to the async ``Env`` shape
 (``HookEpisodeEnv``), so turn handling and endings are written once. The loop is the
 reference's, turn for turn: the action is appended to the transcript (as
@@ -29,22 +29,17 @@ import dataclasses
 from collections.abc import Sequence
 
 from rollflow.envs.agent import Policy
-from rollflow.envs.async_handle import play_env_episode
 from rollflow.envs.env import AnnotatedStepResult, Env
 from rollflow.envs.episode import EpisodeRollout
 from rollflow.envs.handle import (
     UNSCORED_EPISODE,
-    Cleanup,
     EpisodeLimits,
     EpisodeScore,
-    EpisodeTrace,
     Style,
     TaskItem,
     checked_score,
     describe_error,
     error_score,
-    play_safely,
-    stage,
     task_id_for,
 )
 from rollflow.envs.hooks import (
@@ -57,6 +52,7 @@ from rollflow.envs.hooks import (
     overrides,
     score_each,
 )
+from rollflow.envs.loop import play_episode, stage
 from rollflow.envs.types import (
     EnvironmentEpisode,
     EnvironmentStepResult,
@@ -148,8 +144,8 @@ class HookEnvironmentHandle:
         ]
 
     async def play(self, item: TaskItem, policy: Policy, limits: EpisodeLimits) -> EpisodeRollout:
-        trace = EpisodeTrace(policy)
-        return await play_safely(trace, lambda cleanup: self._run(item, policy, limits, trace, cleanup))
+        rollout = await play_episode(policy, limits, lambda: self._open(item))
+        return dataclasses.replace(rollout, env_reward=None, env_metrics={})  # score_episode rewards
 
     async def score(self, item: TaskItem, rollouts: Sequence[EpisodeRollout]) -> list[EpisodeScore]:
         try:
@@ -157,13 +153,10 @@ class HookEnvironmentHandle:
         except Exception as exc:  # never raises: the whole group carries the error
             return [error_score(describe_error(exc, "scoring")) for _ in rollouts]
 
-    async def _run(
-        self, item: TaskItem, policy: Policy, limits: EpisodeLimits, trace: EpisodeTrace, cleanup: Cleanup
-    ) -> EpisodeRollout:
+    def _open(self, item: TaskItem) -> tuple[Env, Task]:
+        """The episode's environment: the hook environment adapted to one example."""
         example = _example(item)
-        episode_env = HookEpisodeEnv(self.env, example)
-        rollout = await play_env_episode(episode_env, hook_task(example), policy, limits, trace, cleanup)
-        return dataclasses.replace(rollout, env_reward=None, env_metrics={})  # score_episode rewards
+        return HookEpisodeEnv(self.env, example), hook_task(example)
 
     async def _score(self, example: TaskExample, rollouts: Sequence[EpisodeRollout]) -> list[EpisodeScore]:
         scored_indices = [index for index, rollout in enumerate(rollouts) if rollout.error is None]

@@ -15,10 +15,11 @@ is recorded on its own episode (``EpisodeRollout.error``, ``EpisodeScore.error``
 other episodes go on. Exceptions are kept for what is wrong before anything runs: a bad
 spec, bad arguments, an invalid limit (``EnvironmentLoadError``, ``ValueError``).
 
-The one episode loop lives in ``rollflow.envs.async_handle``; ``rollflow.envs.hook_handle``
-adapts each hook-style episode to the ``Env`` shape that loop drives and keeps the hook
-style's group scoring. What both share (records, the trace of one episode, the ending
-rules, the turn budget) is in ``rollflow.envs.handle``.
+The one episode loop, with the trace of one episode and the ending rules, lives in
+``rollflow.envs.loop``; ``rollflow.envs.async_handle`` builds each async-style episode's
+``Env``, and ``rollflow.envs.hook_handle`` adapts each hook-style episode to that shape and
+keeps the hook style's group scoring. The records both share and the turn budget are in
+``rollflow.envs.handle``.
 """
 
 from __future__ import annotations

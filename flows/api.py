@@ -21,7 +21,7 @@ from rollflow.envs.registry import register_environment
 from rollflow.envs.types import Task
 from rollflow.tasks.config import EnvConfig, RunConfig, config_to_toml
 from rollflow.tasks.grpo_config import GRPOConfig
-from rollflow.tasks.preflight import check_run_config
+from rollflow.tasks.preflight import preflight
 
 
 def train_multi_turn(
@@ -46,7 +46,7 @@ def train_multi_turn(
     key = _environment_key(suite)
     spec = register_environment(key, suite)
     run_config = replace(run_config, env=EnvConfig(name=spec, kwargs={"key": key}))
-    check_run_config(run_config)  # before Prefect starts and before a run folder is made
+    preflight(run_config)  # before Prefect starts and before a run folder is made
     with tempfile.TemporaryDirectory(prefix="rollflow-config-") as scratch:
         config_path = Path(scratch) / "train_multi_turn.toml"
         config_path.write_text(config_to_toml(run_config))

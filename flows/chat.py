@@ -286,7 +286,7 @@ def _server_policy(
 def _local_policy(config: RunConfig, checkpoint: Checkpoint | None, settings: SamplingSettings) -> ChatPolicy:
     from rollflow.policy.models import load_causal_lm
     from rollflow.policy.transformers_backend import TransformersPolicy
-    from rollflow.tasks.checkpoints import policy_model_ref, torch_device, torch_dtype
+    from rollflow.tasks.models import policy_model_ref, torch_device, torch_dtype
 
     model, tokenizer = load_causal_lm(
         policy_model_ref(config, checkpoint), torch_dtype(config), device=torch_device(config)

@@ -29,11 +29,11 @@ def run_pipeline(args: argparse.Namespace) -> int:
     from rollflow.flows.runs import RunSetupError
     from rollflow.storage.errors import ConfigMismatchError
     from rollflow.tasks.config import ConfigError, load_config
-    from rollflow.tasks.preflight import check_run_config
+    from rollflow.tasks.preflight import preflight
 
     try:
         if args.config is not None:  # before Prefect starts and before a folder is made
-            check_run_config(load_config(args.config))
+            preflight(load_config(args.config))
         result = pipeline_flow(config_path=args.config, run_dir=args.run_dir)
     except (ConfigError, RunSetupError, EnvironmentLoadError, ConfigMismatchError) as exc:
         raise UserError(str(exc)) from exc

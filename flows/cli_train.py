@@ -59,15 +59,21 @@ def _run_flow(config_path: str | None, run_dir: str | None) -> int:
         # before Prefect starts and before a new run folder is made; the flow then runs
         # on the frozen copy in the (new or existing) run folder.
         handle = _checked_run(config_path, run_dir)
+        from rollflow.flows.prefect_log import PREFECT_LOG, prefect_log_in
         from rollflow.flows.train import train_flow
         from rollflow.storage.runs import resume_summary
 
         if config_path is None or handle.folder.steps("train"):
             handle.report(resume_summary(handle.root))
+        log = handle.root / PREFECT_LOG
         try:
-            folder = train_flow(run_dir=str(handle.root))
-        except BaseException:  # a crash, Ctrl-C, SIGTERM: the folder keeps what finished
+            with prefect_log_in(log):  # Prefect's tracebacks go there, not to the console
+                folder = train_flow(run_dir=str(handle.root))
+        except BaseException as exc:  # a crash, Ctrl-C, SIGTERM: the folder keeps what finished
             handle.report(f"continue with `rollflow resume {handle.root}`")
+            if isinstance(exc, _user_errors()):  # the command prints the first line
+                first, *rest = str(exc).split("\n", 1)
+                raise UserError("\n".join([f"{first} (Prefect's log, with the traceback: {log})", *rest])) from exc
             raise
     except _user_errors() as exc:
         raise UserError(str(exc)) from exc
@@ -76,22 +82,20 @@ def _run_flow(config_path: str | None, run_dir: str | None) -> int:
 
 
 def _checked_run(config_path: str | None, run_dir: str | None) -> RunHandle:
-    """The run to start or resume, once ``check_run_config`` passed on its config."""
-    from rollflow.flows.runs import check_supported, open_run
+    """The run to start or resume, once ``preflight`` passed on its config."""
+    from rollflow.flows.runs import open_run
     from rollflow.tasks.config import load_config
-    from rollflow.tasks.preflight import check_run_config
+    from rollflow.tasks.preflight import preflight
 
     if config_path is None:  # resume: the folder exists already, opening it makes nothing
         handle = open_run(None, run_dir)
         try:
-            check_run_config(handle.config)
+            preflight(handle.config)
         except BaseException:
             handle.close()
             raise
         return handle
-    config = load_config(config_path)
-    check_supported(config)
-    check_run_config(config)
+    preflight(load_config(config_path))
     return open_run(config_path, run_dir)
 
 

@@ -45,13 +45,11 @@ from rollflow.tasks.checkpoints import (
     RNG_FILE,
     VERSION_FILE,
     Checkpoint,
-    base_model_ref,
     latest_checkpoint,
-    policy_model_ref,
     read_checkpoint,
-    torch_dtype,
 )
 from rollflow.tasks.config import RunConfig, load_config
+from rollflow.tasks.models import base_model_ref, policy_model_ref, torch_dtype
 
 EXPORT_FILE = "export.json"
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")

@@ -10,6 +10,18 @@ as the Makefile does for the checkout.
 Prefect reads its settings when it is first imported, so ``main`` calls this before any
 subcommand runs. A user's own ``PREFECT_HOME``, or a Prefect server in ``PREFECT_API_URL``
 (deployments, workers), is left as it is.
+
+Without ``PREFECT_API_URL`` the run is served by Prefect's temporary server, a child of
+the command that inherits its environment. Its background services write the same SQLite
+file as its API, and a write that finds the file locked logs a long traceback (Prefect
+issues #15170, #18934, #19771). The ones rollflow's flows never use are turned off there
+(``TEMPORARY_SERVER_DEFAULTS``), each only where the user set neither of its variables:
+
+- ``triggers`` (automations: reactive and proactive triggers and their actions). No
+  rollflow flow makes an automation; the proactive sweep writes the database every 5 s.
+
+Left on: the task-run recorder (task runs reach the database through it) and the event
+persister (the events a later ``prefect server start`` on this home shows).
 """
 
 from __future__ import annotations
@@ -19,6 +31,11 @@ from collections.abc import MutableMapping
 from pathlib import Path
 
 from rollflow.storage.tracking import project_root  # imports MLflow, not Prefect
+
+# setting -> (its default here, the older spelling Prefect also reads)
+TEMPORARY_SERVER_DEFAULTS = {
+    "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": ("false", "PREFECT_API_SERVICES_TRIGGERS_ENABLED"),
+}
 
 
 def use_project_prefect_home(
@@ -31,6 +48,10 @@ def use_project_prefect_home(
     environ = os.environ if environ is None else environ
     # No network here: Prefect's telemetry would log an error on every run.
     environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if not environ.get("PREFECT_API_URL"):  # the run gets Prefect's temporary server
+        for key, (value, older) in TEMPORARY_SERVER_DEFAULTS.items():
+            if key not in environ and older not in environ:
+                environ[key] = value
     if environ.get("PREFECT_HOME") or environ.get("PREFECT_API_URL"):
         return None
     home = project_root(start) / ".rollflow" / "prefect"

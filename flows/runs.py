@@ -31,13 +31,11 @@ from rollflow.storage.runlock import (  # noqa: F401  (re-exported: flows use th
 from rollflow.tasks.config import (
     ConfigError,
     RunConfig,
-    check_training_sampling,
+    check_run_config,
     config_to_toml,
     flatten_config,
     load_config,
 )
-from rollflow.tasks.metrics import METRICS_JSON  # written last in a step: the step is finished
-from rollflow.tasks.policy_io import check_training_backend
 
 
 
@@ -55,7 +53,12 @@ class RunHandle:
         return self.folder.root
 
     def step_finished(self, step: int) -> bool:
-        return (self.folder.step_dir(step) / METRICS_JSON).exists()
+        return self.folder.step_finished(step)
+
+    def next_step(self) -> int:
+        """The first step not finished (``num_steps`` when every step is)."""
+        steps = range(self.config.train.num_steps)
+        return next((s for s in steps if not self.step_finished(s)), self.config.train.num_steps)
 
     def report(self, message: str) -> None:
         print(f"[{self.folder.run_id}] {message}", file=sys.stderr, flush=True)
@@ -94,7 +97,7 @@ def open_run(config_path: str | Path | None, run_dir: str | Path | None) -> RunH
             freeze_config(folder, config)
         else:
             config = load_config(folder.config_path, frozen=True)
-        check_supported(config)
+        check_run_config(config)
     except BaseException:
         release_run_folder(folder.root)
         raise
@@ -130,41 +133,3 @@ def freeze_config(folder: RunFolder, config: RunConfig) -> None:
         f"{folder.config_path}: the run's config is frozen and differs from the one given in "
         f"{shown}{more}; start a new run folder to change it"
     )
-
-
-def check_supported(config: RunConfig) -> None:
-    check_training_sampling(config)
-    check_training_backend(config)
-    check_async(config)
-
-
-def check_async(config: RunConfig) -> None:
-    """The async settings' rules (the reference's), checked before anything starts."""
-    rollout = config.rollout
-    if rollout.max_steps_off_policy is None:
-        if rollout.weight_sync_type != "synchronous":
-            raise ConfigError(
-                f"[rollout].weight_sync_type = {rollout.weight_sync_type!r} defers publication, "
-                "which needs async collection to bound the drift it allows: set "
-                "[rollout].max_steps_off_policy (1 is a good start) or use 'synchronous'"
-            )
-        return
-    if rollout.weight_sync_type == "pipeline" and config.train.use_lora:
-        raise ConfigError(
-            "[rollout].weight_sync_type = 'pipeline' needs full-weight training "
-            "([train].use_lora = false): in-flight generation switches to the new weights, "
-            "which a LoRA run keeps per version instead; use 'background_publish' with LoRA"
-        )
-    # Any keep_checkpoints works: pruning spares what the run still reads (a publication in
-    # flight, adapters in use, the resume's checkpoint): tasks/checkpoints.py's checkpoints_to_keep.
-    if rollout.backend != "vllm":
-        raise ConfigError(
-            "[rollout].max_steps_off_policy (async collection) needs [rollout].backend = 'vllm': "
-            "the rollout workers sample beside the trainer on a vLLM generator (the "
-            f"'{rollout.backend}' backend would share the trainer's process)"
-        )
-    if rollout.base_urls and not config.train.use_lora:
-        raise ConfigError(
-            "[rollout].max_steps_off_policy with base_urls needs [train].use_lora = true: new "
-            "full weights reach only a managed server (leave base_urls empty)"
-        )

@@ -27,17 +27,14 @@ unpadded forward pass of its whole context computes, up to float rounding.
 The prefill runs in slices of rows, longest first (by tokens to prefill), each a forward
 pass over at most ``PREFILL_TOKENS_PER_PASS`` tokens (its rows x its widest row), and no
 row in a slice is less than half as wide as the slice: a fresh 500-token episode does not
-make 30-token deltas pay for its width. Unsliced, a SIGTERM during a GRPO run here took
-42 s to stop it, most of that one prefill pass over a batch of later turns (64 contexts
-of ~500 tokens on 2 CPU cores); sliced, a stop waits for one slice. It is also faster
-here: 17 s instead of 36 s for that batch at 4096 tokens a pass (bench/prefill_bench.py),
-presumably because a smaller pass's activations and attention scores stay in the CPU's
-caches. The slices' caches are left-padded to one width and joined.
+make 30-token deltas pay for its width. A stop request waits for one slice, not the whole
+prefill, and on a CPU the slices cost less in all than one pass over every row
+(bench/prefill_bench.py measures both). The slices' caches are left-padded to one width
+and joined.
 
 Simplifications, and why:
 - One forward pass is never interrupted: stop requests are checked between passes, the
-  deadline between decoding steps. A decoding step takes tens of milliseconds here, a
-  prefill slice a few seconds.
+  deadline between decoding steps.
 - Only the last position's logits are computed (``logits_to_keep=1``): full-sequence
   logits for a 16 x 1000 prefill over a 49k vocabulary would be 3 GB.
 - A cache is stored without padding, one tensor per layer, in the model's dtype: about
@@ -56,7 +53,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -64,9 +61,8 @@ from transformers import DynamicCache, PreTrainedModel
 from rollflow.policy.sampling import draw_tokens, sampling_logprobs
 from rollflow.policy.stopping import raise_if_stop_requested
 
-# Tokens (rows x the batch's width) in one prefill forward pass: a pass of 8 rows x 500
-# positions takes about 2 s on 2 CPU cores, the longest a stop request waits in a prefill,
-# and the whole prefill is fastest about here (bench/prefill_bench.py).
+# Tokens (rows x the batch's width) in one prefill forward pass: the longest a stop request
+# waits in a prefill; the whole prefill is about fastest here (bench/prefill_bench.py).
 PREFILL_TOKENS_PER_PASS = 4096
 
 
@@ -170,13 +166,6 @@ class _PrefillRow:
         return self.context_ids[self.cached :]
 
 
-@dataclass(frozen=True)
-class _PrefillCount:
-    tokens: int
-    padded_tokens: int
-    passes: int
-
-
 def generate_batch(
     model: PreTrainedModel,
     requests: Sequence[GenerationRequest],
@@ -189,11 +178,10 @@ def generate_batch(
     keep_caches: bool = False,
 ) -> list[GenerationOutput]:
     """Sample a continuation for every request in one batched, KV-cached decoding loop."""
-    outputs, _ = generate_batch_and_report(
+    return generate_batch_and_report(
         model, requests, temperature=temperature, top_p=top_p, stop_token_ids=stop_token_ids,
         pad_token_id=pad_token_id, timeout_s=timeout_s, keep_caches=keep_caches,
-    )
-    return outputs
+    )[0]
 
 
 def generate_batch_and_report(
@@ -218,7 +206,7 @@ def generate_batch_and_report(
     with torch.inference_mode():
         cache = DynamicCache()
         cache_keyword = _cache_keyword(model)
-        logits_BV, attention_BT, count = _prefill(model, requests, pad_token_id, cache, cache_keyword)
+        logits_BV, attention_BT, prefill = _prefill(model, requests, pad_token_id, cache, cache_keyword)
         prefilled = time.perf_counter()
         live = list(range(len(rows)))  # indices into rows, in batch order
         while True:
@@ -246,13 +234,8 @@ def generate_batch_and_report(
             position_B1 = torch.tensor([[rows[i].next_position] for i in live], device=device)
             for i in live:
                 rows[i].next_position += 1
-            logits_BV = _last_logits(
-                model, tokens_B[:, None], attention_BT, position_B1, cache, cache_keyword
-            )
-    finished = time.perf_counter()
-    report = BatchReport(
-        count.tokens, count.padded_tokens, count.passes, prefilled - started, finished - prefilled
-    )
+            logits_BV = _last_logits(model, tokens_B[:, None], attention_BT, position_B1, cache, cache_keyword)
+    report = replace(prefill, prefill_s=prefilled - started, decode_s=time.perf_counter() - prefilled)
     return [_output(row) for row in rows], report
 
 
@@ -261,9 +244,7 @@ def _new_row(request: GenerationRequest) -> _Row:
     return _Row(request, generator, len(request.context_ids), [], [])
 
 
-def _append(
-    row: _Row, token: int, logprob: float, stop_token_ids: Collection[int], timed_out: bool
-) -> None:
+def _append(row: _Row, token: int, logprob: float, stop_token_ids: Collection[int], timed_out: bool) -> None:
     if timed_out:
         row.timed_out = True
         return
@@ -312,8 +293,9 @@ def _prefill(
     pad_token_id: int,
     cache: DynamicCache,
     cache_keyword: str,
-) -> tuple[torch.Tensor, torch.Tensor, _PrefillCount]:
-    """Fill ``cache`` with every context; returns the next-token logits, the mask, the count.
+) -> tuple[torch.Tensor, torch.Tensor, BatchReport]:
+    """Fill ``cache`` with every context; returns the next-token logits, the mask, and the
+    report's prefill counts (its times are the caller's to fill in).
 
     Identical contexts (a GRPO group's first turn) are computed once and their cache rows
     copied. The rows go through in slices (see the module note), each into its own cache,
@@ -345,11 +327,11 @@ def _prefill(
     expand_B = torch.tensor(index_B, device=model.device)
     if index_B != list(range(len(prefill_rows))):
         cache.batch_select_indices(expand_B)
-    count = _PrefillCount(
-        tokens=sum(len(row.new_ids) for row in prefill_rows),
-        padded_tokens=sum(len(members) * len(prefill_rows[members[0]].new_ids) for members in slices),
-        passes=len(slices),
-    )
+    count = BatchReport(
+        prefill_tokens=sum(len(row.new_ids) for row in prefill_rows),
+        prefill_padded_tokens=sum(len(members) * len(prefill_rows[members[0]].new_ids) for members in slices),
+        prefill_passes=len(slices), prefill_s=0.0, decode_s=0.0,
+    )  # fmt: skip
     return torch.cat(logits)[expand_B], attention_UT[expand_B], count  # (B, V), (B, T)
 
 
@@ -428,9 +410,7 @@ def _join(parts: Sequence[DynamicCache], masks: Sequence[torch.Tensor], cache: D
     return torch.cat([padded(mask, 1) for mask in masks])
 
 
-def _left_padded(
-    contexts: Sequence[tuple[int, ...]], pad_token_id: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _left_padded(contexts: Sequence[tuple[int, ...]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(context) for context in contexts)
     input_ids_BT = torch.full((len(contexts), width), pad_token_id, dtype=torch.long)
     attention_BT = torch.zeros((len(contexts), width), dtype=torch.long)  # 0 = padding

@@ -39,6 +39,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -222,8 +223,20 @@ def build_tiny_model(
 
 
 def generation_stop_ids(model: PreTrainedModel) -> list[int]:
-    """The end tokens the model's generation config declares (Qwen-style models have two)."""
-    config = getattr(model, "generation_config", None)
+    """The end tokens the loaded model's generation config declares (Qwen-style models have two)."""
+    return _eos_ids(getattr(model, "generation_config", None))
+
+
+def stop_token_ids(model_dir: Path) -> list[int]:
+    """The end tokens ``model_dir``'s ``generation_config.json`` declares (vLLM stops on them
+    too); none without one (the tokenizer's eos alone, which the codec always adds)."""
+    try:
+        return _eos_ids(GenerationConfig.from_pretrained(str(model_dir)))
+    except OSError:
+        return []
+
+
+def _eos_ids(config: object) -> list[int]:
     eos = getattr(config, "eos_token_id", None)
     if eos is None:
         return []

@@ -17,11 +17,13 @@ carries text only (``token_ids`` and ``logprobs`` must pair up one to one).
 Structured ``tool_calls`` parsed by the server are written back into the action text with
 ``rollflow.envs.protocol.render_tool_calls``, so the runner reads every model the same way.
 
-Endings: ``stop`` / ``tool_calls`` -> ``"stop"``; ``length`` -> ``"length"``, or
-``"context"`` when the usage shows the episode reached ``max_model_length``; a request the
-server refuses because the conversation no longer fits its context -> ``"context"`` with
-no tokens. Timeouts (``generation_timeout_s``), connection errors, 429 and 5xx are retried
-up to ``max_sampling_attempts``; other errors raise ``OpenAIPolicyError`` at once with the
+Endings follow ``rollflow.policy.session.finish_reason``: ``stop`` / ``tool_calls`` ->
+``"stop"``; ``length`` -> ``"length"``, or ``"context"`` when the usage shows the episode
+reached ``max_model_length``; a request the server refuses because the conversation no
+longer fits its context -> ``"context"`` with no tokens. Seeds are the other backends'
+(``SeededPolicy``), 31-bit; a server may ignore them. Timeouts (``generation_timeout_s``),
+connection errors, 408, 429 and 5xx are retried (``rollflow.policy.retries``) up to
+``max_sampling_attempts``; other errors raise ``OpenAIPolicyError`` at once with the
 server's message.
 
 Simplifications, and why:
@@ -35,7 +37,6 @@ Simplifications, and why:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -50,15 +51,15 @@ from rollflow.envs.agent import FinishReason, PolicyAction
 from rollflow.envs.protocol import describe_tools, render_tool_calls
 from rollflow.envs.types import Message, ToolCall, ToolSpec
 from rollflow.policy.codec import with_tools_in_system_prompt
-from rollflow.policy.sampling import EpisodeSeeds, SamplingSettings, request_seed
-from rollflow.policy.stopping import raise_if_stop_requested
+from rollflow.policy.retries import RetriesExhausted, post_with_retries, server_error_message
+from rollflow.policy.sampling import SamplingSettings
+from rollflow.policy.session import GenerationError, SeededPolicy, finish_reason
 
-_RETRIED_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _CONTEXT_ERROR = re.compile(r"context length|context window|maximum context|too long", re.I)
 _TOKEN_ID = re.compile(r"^token_id:(\d+)$")
 
 
-class OpenAIPolicyError(RuntimeError):
+class OpenAIPolicyError(GenerationError):
     """The server refused or failed a request; the message names the URL and the reason."""
 
 
@@ -77,8 +78,10 @@ class _Completion:
     prompt_ids: tuple[int, ...] | None
 
 
-class OpenAIChatPolicy:
+class OpenAIChatPolicy(SeededPolicy):
     """A ``Policy`` (envs/agent.py) served by an OpenAI-compatible chat-completions API."""
+
+    seed_bits = 31
 
     def __init__(
         self,
@@ -95,22 +98,15 @@ class OpenAIChatPolicy:
             raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
         if not model:
             raise ValueError("model must name the served model")
+        super().__init__(settings, version)
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model = model
         self.api_key_env = api_key_env
-        self.settings = settings or SamplingSettings()
-        self.version = version
         self.vllm_extensions = vllm_extensions
         self.tools_in_system_prompt = tools_in_system_prompt
-        self.episode_seeds = EpisodeSeeds()
 
     def open_session(self, tool_specs: Sequence[ToolSpec]) -> OpenAIChatSession:
         return OpenAIChatSession(self, tuple(tool_specs))
-
-    def reseed(self, seed: int) -> None:
-        """Ask the server for draws from ``seed`` from now on (servers may ignore seeds)."""
-        self.settings = dataclasses.replace(self.settings, seed=seed)
-        self.episode_seeds.reset()
 
     def headers(self) -> dict[str, str]:
         """The API key is read from the environment per request; none is sent if unset."""
@@ -192,26 +188,23 @@ class OpenAIChatSession:
         if self._episode is None:
             opening = json.dumps([list(messages), list(self._tool_specs)], sort_keys=True)
             self._episode = policy.episode_seeds.identity(opening)
-        attempts = policy.settings.max_sampling_attempts
-        last_error = ""
-        for attempt in range(1, attempts + 1):
-            seed = request_seed(policy.settings.seed, *self._episode, turn, attempt) % 2**31
-            body = policy.request_body(messages, self._tool_specs, seed)
-            raise_if_stop_requested()
-            try:
-                response = await self._http().post(policy.url, json=body, headers=policy.headers())
-            except httpx.TimeoutException:
-                timeout_s = policy.settings.generation_timeout_s
-                last_error = f"no answer within generation_timeout_s={timeout_s}"
-                continue
-            except httpx.TransportError as error:
-                last_error = f"{type(error).__name__}: {error}"
-                continue
-            if response.status_code in _RETRIED_STATUS:
-                last_error = f"HTTP {response.status_code}: {server_error_message(response)}"
-                continue
-            return _parse_response(policy.url, response, policy.settings), attempt
-        raise OpenAIPolicyError(f"{policy.url}: all {attempts} attempts failed; last: {last_error}")
+        episode = self._episode
+
+        def body(attempt: int) -> dict[str, Any]:
+            return policy.request_body(messages, self._tool_specs, policy.request_seed(episode, turn, attempt))
+
+        settings = policy.settings
+        try:
+            posted = await post_with_retries(
+                self._http(), (policy.url,), body, attempts=settings.max_sampling_attempts,
+                headers=policy.headers(),
+                timeout_reason=f"no answer within generation_timeout_s={settings.generation_timeout_s}",
+            )  # fmt: skip
+        except RetriesExhausted as failed:
+            raise OpenAIPolicyError(
+                f"{policy.url}: all {failed.attempts} attempts failed; last: {failed.reason}"
+            ) from None
+        return _parse_response(policy.url, posted.response, policy.settings), posted.attempt
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
@@ -269,18 +262,10 @@ def _sampled_tokens(choice: Mapping[str, Any]) -> tuple[tuple[int, ...], tuple[f
 def _finish_reason(
     reason: object, usage: Mapping[str, Any] | None, settings: SamplingSettings
 ) -> FinishReason:
-    if reason != "length":
-        return "stop"  # "stop", "tool_calls", or a server's own name for an end of turn
+    """The server's reason read by the one rule: anything but "length" ("stop", "tool_calls",
+    a server's own name for an end of turn) is a stop; the usage tells whether the context is full."""
     total = (usage or {}).get("total_tokens")
-    return "context" if isinstance(total, int) and total >= settings.max_model_length else "length"
-
-
-def server_error_message(response: httpx.Response) -> str:
-    """An OpenAI-compatible server's error text (its ``error.message``, else the body), cut to 300 characters."""
-    try:
-        payload = response.json()
-    except ValueError:
-        return response.text[:300]
-    error = payload.get("error", payload) if isinstance(payload, dict) else payload
-    message = error.get("message") if isinstance(error, dict) else None
-    return str(message or payload)[:300]
+    return finish_reason(
+        stopped=reason != "length", cut_by_server=False,
+        episode_tokens=total if isinstance(total, int) else None, max_model_length=settings.max_model_length,
+    )  # fmt: skip

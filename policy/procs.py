@@ -124,6 +124,26 @@ def is_alive(proc: Proc) -> bool:
     return now is not None and now.start == proc.start and now.state not in ("Z", "X")
 
 
+def signal_group(group: int, sig: signal.Signals) -> None:
+    """``killpg``, quiet when the group is gone already."""
+    try:
+        os.killpg(group, sig)
+    except ProcessLookupError:
+        pass
+
+
+def group_gone(leader: subprocess.Popen[bytes], group: int) -> bool:
+    """True once ``leader`` is reaped and no live (non-zombie) member of ``group`` is left."""
+    leader.poll()  # reap the leader, else it lingers as a zombie member of the group
+    if not _PROC.is_dir():  # not Linux: ask the kernel, which also counts zombies
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return True
+        return False
+    return not any(proc.pgid == group and proc.state != "Z" for proc in process_table().values())
+
+
 def processes_to_end(recorded: dict[tuple[int, int], Proc], table: dict[int, Proc]) -> dict[int, Proc]:
     """What is left of a dead run in ``table``: see the module docstring, step 3."""
     live = {p.pid: table[p.pid] for p in recorded.values() if p.pid in table and table[p.pid].start == p.start}

@@ -26,14 +26,15 @@ of a probe text and of a probe chat rendered with the template) and raises
 
 Simplified: a local teacher scores one sequence per forward pass (no padding, no
 micro-batches: on CPU a step's few dozen samples are seconds next to rollout), and a
-server teacher posts one request per sequence, sequentially, retrying transport errors and
-the student's retried statuses (5xx, 408, 429) twice, with a short pause.
+server teacher posts one request per sequence, sequentially, through the student's retry
+loop (``rollflow.policy.retries``: connection errors, timeouts, 408, 429 and 5xx), three
+attempts with a short pause between them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -43,8 +44,8 @@ import torch
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from rollflow.policy.models import ModelRef, hf_model_folder, load_causal_lm, load_tokenizer
-from rollflow.policy.openai_backend import server_error_message
-from rollflow.policy.vllm_backend import _RETRIED_STATUS, VLLMPolicyError, _models  # the student's rules
+from rollflow.policy.retries import RetriesExhausted, post_with_retries, server_error_message
+from rollflow.policy.vllm_admin import VLLMPolicyError, served_models
 
 PROBE_TEXT = 'Probe: 12 + 30 = 42; {"name": "lookup", "arguments": {"key": "élan"}}\n'
 PROBE_CHAT = (
@@ -203,7 +204,7 @@ class ServerTeacher:
         """Refuse a sequence longer than the server's ``max_model_len`` (asked once)."""
         if self._max_model_len is None:
             try:
-                listed = _models(self.url)
+                listed = served_models(self.url)
             except VLLMPolicyError as error:
                 raise TeacherError(f"teacher {self.name}: {error}") from error
             if self.api_model not in listed:
@@ -228,21 +229,24 @@ class ServerTeacher:
     def _post(self, path: str, body: Mapping[str, Any]) -> Any:
         # /tokenize sits at the server root in vLLM, /completions under /v1
         url = self.url.removesuffix("/v1") + path if path == "/tokenize" else self.url + path
-        last = ""
-        for attempt in range(1, _SERVER_ATTEMPTS + 1):
-            try:
-                response = httpx.post(url, json=dict(body), timeout=_SERVER_TIMEOUT_S)
-            except httpx.TransportError as error:  # transient: retried
-                last = f"{type(error).__name__}: {error}"
-            else:
-                if response.status_code == 200:
-                    return response.json()
-                last = f"HTTP {response.status_code}: {server_error_message(response)}"
-                if response.status_code not in _RETRIED_STATUS:  # a refusal: the same body fails again
-                    raise TeacherError(f"teacher {self.name}: {url} answered {last}")
-            if attempt < _SERVER_ATTEMPTS:
-                time.sleep(_SERVER_RETRY_DELAY_S * attempt)
-        raise TeacherError(f"teacher {self.name}: {url} failed {_SERVER_ATTEMPTS} times; last: {last}")
+
+        async def post() -> httpx.Response:
+            async with httpx.AsyncClient(timeout=_SERVER_TIMEOUT_S) as client:
+                posted = await post_with_retries(
+                    client, (url,), lambda _: body, attempts=_SERVER_ATTEMPTS, pause_s=_SERVER_RETRY_DELAY_S
+                )
+                return posted.response
+
+        try:
+            response = asyncio.run(post())  # one sequence at a time: the stage is synchronous
+        except RetriesExhausted as failed:
+            raise TeacherError(
+                f"teacher {self.name}: {url} failed {_SERVER_ATTEMPTS} times; last: {failed.reason}"
+            ) from None
+        if response.status_code != 200:  # a refusal: the same body fails again
+            message = f"HTTP {response.status_code}: {server_error_message(response)}"
+            raise TeacherError(f"teacher {self.name}: {url} answered {message}")
+        return response.json()
 
 
 def parse_prompt_logprobs(answer: Any, input_ids: Sequence[int], teacher: str) -> list[float]:

@@ -7,17 +7,8 @@ into a batch (once every open session has a request waiting, or a short window h
 passed), runs ``generate_batch`` in a worker thread so the event loop keeps stepping
 environments, and hands each session its tokens.
 
-Budgets, per the runner contract (envs/agent.py):
-- ``max_new_tokens = min(max_completion_tokens, max_model_length - len(context))``;
-- a context that leaves no room for a single token returns ``finish_reason="context"``
-  with no tokens (the prompt is never cut);
-- a generation that ends because the context budget ran out (not the per-action limit)
-  is ``"context"`` too; when both limits coincide the context is spent, so ``"context"``.
-
-Seeds: each request draws from its own generator, seeded from the settings' seed, the
-episode's identity (its opening prompt and occurrence, ``rollflow.policy.sampling.EpisodeSeeds``),
-the turn and the attempt; ``reseed`` starts over from a new seed, so a step replays the
-same samples whatever ran in the process before it.
+Budgets, seeds and endings are every token session's (``rollflow.policy.session``): each
+request draws from its own generator, seeded with ``request_seed(episode, turn, attempt)``.
 
 KV reuse (``SamplingSettings.kv_reuse``, on by default): the policy keeps each open
 session's KV cache, as its last batch left it (the transcript up to its last sampled
@@ -47,7 +38,6 @@ Simplifications, and why:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -57,9 +47,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from rollflow.envs.agent import FinishReason, PolicyAction
-from rollflow.envs.types import Message, ToolSpec
-from rollflow.policy.codec import ChatCodec, TokenState
+from rollflow.envs.types import ToolSpec
+from rollflow.policy.codec import ChatCodec
 from rollflow.policy.generation import (
     BatchReport,
     CachedPrefix,
@@ -68,13 +57,14 @@ from rollflow.policy.generation import (
     generate_batch_and_report,
 )
 from rollflow.policy.models import ModelRef, generation_stop_ids, load_causal_lm
-from rollflow.policy.sampling import EpisodeSeeds, SamplingSettings, request_seed
+from rollflow.policy.sampling import SamplingSettings
+from rollflow.policy.session import GenerationError, Sampled, TokenPolicy, TokenSession
 from rollflow.policy.stopping import StopRequested
 
 _POLL_S = 0.002
 
 
-class GenerationTimeoutError(RuntimeError):
+class GenerationTimeoutError(GenerationError):
     """Every allowed attempt at one action ran past the generation deadline."""
 
 
@@ -112,7 +102,7 @@ class _Stats:
         return sum(batch.decode_s for batch in self.batches)
 
 
-class TransformersPolicy:
+class TransformersPolicy(TokenPolicy):
     """A ``Policy`` (envs/agent.py) over a local transformers model."""
 
     def __init__(
@@ -125,7 +115,7 @@ class TransformersPolicy:
         batch_window_s: float = 0.05,
         max_batch_size: int = 64,
     ) -> None:
-        self.settings = settings or SamplingSettings()
+        super().__init__(settings, version)
         _check_model_length(model, self.settings)
         if batch_window_s < 0 or max_batch_size < 1:
             raise ValueError(
@@ -135,7 +125,6 @@ class TransformersPolicy:
         self.model = model
         self.tokenizer = tokenizer
         self.codec = ChatCodec(tokenizer, stop_token_ids=generation_stop_ids(model))
-        self.version = version
         self.batch_window_s = batch_window_s
         self.max_batch_size = max_batch_size
         self.stats = _Stats()
@@ -144,7 +133,6 @@ class TransformersPolicy:
         self._next_session = 0
         self._caches: dict[int, CachedPrefix] = {}  # open session -> its KV cache
         self._caches_lock = threading.Lock()
-        self.episode_seeds = EpisodeSeeds()
         self._scheduler: asyncio.Task[None] | None = None
         self._model_lock = threading.Lock()
 
@@ -172,11 +160,6 @@ class TransformersPolicy:
         """Tokens whose keys and values are held for open sessions (memory: see generation.py)."""
         with self._caches_lock:
             return sum(len(cache) for cache in self._caches.values())
-
-    def reseed(self, seed: int) -> None:
-        """Sample from ``seed`` from now on, as a fresh policy with that seed would."""
-        self.settings = dataclasses.replace(self.settings, seed=seed)
-        self.episode_seeds.reset()
 
     # ------------------------------------------------------------ new policy versions
 
@@ -267,7 +250,7 @@ class TransformersPolicy:
                 GenerationRequest(
                     context_ids=p.context_ids,
                     max_new_tokens=p.max_new_tokens,
-                    seed=request_seed(self.settings.seed, *p.episode, p.turn, p.attempt),
+                    seed=self.request_seed(p.episode, p.turn, p.attempt),
                     prefix=self._cache_for(p) if reuse else None,
                 )
                 for p in batch
@@ -335,67 +318,23 @@ class TransformersPolicy:
             self._caches.pop(session, None)
 
 
-class TransformersSession:
+class TransformersSession(TokenSession[TransformersPolicy]):
     """One episode's view of a ``TransformersPolicy`` (a ``PolicySession``)."""
 
     def __init__(self, policy: TransformersPolicy, number: int, tool_specs: tuple[ToolSpec, ...]):
-        self._policy = policy
+        super().__init__(policy, tool_specs)
         self._number = number  # the policy's key for this session's KV cache
-        self._episode: tuple[int, int] | None = None  # seed identity, from the first prompt
-        self._tool_specs = tool_specs
-        self._state: TokenState | None = None
-        self._turn = 0
-        self._closed = False
 
-    async def act(self, messages: Sequence[Message]) -> PolicyAction:
-        if self._closed:
-            raise RuntimeError("act() on a closed policy session")
-        started = time.perf_counter()
-        policy = self._policy
-        state, delta, reset = policy.codec.next_prompt(self._state, messages, self._tool_specs)
-        self._state = state
-        if reset:  # the template rewrote history: the cache no longer spells the context
-            policy._drop_caches(self._number)
-        if self._episode is None:
-            self._episode = policy.episode_seeds.identity(state.text)
-        budget = policy.settings.max_model_length - len(state)
-        if budget <= 0:
-            return PolicyAction(  # not even one token fits: the prompt is never cut
-                text="",
-                prompt_delta_ids=delta,
-                reset=reset,
-                finish_reason="context",
-                latency_s=time.perf_counter() - started,
-                sampling_attempts=0,
-            )
-        max_new = min(policy.settings.max_completion_tokens, budget)
-        turn, self._turn = self._turn, self._turn + 1
-        output, attempts = await policy._generate(
-            self._number, self._episode, turn, state.token_ids, max_new
-        )
-        self._state = policy.codec.record_action(state, output.token_ids)
-        return PolicyAction(
-            text=policy.codec.action_text(output.token_ids),
-            token_ids=output.token_ids,
-            logprobs=output.logprobs,
-            prompt_delta_ids=delta,
-            reset=reset,
-            finish_reason=_finish_reason(output, max_new, budget),
-            latency_s=time.perf_counter() - started,
-            sampling_attempts=attempts,
-        )
+    async def _sample(self, context_ids: tuple[int, ...], max_new: int, turn: int) -> Sampled:
+        output, attempts = await self._policy._generate(self._number, self.episode, turn, context_ids, max_new)
+        assert output.stopped or len(output.token_ids) == max_new, "a generation without a stop token spent its budget"
+        return Sampled(output.token_ids, output.logprobs, output.stopped, cut_by_server=False, attempts=attempts)
 
-    async def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._policy._session_closed(self._number)
+    async def _release(self) -> None:
+        self._policy._session_closed(self._number)
 
-
-def _finish_reason(output: GenerationOutput, max_new: int, budget: int) -> FinishReason:
-    if output.stopped:
-        return "stop"
-    assert len(output.token_ids) == max_new, "a generation without a stop token spent its budget"
-    return "context" if max_new == budget else "length"
+    def _history_rewritten(self) -> None:  # the cache no longer spells the context
+        self._policy._drop_caches(self._number)
 
 
 def _check_model_length(model: PreTrainedModel, settings: SamplingSettings) -> None:

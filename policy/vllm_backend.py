@@ -16,10 +16,10 @@ never replace each other's adapters), else the served model name: a server is ne
 adapter requests together (on CPU vLLM 0.32 serves a base request batched with adapter
 requests with an adapter; upstream bug).
 
-Budgets and endings are the transformers backend's: ``max_tokens = min(max_completion_tokens,
-max_model_length - len(context))``; no room for one token -> ``"context"`` with no tokens;
-``stop`` = the action ends with a stop token; ``length`` = ``max_completion_tokens`` hit;
-``context`` = the episode's budget ran out (also when both limits coincide).
+Budgets, seeds and endings are every token session's (``rollflow.policy.session``):
+``max_tokens`` is the action's ``max_new``, and an action the server ends short of it
+without a stop token (its own context limit) is ``"context"``. One that the server stopped
+on a token that is not one of ours (a stop string set on the server) raises.
 
 Logprobs: vLLM returns the raw model's logprobs unless the server runs with
 ``--logprobs-mode processed_logprobs`` (then: after temperature and top-p, the
@@ -34,8 +34,8 @@ backend.
 Several servers (``base_urls``, replicas of one model): sessions are dealt to them round
 robin, so every turn of an episode goes to the same server (its prefix cache holds the
 episode); a retried request moves on to the next server. Connection errors, timeouts
-(``generation_timeout_s`` per request), 408/429/5xx are retried up to
-``max_sampling_attempts`` attempts in all; then ``act`` raises ``VLLMPolicyError`` (the
+(``generation_timeout_s`` per request), 408/429/5xx are retried (``rollflow.policy.retries``)
+up to ``max_sampling_attempts`` attempts in all; then ``act`` raises ``VLLMPolicyError`` (the
 runner records it on the episode). Other HTTP errors raise at once with the server's
 message.
 
@@ -50,14 +50,14 @@ one loaded in place makes the engine read the folder again at every step (and fa
 the folder is pruned); loading a name this policy already loaded from the same folder is
 a no-op, from another folder an unload and a load. The server must be able to read the
 adapter folder (same machine or a shared filesystem), and must run with ``--enable-lora``
-and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``. Full
-weights cannot be pushed over HTTP here: a managed server restarts on the new checkpoint
-folder (``rollflow.tasks.policy_io``).
+and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``. Full weights are swapped in place
+(``reload_weights``, through vLLM's development endpoints). The HTTP calls besides
+completions are in ``rollflow.policy.vllm_admin``.
 
 Simplifications, and why:
 - One HTTP client per session (sessions live in one event loop; the rollout stage runs a
   new loop per chunk), closed with the session.
-- Seeds are 31-bit (``request_seed % 2**31``), like the OpenAI backend: the same seed
+- Seeds are 31-bit (``SeededPolicy.seed_bits``), like the OpenAI backend's: the same seed
   gives the same tokens on one server, but not the transformers backend's tokens (the two
   draw differently).
 """
@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -77,23 +76,28 @@ from typing import Any
 import httpx
 from transformers import PreTrainedTokenizerBase
 
-from rollflow.envs.agent import FinishReason, PolicyAction
 from rollflow.envs.types import Message, ToolSpec
-from rollflow.policy.codec import ChatCodec, TokenState
-from rollflow.policy.openai_backend import server_error_message
-from rollflow.policy.sampling import EpisodeSeeds, SamplingSettings, request_seed
-from rollflow.policy.stopping import raise_if_stop_requested
-from rollflow.policy.vllm_server import LM_HEAD_SHARD, is_tied
+from rollflow.policy.codec import ChatCodec
+from rollflow.policy.retries import RetriesExhausted, post_with_retries, server_error_message
+from rollflow.policy.sampling import EpisodeSeeds, SamplingSettings
+from rollflow.policy.session import Sampled, TokenPolicy, TokenSession
+from rollflow.policy.vllm_admin import (
+    ADMIN_TIMEOUT_S,
+    DEV_HINT,
+    VLLMPolicyError,
+    adapter_rank,
+    admin_post,
+    api_root,
+    load_lora,
+    reset_prefix_cache,
+    served_models,
+    unload_lora,
+)
+from rollflow.policy.vllm_admin import discover_served_model as discover_served_model  # tasks import it here
+from rollflow.policy.vllm_weights import LM_HEAD_SHARD, is_tied
 
-_RETRIED_STATUS = frozenset({408, 429, 500, 502, 503, 504})
-_CONNECT_TIMEOUT_S = 10.0
-_ADMIN_TIMEOUT_S = 60.0
 _PROBE_TEMPERATURE = 0.5
 _PROBE_MESSAGES: tuple[Message, ...] = ({"role": "user", "content": "Name a colour."},)
-
-
-class VLLMPolicyError(RuntimeError):
-    """A vLLM server refused, failed or is unfit; the message names the URL and the reason."""
 
 
 @dataclass(frozen=True)
@@ -123,16 +127,10 @@ class _Completion:
     server_finish: str  # vLLM's finish_reason: "stop" or "length"
 
 
-def api_root(base_url: str) -> str:
-    """``http://h:p``, ``http://h:p/`` or ``http://h:p/v1`` -> ``http://h:p/v1``."""
-    if not base_url.startswith(("http://", "https://")):
-        raise VLLMPolicyError(f"base_url must start with http:// or https://, got {base_url!r}")
-    root = base_url.rstrip("/")
-    return root if root.endswith("/v1") else root + "/v1"
-
-
-class VLLMPolicy:
+class VLLMPolicy(TokenPolicy):
     """A ``Policy`` (envs/agent.py) served by one or more vLLM servers of one model."""
+
+    seed_bits = 31
 
     def __init__(
         self,
@@ -147,16 +145,14 @@ class VLLMPolicy:
     ) -> None:
         if not base_urls:
             raise VLLMPolicyError("a VLLMPolicy needs at least one base_url")
+        super().__init__(settings, version)
         self.base_urls = tuple(api_root(url) for url in base_urls)
-        self.settings = settings or SamplingSettings()
         self.codec = ChatCodec(tokenizer, stop_token_ids=stop_token_ids)
         self.served_model = served_model
         self.adapter_name: str | None = None
         self._loaded: dict[str, Path] = {}  # adapter name -> folder, on every server (views share it)
         self.max_lora_rank = max_lora_rank  # known for managed servers; None: ask the server
-        self.version = version
         self.stats = VLLMStats()
-        self.episode_seeds = EpisodeSeeds()
         self._sessions_opened = 0
 
     @property
@@ -169,11 +165,6 @@ class VLLMPolicy:
         self._sessions_opened += 1
         return VLLMSession(self, tuple(tool_specs), first_server)
 
-    def reseed(self, seed: int) -> None:
-        """Sample from ``seed`` from now on, as a fresh policy with that seed would."""
-        self.settings = dataclasses.replace(self.settings, seed=seed)
-        self.episode_seeds.reset()
-
     # ------------------------------------------------------------ first contact
 
     def connect(self, *, check_logprobs_mode: bool) -> None:
@@ -184,7 +175,7 @@ class VLLMPolicy:
         the server returns processed logprobs (see the module docstring).
         """
         for url in self.base_urls:
-            listed = _models(url)
+            listed = served_models(url)
             if self.served_model not in listed:
                 raise VLLMPolicyError(f"{url} does not serve {self.served_model!r}; it serves {sorted(listed)}")
             limit = listed[self.served_model]
@@ -237,7 +228,7 @@ class VLLMPolicy:
         adapter = Path(adapter_dir).resolve()
         if self._loaded.get(name) == adapter:
             return
-        rank = _adapter_rank(adapter)
+        rank = adapter_rank(adapter)
         if self.max_lora_rank is not None and rank > self.max_lora_rank:
             raise VLLMPolicyError(
                 f"{adapter} has LoRA rank {rank}, above the server's --max-lora-rank {self.max_lora_rank}"
@@ -245,13 +236,13 @@ class VLLMPolicy:
         if name in self._loaded:  # this policy loaded the name from another folder
             self.remove_adapter(name)
         for url in self.base_urls:
-            _load_lora(url, name, adapter)
+            load_lora(url, name, adapter)
         self._loaded[name] = adapter
 
     def remove_adapter(self, name: str) -> None:
         """Unload adapter ``name`` (no request may still name it)."""
         for url in self.base_urls:
-            _admin_post(f"{url}/unload_lora_adapter", {"lora_name": name}, what=f"unloading {name}")
+            unload_lora(url, name)
         self._loaded.pop(name, None)
 
     def reload_weights(self, model_dir: str | Path, version: int) -> float:
@@ -269,14 +260,14 @@ class VLLMPolicy:
             raise VLLMPolicyError(
                 f"{folder}: a model with tied input and output embeddings needs its output layer as "
                 f"{LM_HEAD_SHARD} to be reloaded in place (vLLM would keep the old one); full-weight "
-                "checkpoints of rollflow carry it (rollflow.policy.vllm_server.write_lm_head_shard)"
+                "checkpoints of rollflow carry it (rollflow.policy.vllm_weights.write_lm_head_shard)"
             )
         started = time.perf_counter()
         for url in self.base_urls:
             root = url.removesuffix("/v1")
             body = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
-            _admin_post(f"{root}/collective_rpc", body, what=f"reloading weights from {folder}", hint=_DEV_HINT)
-            _reset_prefix_cache(root)
+            admin_post(f"{root}/collective_rpc", body, what=f"reloading weights from {folder}", hint=DEV_HINT)
+            reset_prefix_cache(root)
         self.version = version
         return time.perf_counter() - started
 
@@ -299,93 +290,49 @@ def adapter_name(prefix: str, version: int) -> str:
     return f"{prefix}-v{version}"
 
 
-class VLLMSession:
+class VLLMSession(TokenSession[VLLMPolicy]):
     """One episode against the servers (a ``PolicySession``); owns one HTTP client."""
 
     def __init__(self, policy: VLLMPolicy, tool_specs: tuple[ToolSpec, ...], first_server: int):
-        self._policy = policy
-        self._tool_specs = tool_specs
+        super().__init__(policy, tool_specs)
         self._first_server = first_server
-        self._episode: tuple[int, int] | None = None  # seed identity, from the first prompt
-        self._state: TokenState | None = None
-        self._turn = 0
         self._client: httpx.AsyncClient | None = None
-        self._closed = False
 
-    async def act(self, messages: Sequence[Message]) -> PolicyAction:
-        if self._closed:
-            raise RuntimeError("act() on a closed policy session")
-        started = time.perf_counter()
+    async def _sample(self, context_ids: tuple[int, ...], max_new: int, turn: int) -> Sampled:
         policy = self._policy
-        state, delta, reset = policy.codec.next_prompt(self._state, messages, self._tool_specs)
-        self._state = state
-        if self._episode is None:
-            self._episode = policy.episode_seeds.identity(state.text)
-        budget = policy.settings.max_model_length - len(state)
-        if budget <= 0:  # not even one token fits: the prompt is never cut
-            return PolicyAction(
-                text="", prompt_delta_ids=delta, reset=reset, finish_reason="context",
-                latency_s=time.perf_counter() - started, sampling_attempts=0,
-            )  # fmt: skip
-        max_new = min(policy.settings.max_completion_tokens, budget)
-        turn, self._turn = self._turn, self._turn + 1
-        completion, attempts = await self._complete(state.token_ids, max_new, turn)
-        self._state = policy.codec.record_action(state, completion.token_ids)
-        return PolicyAction(
-            text=policy.codec.action_text(completion.token_ids),
-            token_ids=completion.token_ids,
-            logprobs=completion.logprobs,
-            prompt_delta_ids=delta,
-            reset=reset,
-            finish_reason=self._finish_reason(completion, max_new, budget),
-            latency_s=time.perf_counter() - started,
-            sampling_attempts=attempts,
-        )
 
-    async def close(self) -> None:
-        self._closed = True
+        def body(attempt: int) -> dict[str, Any]:
+            seed = policy.request_seed(self.episode, turn, attempt)
+            request = completion_body(policy.request_model, context_ids, max_new, seed, policy.settings)
+            return request | {"stop_token_ids": sorted(policy.codec.stop_token_ids)}
+
+        settings = policy.settings
+        try:
+            posted = await post_with_retries(
+                self._http(), policy.base_urls, body, attempts=settings.max_sampling_attempts,
+                first=self._first_server, path="/completions",
+                timeout_reason=f"no answer within generation_timeout_s={settings.generation_timeout_s}",
+            )  # fmt: skip
+        except RetriesExhausted as failed:
+            policy.stats.retries += failed.attempts
+            last = f"{failed.url}: {failed.reason}"
+            raise VLLMPolicyError(f"all {failed.attempts} attempts at an action failed; last: {last}") from None
+        policy.stats.retries += posted.attempt - 1
+        completion = _parse_completion(posted.url, posted.response, settings.temperature)
+        self._count(posted.url, completion, len(context_ids), posted.seconds)
+        stopped = policy.codec.ends_with_stop(completion.token_ids)
+        if not stopped and completion.server_finish == "stop":
+            raise VLLMPolicyError(
+                f"the server stopped an action on token {completion.token_ids[-1]}, which is not one "
+                f"of our stop tokens {sorted(policy.codec.stop_token_ids)} (a stop string set on the server?)"
+            )
+        cut = not stopped and len(completion.token_ids) < max_new  # the server's own context limit
+        return Sampled(completion.token_ids, completion.logprobs, stopped, cut, posted.attempt)
+
+    async def _release(self) -> None:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
-
-    def _finish_reason(self, completion: _Completion, max_new: int, budget: int) -> FinishReason:
-        codec = self._policy.codec
-        if codec.ends_with_stop(completion.token_ids):
-            return "stop"
-        if completion.server_finish == "stop":
-            raise VLLMPolicyError(
-                f"the server stopped an action on token {completion.token_ids[-1]}, which is not "
-                f"one of our stop tokens {sorted(codec.stop_token_ids)} (a stop string set on the server?)"
-            )
-        if len(completion.token_ids) < max_new:  # the server's own context limit cut it
-            return "context"
-        return "context" if max_new == budget else "length"
-
-    async def _complete(self, context_ids: tuple[int, ...], max_new: int, turn: int) -> tuple[_Completion, int]:
-        policy = self._policy
-        assert self._episode is not None
-        attempts, last_error = policy.settings.max_sampling_attempts, ""
-        for attempt in range(1, attempts + 1):
-            url = policy.base_urls[(self._first_server + attempt - 1) % len(policy.base_urls)]
-            seed = request_seed(policy.settings.seed, *self._episode, turn, attempt) % 2**31
-            body = completion_body(policy.request_model, context_ids, max_new, seed, policy.settings)
-            body["stop_token_ids"] = sorted(policy.codec.stop_token_ids)
-            raise_if_stop_requested()
-            sent = time.perf_counter()
-            try:
-                response = await self._http().post(f"{url}/completions", json=body)
-            except httpx.TimeoutException:
-                last_error = f"{url}: no answer within generation_timeout_s={policy.settings.generation_timeout_s}"
-            except httpx.TransportError as error:
-                last_error = f"{url}: {type(error).__name__}: {error}"
-            else:
-                if response.status_code not in _RETRIED_STATUS:
-                    completion = _parse_completion(url, response, policy.settings.temperature)
-                    self._count(url, completion, len(context_ids), time.perf_counter() - sent)
-                    return completion, attempt
-                last_error = f"{url}: HTTP {response.status_code}: {server_error_message(response)}"
-            policy.stats.retries += 1
-        raise VLLMPolicyError(f"all {attempts} attempts at an action failed; last: {last_error}")
 
     def _count(self, url: str, completion: _Completion, prompt_tokens: int, seconds: float) -> None:
         stats = self._policy.stats
@@ -446,101 +393,14 @@ def _parse_completion(url: str, response: httpx.Response, temperature: float) ->
     return _Completion(token_ids, logprobs, finish)
 
 
-def discover_served_model(base_url: str) -> str:
-    """The one base model (not a LoRA adapter) ``base_url`` serves; else name it in api_model."""
-    url = api_root(base_url)
-    response = _get_models(url)
-    try:
-        bases = [str(e["id"]) for e in response.json()["data"] if e.get("parent") is None]
-    except (ValueError, KeyError, TypeError) as error:
-        raise VLLMPolicyError(f"{url}/models is not an OpenAI model list: {response.text[:300]!r}") from error
-    if len(bases) != 1:
-        raise VLLMPolicyError(f"{url} serves base models {bases}: name the one to use in [rollout].api_model")
-    return bases[0]
-
-
-def _get_models(url: str) -> httpx.Response:
-    try:
-        response = httpx.get(f"{url}/models", timeout=_CONNECT_TIMEOUT_S)
-    except httpx.HTTPError as error:
-        raise VLLMPolicyError(f"{url} does not answer: {type(error).__name__}: {error}") from error
-    if response.status_code != 200:
-        raise VLLMPolicyError(f"{url}/models answered HTTP {response.status_code}: {server_error_message(response)}")
-    return response
-
-
-def _models(url: str) -> dict[str, int | None]:
-    """``GET /models``: served name -> max_model_len (None when the server does not say)."""
-    response = _get_models(url)
-    try:
-        entries = response.json()["data"]
-        return {str(e["id"]): e.get("max_model_len") for e in entries}
-    except (ValueError, KeyError, TypeError) as error:
-        raise VLLMPolicyError(f"{url}/models is not an OpenAI model list: {response.text[:300]!r}") from error
-
-
 def _top2_gap(url: str, model: str, prompt: Sequence[int], temperature: float) -> float:
     """The logprob gap between the two likeliest first tokens at ``temperature``."""
     settings = SamplingSettings(temperature=temperature)
     body = completion_body(model, prompt, 1, 0, settings) | {"logprobs": 2}
     try:
-        response = httpx.post(f"{url}/completions", json=body, timeout=_ADMIN_TIMEOUT_S)
+        response = httpx.post(f"{url}/completions", json=body, timeout=ADMIN_TIMEOUT_S)
         top = response.json()["choices"][0]["logprobs"]["top_logprobs"][0]
         first, second = sorted((float(v) for v in top.values()), reverse=True)[:2]
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as error:
         raise VLLMPolicyError(f"{url}: the logprobs probe request failed: {error}") from error
     return first - second
-
-
-_LORA_HINT = "does the server run with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True?"
-_DEV_HINT = "does the server run with VLLM_SERVER_DEV_MODE=1? managed servers do"
-
-
-def _admin_post(url: str, body: dict[str, Any], *, what: str, hint: str = _LORA_HINT) -> None:
-    try:
-        response = httpx.post(url, json=body, timeout=_ADMIN_TIMEOUT_S)
-    except httpx.HTTPError as error:
-        raise VLLMPolicyError(f"{url}: {what} failed: {type(error).__name__}: {error}") from error
-    if response.status_code != 200:
-        raise VLLMPolicyError(
-            f"{url}: {what} failed, HTTP {response.status_code}: {server_error_message(response)} ({hint})"
-        )
-
-
-def _reset_prefix_cache(root: str, attempts: int = 20) -> None:
-    """``POST /reset_prefix_cache`` until it answers ``success`` (it refuses while blocks are busy)."""
-    for _ in range(attempts):
-        try:
-            response = httpx.post(f"{root}/reset_prefix_cache", timeout=_ADMIN_TIMEOUT_S)
-        except httpx.HTTPError as error:
-            raise VLLMPolicyError(f"{root}: resetting the prefix cache failed: {error}") from error
-        if response.status_code != 200:
-            raise VLLMPolicyError(
-                f"{root}: resetting the prefix cache failed, HTTP {response.status_code}: "
-                f"{server_error_message(response)} ({_DEV_HINT})"
-            )
-        if response.json().get("success"):
-            return
-        time.sleep(0.25)
-    raise VLLMPolicyError(f"{root}: the prefix cache would not reset (requests still running?)")
-
-
-def _load_lora(url: str, name: str, adapter: Path) -> None:
-    """Load ``adapter`` as ``name`` on one server, not in place. A name the server already
-    holds (loaded by an earlier process of the same run) is unloaded and loaded again."""
-    body = {"lora_name": name, "lora_path": str(adapter), "load_inplace": False}
-    what = f"loading adapter {adapter} as {name}"
-    try:
-        _admin_post(f"{url}/load_lora_adapter", body, what=what)
-    except VLLMPolicyError:
-        if name not in _models(url):  # refused for another reason: that error stands
-            raise
-        _admin_post(f"{url}/unload_lora_adapter", {"lora_name": name}, what=f"unloading {name}")
-        _admin_post(f"{url}/load_lora_adapter", body, what=what)
-
-
-def _adapter_rank(adapter: Path) -> int:
-    try:
-        return int(json.loads((adapter / "adapter_config.json").read_text())["r"])
-    except (OSError, ValueError, KeyError) as error:
-        raise VLLMPolicyError(f"{adapter} is not a peft LoRA adapter folder: {error}") from error

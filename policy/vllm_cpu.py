@@ -15,6 +15,8 @@ Used by ``rollflow.policy.vllm_server`` (which never imports vLLM):
   ``_C_AVX512``, ``_C_AVX2``) gives the same sizes for every ISA they hold:
   ``CPU_ATTENTION_HEAD_DIMS``. (``CPUAttentionBackend.get_supported_head_sizes`` lists 80
   but not 48, and is not enforced on the CPU.)
+- ``worker_openmp_environment``, ``cpu_list``, ``parse_cpu_list``: the OpenMP settings of
+  a server whose model runs in its engine process, bound to this process's CPUs.
 - ``engine_failure``: the line that says why the engine died ("RuntimeError: ..."),
   found after vLLM's "EngineCore failed to start." or "EngineCore encountered a fatal
   error." and its traceback, and how many generation requests the server answered before
@@ -31,6 +33,7 @@ from __future__ import annotations
 import json
 import platform
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,3 +115,50 @@ def engine_failure(log_text: str) -> EngineFailure | None:
             fatal = body.strip()
     answered = sum(bool(_ANSWERED.search(line)) for line in lines[:marker])
     return EngineFailure(fatal, answered)
+
+
+# ---------------------------------------------------------------- CPU lists and OpenMP
+
+
+def worker_openmp_environment(bind: str, env: Mapping[str, str]) -> dict[str, str]:
+    """What vLLM's multiprocess executor sets for a CPU worker bound to ``bind`` ("0-3,6").
+
+    Without an OpenMP runtime in ``LD_PRELOAD``: ``OMP_NUM_THREADS`` (one thread per bound
+    CPU), ``OMP_PLACES`` and ``OMP_PROC_BIND``. A value already in ``env`` wins; ``bind``
+    set to "auto" or "nobind" (vLLM's own modes) gives nothing.
+    """
+    try:
+        cpus = parse_cpu_list(bind)
+    except ValueError:
+        return {}
+    wanted = {
+        "OMP_NUM_THREADS": str(len(cpus)),
+        "OMP_PLACES": "{" + ",".join(str(cpu) for cpu in cpus) + "}",
+        "OMP_PROC_BIND": "true",
+    }
+    return {key: value for key, value in wanted.items() if key not in env}
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """``"0-2,5"`` -> ``[0, 1, 2, 5]``; ``ValueError`` on anything else."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        found = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", part)
+        if found is None or int(found[2] or found[1]) < int(found[1]):
+            raise ValueError(f"not a CPU range: {part!r}")
+        cpus.extend(range(int(found[1]), int(found[2] or found[1]) + 1))
+    return cpus
+
+
+def cpu_list(cpus: set[int]) -> str:
+    """``{0, 1, 2, 5}`` -> ``"0-2,5"`` (the format of VLLM_CPU_OMP_THREADS_BIND)."""
+    ordered, runs = sorted(cpus), []
+    start = previous = ordered[0]
+    for cpu in [*ordered[1:], None]:
+        if cpu is not None and cpu == previous + 1:
+            previous = cpu
+            continue
+        runs.append(str(start) if start == previous else f"{start}-{previous}")
+        if cpu is not None:
+            start = previous = cpu
+    return ",".join(runs)

@@ -20,8 +20,8 @@ The command (``VLLMServerSpec.command``)::
 
 - ``vllm serve`` fails in the CPU wheel (it looks up a distribution named ``vllm``), so the
   module is run directly.
-- ``--enforce-eager``: a compiled start takes 110-240 s here and recompiles every time
-  (torch 2.13 does not reload its artefact); with LoRA the CPU platform forces eager anyway.
+- ``--enforce-eager``: a compiled start takes minutes and recompiles every time (torch
+  2.13 does not reload its artefact); with LoRA the CPU platform forces eager anyway.
 - ``--logprobs-mode processed_logprobs``: logprobs of the distribution sampled from (after
   temperature and top-p), which is what GRPO's importance ratio needs; vLLM's default
   returns the raw model's logprobs.
@@ -34,13 +34,11 @@ The command (``VLLMServerSpec.command``)::
   Generator does not use offset") on the first prompt that does not fit the step's 2048
   tokens (64 episodes of the bundled game are 36k). Each prompt is prefilled whole instead.
 - ``--distributed-executor-backend uni`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the
-  model runs inside the engine process instead of a worker process of its own. Each of
-  vLLM's processes spends ~14 s importing it on this machine; one fewer takes a tiny model's
-  start from 46 s to 32-38 s and the bundled model's from 48.9 s to 37.8 s, at the same
-  speed (``bench/rollout_bench.py --engines vllm,vllm+lora``, one after the other: base
-  51.1 and 49.1 tokens/s, LoRA 20.8 and 21.0, multiprocess first), and saves that
-  process's memory. The worker's OpenMP settings (one thread per bound CPU, pinned) are
-  put in the environment, as vLLM's multiprocess executor would.
+  model runs inside the engine process instead of a worker process of its own: one fewer
+  process to import vLLM makes the start faster at the same sampling speed and saves that
+  process's memory (measured by ``bench/rollout_bench.py``). The worker's OpenMP settings
+  (one thread per bound CPU, pinned) are put in the environment, as vLLM's multiprocess
+  executor would (``rollflow.policy.vllm_cpu.worker_openmp_environment``).
 
 Environment: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache; the server's RSS is about
 3 GB plus this), ``HF_HUB_OFFLINE=1`` (never reach for the Hub), with LoRA
@@ -82,16 +80,14 @@ stderr, when the server failed to start or had died (the log is then the evidenc
 Simplifications, and why:
 - The port is found by binding port 0 and closing the socket; another process could take
   it in between. The server then fails to start and the error quotes its log.
-- One spec, one server: a new model folder (full-weight checkpoints) means a restart.
+- One spec, one server: new weights reach it in place (``VLLMPolicy.reload_weights``, the
+  folders ``rollflow.policy.vllm_weights`` makes) or as adapters, never by a new spec.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import os
-import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -102,16 +98,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 import httpx
 
-from rollflow.policy.procs import parent_death_signal
+from rollflow.policy.procs import group_gone, parent_death_signal, signal_group
 from rollflow.policy.stopping import exit_on_sigterm
-from rollflow.policy.vllm_cpu import EngineFailure, cpu_attention_problem, engine_failure, is_cpu_vllm
-
-if TYPE_CHECKING:
-    import torch
+from rollflow.policy.vllm_cpu import (
+    EngineFailure,
+    cpu_attention_problem,
+    cpu_list,
+    engine_failure,
+    is_cpu_vllm,
+    worker_openmp_environment,
+)
 
 PYTHON_ENV = "ROLLFLOW_VLLM_PYTHON"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -209,50 +208,6 @@ def lora_rank_limit(rank: int) -> int:
         if limit >= rank:
             return limit
     raise VLLMServerError(f"LoRA rank {rank} is above vLLM's largest --max-lora-rank {LORA_RANKS[-1]}")
-
-
-def worker_openmp_environment(bind: str, env: Mapping[str, str]) -> dict[str, str]:
-    """What vLLM's multiprocess executor sets for a CPU worker bound to ``bind`` ("0-3,6").
-
-    Without an OpenMP runtime in ``LD_PRELOAD``: ``OMP_NUM_THREADS`` (one thread per bound
-    CPU), ``OMP_PLACES`` and ``OMP_PROC_BIND``. A value already in ``env`` wins; ``bind``
-    set to "auto" or "nobind" (vLLM's own modes) gives nothing.
-    """
-    try:
-        cpus = parse_cpu_list(bind)
-    except ValueError:
-        return {}
-    wanted = {
-        "OMP_NUM_THREADS": str(len(cpus)),
-        "OMP_PLACES": "{" + ",".join(str(cpu) for cpu in cpus) + "}",
-        "OMP_PROC_BIND": "true",
-    }
-    return {key: value for key, value in wanted.items() if key not in env}
-
-
-def parse_cpu_list(text: str) -> list[int]:
-    """``"0-2,5"`` -> ``[0, 1, 2, 5]``; ``ValueError`` on anything else."""
-    cpus: list[int] = []
-    for part in text.split(","):
-        found = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", part)
-        if found is None or int(found[2] or found[1]) < int(found[1]):
-            raise ValueError(f"not a CPU range: {part!r}")
-        cpus.extend(range(int(found[1]), int(found[2] or found[1]) + 1))
-    return cpus
-
-
-def cpu_list(cpus: set[int]) -> str:
-    """``{0, 1, 2, 5}`` -> ``"0-2,5"`` (the format of VLLM_CPU_OMP_THREADS_BIND)."""
-    ordered, runs = sorted(cpus), []
-    start = previous = ordered[0]
-    for cpu in [*ordered[1:], None]:
-        if cpu is not None and cpu == previous + 1:
-            previous = cpu
-            continue
-        runs.append(str(start) if start == previous else f"{start}-{previous}")
-        if cpu is not None:
-            start = previous = cpu
-    return ",".join(runs)
 
 
 def resolve_python(configured: str | None) -> Path:
@@ -398,14 +353,14 @@ class VLLMServer:
 
     def _stop_group(self, process: subprocess.Popen[bytes], grace_s: float) -> None:
         group = process.pid  # start_new_session: the group id is the leader's pid
-        _signal_group(group, signal.SIGTERM)
+        signal_group(group, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and not _group_gone(process, group):
+        while time.monotonic() < deadline and not group_gone(process, group):
             time.sleep(0.1)
-        if not _group_gone(process, group):
-            _signal_group(group, signal.SIGKILL)
+        if not group_gone(process, group):
+            signal_group(group, signal.SIGKILL)
             deadline = time.monotonic() + _KILL_WAIT_S
-            while time.monotonic() < deadline and not _group_gone(process, group):
+            while time.monotonic() < deadline and not group_gone(process, group):
                 time.sleep(0.1)
 
     def _settle_temp_log(self) -> None:
@@ -497,35 +452,6 @@ class VLLMServer:
         )  # fmt: skip
 
 
-def _signal_group(group: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(group, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _group_gone(process: subprocess.Popen[bytes], group: int) -> bool:
-    """True once the leader is reaped and no live (non-zombie) process of its group is left."""
-    process.poll()  # reap the leader, else it lingers as a zombie member of the group
-    proc = Path("/proc")
-    if not proc.is_dir():  # not Linux: ask the kernel, which also counts zombies
-        try:
-            os.killpg(group, 0)
-        except ProcessLookupError:
-            return True
-        return False
-    return not any(_live_member(stat, group) for stat in proc.glob("[0-9]*/stat"))
-
-
-def _live_member(stat: Path, group: int) -> bool:
-    try:
-        fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (name)"
-    except (OSError, IndexError):
-        return False  # the process ended while we looked
-    state, pgrp = fields[0], int(fields[2])
-    return pgrp == group and state != "Z"
-
-
 _LIVE: set[VLLMServer] = set()
 
 
@@ -533,67 +459,3 @@ _LIVE: set[VLLMServer] = set()
 def _stop_live_servers() -> None:
     for server in list(_LIVE):
         server.stop()
-
-
-# ---------------------------------------------------------------- full weights, swapped in place
-
-# vLLM 0.32's in-place reload (``reload_weights``) keeps the old output layer of a model
-# whose output layer is tied to its input embedding: the reload writes the embedding into
-# new storage and puts the old tensor back under lm_head (measured here: the served
-# logprobs were new-embedding / old-head's within 1e-6). So a full-weight server serves an
-# untied copy, and every full-weight checkpoint carries the tied matrix as its own shard.
-LM_HEAD_SHARD = "lm_head.safetensors"
-SHARD_INDEX = "model.safetensors.index.json"
-
-
-def is_tied(model_dir: Path) -> bool:
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return bool(config.get("tie_word_embeddings", False))
-
-
-def write_lm_head_shard(folder: Path, embedding: torch.Tensor) -> Path:
-    """``lm_head.weight`` as a shard of its own. Without an index vLLM's loader reads every
-    ``*.safetensors`` of the folder (and HF only ``model.safetensors``); a sharded folder's
-    ``model.safetensors.index.json`` gets the shard in its ``weight_map``, since vLLM
-    (``filter_duplicate_safetensors_files``) and HF read only the files it lists."""
-    from safetensors.torch import save_file
-
-    path = Path(folder) / LM_HEAD_SHARD
-    weight = embedding.detach().to("cpu").contiguous().clone()
-    save_file({"lm_head.weight": weight}, str(path))
-    index_path = Path(folder) / SHARD_INDEX
-    if index_path.is_file():
-        index = json.loads(index_path.read_text())
-        index["weight_map"]["lm_head.weight"] = LM_HEAD_SHARD
-        metadata = index.setdefault("metadata", {})
-        if "total_size" in metadata:
-            metadata["total_size"] = int(metadata["total_size"]) + weight.numel() * weight.element_size()
-        index_path.write_text(json.dumps(index, indent=2))
-    return path
-
-
-def untied_serving_folder(model_dir: Path) -> Path:
-    """``model_dir`` itself, or for a tied model a sibling copy with ``tie_word_embeddings``
-    off and the output layer as its own shard: what a full-weight server loads."""
-    model_dir = Path(model_dir)
-    if not is_tied(model_dir):
-        return model_dir
-    from safetensors import safe_open
-
-    from rollflow.policy.models import build_atomically
-
-    def build(tmp: Path) -> None:
-        for item in model_dir.iterdir():
-            if item.is_file():
-                shutil.copy2(item, tmp / item.name)
-        config = json.loads((model_dir / "config.json").read_text())
-        config["tie_word_embeddings"] = False
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        for shard in sorted(model_dir.glob("*.safetensors")):
-            with safe_open(str(shard), framework="pt") as handle:
-                if "model.embed_tokens.weight" in handle.keys():
-                    write_lm_head_shard(tmp, handle.get_tensor("model.embed_tokens.weight"))
-                    return
-        raise VLLMServerError(f"{model_dir}: a tied model without model.embed_tokens.weight")
-
-    return build_atomically(model_dir.with_name(model_dir.name + "-untied"), build)

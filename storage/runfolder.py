@@ -6,6 +6,8 @@ runs/<run_id>/steps/step=000003/episodes.parquet   or episodes/part-00000.parque
 runs/<run_id>/steps/step=000003/scores.parquet
 runs/<run_id>/steps/step=000003/samples.parquet
 runs/<run_id>/steps/step=000003/train.json         the step's TrainResult
+runs/<run_id>/steps/step=000003/stage_seconds.json each stage's wall seconds when it ran
+runs/<run_id>/steps/step=000003/metrics.json       written last: the step is finished
 runs/<run_id>/checkpoints/step=000003/             renamed into place when complete
 runs/<run_id>/validation/step=000010/episodes.parquet, scores.parquet
 ```
@@ -15,11 +17,17 @@ written under a hidden temporary name and renamed (``storage/parquet.py``); a sh
 output is complete once sealed with ``_complete.json``; a checkpoint folder is written
 under a temporary name and renamed whole by ``commit_checkpoint``. So resuming needs no
 journal: ``discard_temporaries`` removes what a crash left half-written, and
-``next_step`` / ``first_incomplete_stage`` say where to start again.
+``step_finished`` / ``first_incomplete_stage`` say where to start again.
 
-Simplified: steps count from 0 and a training step is finished when its ``train.json``
-exists (the train stage commits its checkpoint first, then writes ``train.json``). One
-process writes a run at a time; nothing here locks the folder.
+``step_paths(step, split)`` names every file of one step (``StepPaths``); the flow hands
+those paths to the stages, each reading the paths it is given and writing the one it is
+told to (``storage/stage_outputs.py``: ``write_output`` keeps ``write_stage``'s checks,
+the right records for the right step, never over a finished output).
+
+Simplified: steps count from 0; a step is trained once its ``train.json`` exists (the
+train stage commits its checkpoint first, then writes ``train.json``) and finished once
+its ``metrics.json`` does. One process writes a run at a time; ``storage/runlock.py``
+holds the folder, nothing here locks it.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +71,11 @@ STAGES = {"train": ("episodes", "scores", "samples", "train"), "validation": ("e
 # Stages only some runs have (OPD's teacher scores): allowed, but never what a run waits on.
 OPTIONAL_STAGES = {"train": ("teacher",), "validation": ()}
 TRAIN_JSON = "train.json"
+METRICS_JSON = "metrics.json"  # written last in a step: the step is finished
+STAGE_SECONDS_JSON = "stage_seconds.json"  # stage name -> wall seconds of its one real run
+# The stages whose wall time a training step records, in order; time/step needs them all.
+TIMED_STAGES = ("rollout", "scoring", "flatten", "train")
+OPTIONAL_TIMED_STAGES = ("teacher",)  # only where a teacher is configured (OPD)
 _STEP_RE = re.compile(r"^step=(\d+)$")
 
 
@@ -74,6 +88,28 @@ def step_dirname(step: int) -> str:
 def parse_step_dirname(name: str) -> int | None:
     match = _STEP_RE.match(name)
     return None if match is None else int(match.group(1))
+
+
+@dataclass(frozen=True)
+class StepPaths:
+    """Where each stage of one step reads and writes; paths only, nothing says what exists.
+
+    ``episodes`` is the folder the rollout writes part by part and seals; an async step's
+    admission writes the same records as the one file ``admitted``. Either is the step's
+    episodes (``stage_outputs.finished_output`` finds the one there is). A validation step has
+    only ``episodes``, ``scores`` and ``metrics_json``.
+    """
+
+    step: int
+    split: str
+    episodes: Path  # episodes/part-*.parquet, sealed with _complete.json
+    admitted: Path  # episodes.parquet
+    scores: Path
+    samples: Path
+    teacher: Path
+    train_json: Path
+    metrics_json: Path
+    checkpoint: Path  # checkpoints/step=NNNNNN/, the version this step's training makes
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -154,6 +190,15 @@ class RunFolder:
 
     def step_dir(self, step: int, split: str = "train") -> Path:
         return self.split_dir(split) / step_dirname(step)
+
+    def step_paths(self, step: int, split: str = "train") -> StepPaths:
+        folder = self.step_dir(step, split)
+        return StepPaths(
+            step=step, split=split, episodes=folder / "episodes", admitted=folder / "episodes.parquet",
+            scores=folder / "scores.parquet", samples=folder / "samples.parquet",
+            teacher=folder / "teacher.parquet", train_json=folder / TRAIN_JSON,
+            metrics_json=folder / METRICS_JSON, checkpoint=self.checkpoint_dir(step),
+        )
 
     def _check_stage(self, stage: str, split: str) -> None:
         allowed = STAGES[split] + OPTIONAL_STAGES[split] if split in STAGES else ()
@@ -259,6 +304,28 @@ class RunFolder:
         done = self.completed_steps()
         return done[-1] + 1 if done else 0
 
+    def step_finished(self, step: int) -> bool:
+        """The training step's last file, ``metrics.json``, is written."""
+        return (self.step_dir(step) / METRICS_JSON).exists()
+
+    # ------------------------------------------------------------ stage times
+
+    def stage_seconds(self, step: int) -> dict[str, float]:
+        """The wall seconds each timed stage of ``step`` took when it ran (none: ``{}``)."""
+        path = self.step_dir(step) / STAGE_SECONDS_JSON
+        if not path.exists():
+            return {}
+        data = self.read_json(path)
+        if not isinstance(data, dict) or not all(isinstance(v, int | float) for v in data.values()):
+            raise SchemaMismatchError(path, f"expected stage name -> seconds, got {data!r}")
+        return {str(stage): float(seconds) for stage, seconds in data.items()}
+
+    def record_stage_seconds(self, step: int, stage: str, seconds: float) -> Path:
+        check_timed_stage(stage)
+        return self.write_json_atomic(
+            self.step_dir(step) / STAGE_SECONDS_JSON, {**self.stage_seconds(step), stage: seconds}
+        )
+
     def first_incomplete_stage(self, step: int, split: str = "train") -> str | None:
         return next((s for s in STAGES[split] if not self.is_complete(step, s, split)), None)
 
@@ -298,6 +365,12 @@ class RunFolder:
         found = self.checkpoints()
         return found[-1] if found else None
 
+    def checkpoint_before(self, step: int) -> Path | None:
+        """The newest committed checkpoint of a step before ``step``: what step ``step``
+        trains on from (None: the run's start)."""
+        found = [path for s, path in self.checkpoints() if s < step]
+        return found[-1] if found else None
+
     # ------------------------------------------------------------ crash leftovers
 
     def temporaries(self) -> list[Path]:
@@ -313,6 +386,12 @@ class RunFolder:
     def discard_temporaries(self) -> list[Path]:
         """Remove every half-written temporary (call on resume, never while writing)."""
         return remove_temporaries(self.temporaries())
+
+
+def check_timed_stage(stage: str) -> None:
+    timed = TIMED_STAGES + OPTIONAL_TIMED_STAGES
+    if stage not in timed:
+        raise ValueError(f"a training step's stages are {list(timed)}, got {stage!r}")
 
 
 def _check_table(table: pa.Table, stage: str, step: int, split: str) -> None:

@@ -7,6 +7,7 @@ the run folder::
 
     async/groups/group-000017.parquet   the group's episodes (episodes schema; step = its start version)
     async/groups/group-000017.json      its stamps, written last: the group is finished
+    async/groups/group-000017.errors.jsonl  its errored episodes' tracebacks (where one errored)
     steps/step=000004/admission.json    which groups step 4 trained and which it dropped
 
 (read and written by ``rollflow.storage.async_groups``).
@@ -53,10 +54,24 @@ one that have no file were in flight when the run died and are played again, fir
 admission file is written before the step's episodes, so a step resumed after it trains
 exactly the groups it chose, and admission control counts the buffer from the step after.
 
+Errored episodes: a group's tracebacks are kept in its own file, written with it, as the
+rollout stage's are (``tasks/step_health.py``); the admission copies the admitted groups'
+lines into the step's ``errors.jsonl`` under the step's episode ids, where the scoring
+stage's message points. A step whose every episode failed in the rollout fails the run
+and its admission is discarded with its episodes; the resume then plays again every
+finished group not yet taken whose every episode errored (``replay_failed_groups``), so a
+fixed environment replays the step, and a still broken one fails it again.
+
 Simplified, and why: the generator is vLLM only (a generator beside the trainer needs
 its own process: the in-process transformers backend would share the trainer's Python
-and cores); one event loop thread plays every group; a generator failure fails the run
-(finished groups are on disk, the resume replays the rest) rather than restarting here.
+and cores); one event loop thread plays every group.
+
+A generator that dies: after each group the generator's one fault check
+(``AsyncGenerator.keep``, lockstep's ``RestartBudget``) restarts a managed server and
+discards the group, whose index is played again first, from its seed, under the version
+then published; a group with errored episodes that played across a restart is discarded
+the same way. An external server, or one more death than ``MAX_GENERATOR_RESTARTS``,
+fails the run (finished groups are on disk, the resume replays the rest).
 """
 
 from __future__ import annotations
@@ -65,26 +80,34 @@ import asyncio
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from rollflow.envs.episode import EpisodeRollout
 from rollflow.envs.runner import EnvironmentHandle, TaskItem, load_environment_handle, play_groups
+from rollflow.envs.tracebacks import keeping_tracebacks
 from rollflow.storage.async_groups import (
     Admission,
     GroupStamp,
     admission_path,
     consumed_groups,
     finished_groups,
+    group_paths,
     read_admission,
+    read_group,
     step_episode_records,
     write_admission,
     write_group,
 )
+from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import episode_records_to_table
+from rollflow.storage.stage_outputs import write_output
 from rollflow.tasks.async_generator import POLL_S, AsyncGenerator
 from rollflow.tasks.config import RunConfig
 from rollflow.tasks.rollout import derive_seed, episode_limits, select_train_tasks
+from rollflow.tasks.step_health import EpisodeError, keep_episode_errors, read_episode_errors, write_episode_errors
 
 
 STOP_JOIN_S = 30.0  # the collector stops within a poll once cancelled; this is the backstop
@@ -118,6 +141,7 @@ class RolloutWorkers:
         self.items: list[TaskItem] = self.handle.tasks("train")
         self.limits = episode_limits(config, "train", self.handle.style)
         taken = consumed_groups(folder)
+        replay_failed_groups(folder, [i for i in finished_groups(folder) if i not in taken])
         done = finished_groups(folder)
         highest = max([*taken, *done, -1])
         # A step resumed after its admission file trains the groups it chose: the buffer
@@ -245,22 +269,28 @@ class RolloutWorkers:
         policy = self.generator.group_policy(version, derive_seed(config.train.seed, "async", index))
         started = time.time()
         finished_under = version
+        restarts = self.generator.restarts
         try:
-            groups = await play_groups(
-                self.handle, [item], config.rollout.episodes_per_task, policy, self.limits,
-                config.rollout.episodes_per_task,
-            )  # fmt: skip
+            with keeping_tracebacks() as tracebacks:
+                groups = await play_groups(
+                    self.handle, [item], config.rollout.episodes_per_task, policy, self.limits,
+                    config.rollout.episodes_per_task,
+                )  # fmt: skip
         finally:
             finished_under = self.generator.finish_group(version)
             self.generator.retire_unused()
-        broken = [r.error for r in groups[0] if r.error and "VLLMPolicyError" in r.error]
-        if broken:  # the generator failed, not the episode: never keep such a group
-            raise CollectionError(f"group {index}: the generator failed: {broken[0]}")
+        errored = sum(r.error is not None for r in groups[0])
+        if not await asyncio.to_thread(self.generator.keep, errored, len(groups[0]), f"group {index}", restarts):
+            with self.lock:  # the generator was restarted: the group is played again, first
+                self.buffer.started -= 1
+                self.buffer.replay.insert(0, index)
+            return
         stamp = GroupStamp(
             index=index, task_id=item.task_id, start_version=version,
-            finish_version=max([finished_under, *policy.versions]) if not config.train.use_lora else version,
+            finish_version=max([finished_under, *policy.versions]) if self.generator.in_place else version,
             started_s=started, finished_s=time.time(),
         )  # fmt: skip
+        keep_group_errors(self.folder, index, item.task_id, groups[0], tracebacks)
         write_group(self.folder, stamp, groups[0])
         with self.lock:
             self.buffer.started -= 1
@@ -306,17 +336,62 @@ class Publisher:
 # ---------------------------------------------------------------- the trainer's stages
 
 
-def admit_stage(config: RunConfig, run_dir: Path, step: int, workers: RolloutWorkers) -> Path:
-    """Step ``step``'s episodes: the groups it admits (chosen once, recorded first)."""
-    folder = RunFolder(run_dir)
-    done = folder.stage_output(step, "episodes")
-    if done is not None:
-        return done
+def admit_stage(config: RunConfig, workers: RolloutWorkers, step: int, out: Path) -> Path:
+    """Step ``step``'s episodes into ``out`` (its ``episodes.parquet``): the groups it admits
+    (chosen once, the admission recorded first)."""
+    folder = workers.folder
     admission = read_admission(folder, step)
     if admission is None:
         admission = workers.take(step)
         write_admission(folder, admission, workers.stamps)
-    return folder.write_stage(episode_records_to_table(step_episode_records(folder, admission)), step, "episodes")
+    records = step_episode_records(folder, admission)
+    keep_admitted_errors(folder, admission, records)
+    return write_output(episode_records_to_table(records), out)
+
+
+# ---------------------------------------------------------------- errored episodes
+
+
+def group_errors_path(folder: RunFolder, index: int) -> Path:
+    return group_paths(folder, index)[0].with_suffix(".errors.jsonl")
+
+
+def keep_group_errors(
+    folder: RunFolder, index: int, task_id: str, rollouts: Sequence[EpisodeRollout], tracebacks: dict[str, str]
+) -> None:
+    """The group's errored episodes with their tracebacks, in its own file (before its episodes)."""
+    errors = [
+        EpisodeError("rollout", f"collect/{index}/{i}", task_id, r.error, tracebacks.get(r.error))
+        for i, r in enumerate(rollouts) if r.error is not None
+    ]  # fmt: skip
+    write_episode_errors(group_errors_path(folder, index), errors)
+
+
+def keep_admitted_errors(folder: RunFolder, admission: Admission, records: Sequence[EpisodeRecord]) -> None:
+    """The admitted groups' errors in the step's ``errors.jsonl``, under the step's episode ids."""
+    errors = []
+    for k, index in enumerate(admission.admitted):
+        for error in read_episode_errors(group_errors_path(folder, index)):
+            in_group = error.episode_id.rsplit("/", 1)[1]
+            errors.append(replace(error, episode_id=f"train/{admission.step}/{k}/{in_group}"))
+    keep_episode_errors(folder, admission.step, "train", "rollout", [r.episode_id for r in records], errors)
+
+
+def replay_failed_groups(folder: RunFolder, waiting: Sequence[int]) -> None:
+    """Finished groups no step took whose every episode errored in the rollout are played
+    again (their files removed, stamp first): a step that admitted them failed the run, or
+    would, and a resume after the environment's fix must not train on them."""
+    failed = []
+    for index in waiting:
+        records = read_group(folder, index)
+        if records and all(r.rollout.error is not None for r in records):
+            episodes, stamp = group_paths(folder, index)
+            for path in (stamp, episodes, group_errors_path(folder, index)):
+                path.unlink(missing_ok=True)
+            failed.append(index)
+    if failed:
+        print(f"  rollout workers: playing again {len(failed)} finished group(s) whose every episode errored: "
+              f"{failed}", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def async_step_metrics(folder: RunFolder, step: int) -> dict[str, float]:

@@ -1,8 +1,8 @@
 """One TOML file -> typed, frozen, validated config objects (one per section).
 
 A run is configured by one TOML file with the sections ``[model]``, ``[env]``,
-``[rollout]``, ``[train]``, ``[validation]``, ``[storage]``, ``[tracking]`` and ``[sft]``
-(read only by ``rollflow sft``); each
+``[rollout]``, ``[train]``, ``[validation]``, ``[storage]``, ``[tracking]``, ``[sft]``
+(read only by ``rollflow sft``) and ``[pipeline]`` (only by ``rollflow pipeline``); each
 becomes a frozen dataclass and ``RunConfig`` holds them all. Every section validates itself
 in ``__post_init__``, so an object built from Python is checked exactly like one parsed
 from TOML. Bad input raises ``ConfigError`` naming ``[section].key``, the allowed values or
@@ -12,6 +12,11 @@ The reference docs' field names keep their meaning (``batch_size``, ``episodes_p
 alias ``group_size``, ``max_model_length`` alias ``max_context_tokens``, ...). The flat
 ``GRPOConfig`` of the reference API lives in ``tasks/grpo_config.py``.
 
+This file is the list of settings. The machinery under it is ``tasks/config_parsing.py``
+(keys, aliases, retired settings, type checks) and ``tasks/config_toml.py`` (the writer);
+the rules that span sections are ``tasks/config_checks.py``'s ``check_run_config``.
+Every name of all three imports from here.
+
 Simplified on purpose: no environment-variable interpolation, no config inheritance or
 includes, and relative paths are taken relative to the working directory (as a shell
 user expects), not to the config file, so the frozen copy in the run folder means the same.
@@ -19,11 +24,7 @@ user expects), not to the config file, so the frozen copy in the run folder mean
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import re
-import tomllib
-import types
 import typing
 import warnings
 from collections.abc import Mapping
@@ -31,19 +32,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from rollflow.policy.loss import LossName, OffPolicyCorrection
+from rollflow.tasks.config_checks import (  # noqa: F401  (the rules across sections live there)
+    check_async,
+    check_run_config,
+    check_training_backend,
+    check_training_sampling,
+)
+from rollflow.tasks.config_parsing import (
+    ConfigError,
+    at_least,
+    check_types,
+    flatten_into,
+    in_range,
+    parse_sections,
+    read_document,
+    section_dict,
+)
+from rollflow.tasks.config_cluster import ClusterConfig
 from rollflow.tasks.config_toml import toml_document
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Backend = Literal["transformers", "vllm", "openai"]
-LossName = Literal["grpo", "dr_grpo", "dapo"]
 Objective = Literal["grpo", "opd"]  # tasks/objectives.py's OBJECTIVES
-OffPolicyCorrection = Literal["none", "tis", "mask"]  # policy/loss.py's CORRECTIONS
 WeightSyncType = Literal["synchronous", "background_publish", "pipeline"]  # tasks/collect.py
+LoraServing = Literal["merged", "adapter"]  # tasks/generator.py
 Compression = Literal["zstd", "snappy", "gzip", "lz4", "brotli", "none"]
-
-
-class ConfigError(ValueError):
-    """A config value or key is wrong; the message names ``[section].key``."""
 
 
 # ---------------------------------------------------------------- sections
@@ -54,12 +68,11 @@ class ModelConfig:
     path: str | None = None  # an HF folder or a .gguf file; None = the bundled SmolLM2
     gguf_file: str | None = None  # the GGUF file name inside ``path`` (bundled: its Q4_1 file)
     adapter: str | None = None  # a peft adapter folder to start from
-    # float32 is safe on any CPU. bfloat16 is 1.3x (decoding) to 1.75x (LoRA update) faster
-    # where the CPU has bfloat16 units (bench/dtype_bench.py: AMX), and peft keeps LoRA
-    # weights in float32 under it; elsewhere it is emulated and far slower (an AVX2-only
-    # CPU: rollouts 3x, a LoRA update over 10x). "auto" picks bfloat16 where the device
-    # runs it natively (a CPU with oneDNN's bfloat16 path, a CUDA device that supports
-    # it), else float32, in each process that loads the model. float16 is for GPUs.
+    # float32 is safe on any CPU. bfloat16 is faster where the CPU has bfloat16 units (AMX)
+    # and emulated, far slower, elsewhere (bench/dtype_bench.py measures both costs); peft
+    # keeps LoRA weights in float32 under it. "auto" picks bfloat16 where the device runs it
+    # natively (a CPU with oneDNN's bfloat16 path, a CUDA device that supports it), else
+    # float32, in each process that loads the model. float16 is for GPUs.
     dtype: Dtype = "float32"
     # Where this process's models run (the trainer, the transformers sampler, a local
     # teacher): "auto" is the first CUDA device when PyTorch sees one, else the CPU;
@@ -67,7 +80,7 @@ class ModelConfig:
     device: str = "auto"
 
     def __post_init__(self) -> None:
-        _check_types(self, "model")
+        check_types(self, "model")
         if re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is None:
             raise ConfigError(f"[model].device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {self.device!r}")
 
@@ -78,7 +91,7 @@ class EnvConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check_types(self, "env")
+        check_types(self, "env")
         module, sep, function = self.name.partition(":")
         if not (sep and module and function.isidentifier()):
             raise ConfigError(
@@ -118,22 +131,27 @@ class RolloutConfig:
     max_steps_off_policy: int | None = None  # None = lockstep (reference); see tasks/collect.py
     # How a new version reaches the generator: "synchronous" inline; "background_publish"
     # on a thread (the trainer goes on); "pipeline" too, and episodes in flight continue
-    # under the new weights (full weights only). The deferred two need max_steps_off_policy.
+    # under the new weights (weights swapped in place: full weights or LoRA merged). The
+    # deferred two need max_steps_off_policy.
     weight_sync_type: WeightSyncType = "synchronous"
     # Async: never start a group that would be stale when the trainer can take it (off:
     # groups start freely and stale ones are only dropped, the reference's behaviour)
     admission_control: bool = True
+    # How a LoRA version reaches a managed vLLM server: "merged" into the base and reloaded
+    # in place (the base model's speed), or "adapter" (vLLM's LoRA kernels: many adapters on
+    # one server, large models); the user's base_urls always get adapters. tasks/generator.py
+    lora_serving: LoraServing = "merged"
 
     def __post_init__(self) -> None:
-        _check_types(self, "rollout")
+        check_types(self, "rollout")
         for key in ("batch_size", "episodes_per_task", "max_turns", "max_model_length",
                     "max_completion_tokens", "max_sampling_attempts", "concurrency"):
-            _at_least(self, "rollout", key, 1)
-        _at_least(self, "rollout", "groups_in_flight", 1)
-        _at_least(self, "rollout", "max_steps_off_policy", 0)
-        _in_range(self, "rollout", "temperature", 0.0, None, low_open=True)
-        _in_range(self, "rollout", "top_p", 0.0, 1.0, low_open=True)
-        _in_range(self, "rollout", "generation_timeout_s", 0.0, None, low_open=True)
+            at_least(self, "rollout", key, 1)
+        at_least(self, "rollout", "groups_in_flight", 1)
+        at_least(self, "rollout", "max_steps_off_policy", 0)
+        in_range(self, "rollout", "temperature", 0.0, None, low_open=True)
+        in_range(self, "rollout", "top_p", 0.0, 1.0, low_open=True)
+        in_range(self, "rollout", "generation_timeout_s", 0.0, None, low_open=True)
         if self.max_completion_tokens >= self.max_model_length:
             raise ConfigError(
                 f"[rollout].max_completion_tokens ({self.max_completion_tokens}) must be "
@@ -144,8 +162,8 @@ class RolloutConfig:
             raise ConfigError(
                 "[rollout].backend = 'openai' needs [rollout].base_url and [rollout].api_model"
             )
-        _at_least(self, "rollout", "vllm_kvcache_space_gib", 1)
-        _in_range(self, "rollout", "vllm_startup_timeout_s", 0.0, None, low_open=True)
+        at_least(self, "rollout", "vllm_kvcache_space_gib", 1)
+        in_range(self, "rollout", "vllm_startup_timeout_s", 0.0, None, low_open=True)
         for url in self.base_urls:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"[rollout].base_urls entries must start with http:// or https://; got {url!r}")
@@ -208,28 +226,28 @@ class TrainConfig:
         return any(v is not None for v in (self.teacher_path, self.teacher_adapter, self.teacher_base_url))
 
     def __post_init__(self) -> None:
-        _check_types(self, "train")
+        check_types(self, "train")
         self._check_teacher()
         for key in ("num_steps", "lora_rank", "max_tokens_per_microbatch", "minibatches",
                     "keep_checkpoints", "overlong_buffer_tokens"):
-            _at_least(self, "train", key, 1)
-        _at_least(self, "train", "seed", 0)
-        _in_range(self, "train", "learning_rate", 0.0, None, low_open=True)
-        _in_range(self, "train", "lora_alpha", 0.0, None, low_open=True)
-        _in_range(self, "train", "lora_dropout", 0.0, 1.0)
-        _in_range(self, "train", "clip_eps_low", 0.0, 1.0)
-        _in_range(self, "train", "clip_eps_high", 0.0, None)
-        _in_range(self, "train", "kl_coef", 0.0, None)
-        _in_range(self, "train", "max_grad_norm", 0.0, None, low_open=True)
-        _in_range(self, "train", "overlong_penalty_factor", 0.0, None)
-        _in_range(self, "train", "off_policy_cap", 1.0, None, low_open=True)
+            at_least(self, "train", key, 1)
+        at_least(self, "train", "seed", 0)
+        in_range(self, "train", "learning_rate", 0.0, None, low_open=True)
+        in_range(self, "train", "lora_alpha", 0.0, None, low_open=True)
+        in_range(self, "train", "lora_dropout", 0.0, 1.0)
+        in_range(self, "train", "clip_eps_low", 0.0, 1.0)
+        in_range(self, "train", "clip_eps_high", 0.0, None)
+        in_range(self, "train", "kl_coef", 0.0, None)
+        in_range(self, "train", "max_grad_norm", 0.0, None, low_open=True)
+        in_range(self, "train", "overlong_penalty_factor", 0.0, None)
+        in_range(self, "train", "off_policy_cap", 1.0, None, low_open=True)
         if not self.lora_target_modules:
             raise ConfigError("[train].lora_target_modules must name at least one module")
 
     def _check_teacher(self) -> None:
-        _in_range(self, "train", "kl_penalty_coef", 0.0, None)
-        _in_range(self, "train", "opd_discount", 0.0, 1.0)
-        _in_range(self, "train", "opd_reward_coef", 0.0, None)
+        in_range(self, "train", "kl_penalty_coef", 0.0, None)
+        in_range(self, "train", "opd_discount", 0.0, 1.0)
+        in_range(self, "train", "opd_reward_coef", 0.0, None)
         if self.objective == "opd" and not self.has_teacher:
             raise ConfigError(
                 "[train].objective = 'opd' needs a teacher: [train].teacher_path and/or "
@@ -266,20 +284,20 @@ class ValidationConfig:
     episodes_per_task: int = 1
 
     def __post_init__(self) -> None:
-        _check_types(self, "validation")
-        _at_least(self, "validation", "validation_interval", 0)
-        _at_least(self, "validation", "val_max_turns", 1)
-        _at_least(self, "validation", "num_tasks", 1)
-        _at_least(self, "validation", "episodes_per_task", 1)
+        check_types(self, "validation")
+        at_least(self, "validation", "validation_interval", 0)
+        at_least(self, "validation", "val_max_turns", 1)
+        at_least(self, "validation", "num_tasks", 1)
+        at_least(self, "validation", "episodes_per_task", 1)
 
 
 @dataclass(frozen=True)
 class StorageConfig:
     runs_dir: str = "runs"
-    compression: Compression = "zstd"  # smaller than snappy for little time (MACHINE_NOTES)
+    compression: Compression = "zstd"  # smaller files than snappy for a little more write time
 
     def __post_init__(self) -> None:
-        _check_types(self, "storage")
+        check_types(self, "storage")
 
 
 @dataclass(frozen=True)
@@ -289,7 +307,7 @@ class TrackingConfig:
     experiment: str = "rollflow"
 
     def __post_init__(self) -> None:
-        _check_types(self, "tracking")
+        check_types(self, "tracking")
 
 
 @dataclass(frozen=True)
@@ -304,10 +322,10 @@ class SFTConfig:
     transcripts: str | None = None
 
     def __post_init__(self) -> None:
-        _check_types(self, "sft")
+        check_types(self, "sft")
         for key in ("epochs", "batch_size", "max_rows"):
-            _at_least(self, "sft", key, 1)
-        _in_range(self, "sft", "learning_rate", 0.0, None, low_open=True)
+            at_least(self, "sft", key, 1)
+        in_range(self, "sft", "learning_rate", 0.0, None, low_open=True)
 
 
 @dataclass(frozen=True)
@@ -331,13 +349,13 @@ class PipelineConfig:
     gate_min_gain: float = 0.0  # the mean change must exceed this; < 0 is warned about
 
     def __post_init__(self) -> None:
-        _check_types(self, "pipeline")
+        check_types(self, "pipeline")
         if self.gate_column not in ("passed", "final_reward"):
             raise ConfigError(
                 f"[pipeline].gate_column must be 'passed' or 'final_reward', got {self.gate_column!r}"
             )
-        _in_range(self, "pipeline", "gate_alpha", 0.0, 1.0, low_open=True)
-        _at_least(self, "pipeline", "gate_min_discordant", 0)
+        in_range(self, "pipeline", "gate_alpha", 0.0, 1.0, low_open=True)
+        at_least(self, "pipeline", "gate_min_discordant", 0)
         if self.gate_min_gain < 0:
             from rollflow.tasks.gate import negative_margin_warning
 
@@ -357,6 +375,7 @@ class RunConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # tasks/config_cluster.py
 
     @property
     def groups_in_flight(self) -> int:
@@ -377,230 +396,35 @@ class RunConfig:
 
 SECTIONS: dict[str, type] = dict(typing.get_type_hints(RunConfig))  # "train" -> TrainConfig
 
-# Reference names that mean the same field: alias -> (section, canonical key).
-ALIASES: dict[str, tuple[str, str]] = {
-    "group_size": ("rollout", "episodes_per_task"),
-    "max_context_tokens": ("rollout", "max_model_length"),
-}
 
-# Settings that are gone: (section, key) -> what to set instead.
-RETIRED: dict[tuple[str, str], str] = {
-    ("pipeline", "gate_z"): (
-        "the gate is now an exact one-sided test: set [pipeline].gate_alpha, the false-promotion "
-        "rate (gate_z = 1 corresponds to about 0.16, gate_z = 2 to about 0.023; default 0.05)"
-    ),
-}
-
-
-# ---------------------------------------------------------------- public API
+# ---------------------------------------------------------------- reading and writing
 
 
 def load_config(path: str | Path, *, frozen: bool = False) -> RunConfig:
     """Read and validate a TOML config file.
 
     ``frozen``: the file is a run folder's own ``config.toml``, written by ``config_to_toml``
-    of an earlier rollflow; settings since retired (``RETIRED``) are dropped from it, so an
-    old run still resumes, exports and rescores. A user's config naming one is refused.
+    of an earlier rollflow; settings since retired (``config_parsing.RETIRED``) are dropped
+    from it, so an old run still resumes, exports and rescores. A user's config naming one
+    is refused.
     """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    try:
-        document = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as error:
-        raise ConfigError(f"{path} is not valid TOML: {error}") from None
-    if frozen:
-        document = {
-            section: {k: v for k, v in table.items() if (section, k) not in RETIRED} if isinstance(table, dict) else table
-            for section, table in document.items()
-        }
-    return parse_config(document)
+    return parse_config(read_document(Path(path), frozen=frozen))
 
 
 def parse_config(document: Mapping[str, Any]) -> RunConfig:
     """Validate a mapping shaped like the TOML file (``{"train": {...}, ...}``)."""
-    for section, table in document.items():
-        if section not in SECTIONS:
-            hint = _suggest(section, list(SECTIONS))
-            raise ConfigError(f"unknown section [{section}]{hint}; sections: {', '.join(SECTIONS)}")
-        if not isinstance(table, Mapping):
-            raise ConfigError(f"[{section}] must be a table, got {type(table).__name__}")
-    built = {name: _parse_section(name, document.get(name, {})) for name in SECTIONS}
-    return RunConfig(**built)
+    return RunConfig(**parse_sections(document, SECTIONS))
 
 
 def config_to_toml(config: RunConfig) -> str:
     """The config as TOML that ``parse_config`` reads back to an equal object."""
-    return toml_document({name: _section_dict(getattr(config, name)) for name in SECTIONS})
+    return toml_document({name: section_dict(getattr(config, name)) for name in SECTIONS})
 
 
 def flatten_config(config: RunConfig) -> dict[str, str]:
     """``{"train.learning_rate": "2e-05", ...}``: every value as text, for MLflow params."""
     flat: dict[str, str] = {}
     for name in SECTIONS:
-        for key, value in _section_dict(getattr(config, name)).items():
-            _flatten_into(flat, f"{name}.{key}", value)
+        for key, value in section_dict(getattr(config, name)).items():
+            flatten_into(flat, f"{name}.{key}", value)
     return flat
-
-
-def check_training_sampling(config: RunConfig) -> None:
-    """Refuse sampling settings a training run cannot learn from (evaluation may use them).
-
-    The trainer scores each sampled token under ``log_softmax(logits / temperature)``,
-    the whole distribution. With ``top_p < 1`` the sampler drew from the renormalised
-    nucleus instead, so the importance ratio would start at the nucleus mass (below 1),
-    not 1, and the clip would act on that bias rather than on the policy's drift.
-    """
-    top_p = config.rollout.top_p
-    if top_p < 1.0:
-        raise ConfigError(
-            f"[rollout].top_p = {top_p}: training needs 1.0. The trainer scores tokens under "
-            "the whole distribution, so with a nucleus the importance ratio would start at the "
-            "nucleus mass instead of 1; top_p < 1 is for `rollflow eval`"
-        )
-
-
-# ---------------------------------------------------------------- parsing
-
-
-def _parse_section(section: str, table: Mapping[str, Any]) -> Any:
-    cls = SECTIONS[section]
-    known = [f.name for f in dataclasses.fields(cls)]
-    values: dict[str, Any] = {}
-    for key, value in table.items():
-        canonical = _canonical_key(section, key, known)
-        if canonical in values and values[canonical] != value:
-            raise ConfigError(
-                f"[{section}].{key} = {value!r} contradicts [{section}].{canonical} = "
-                f"{values[canonical]!r}: they are the same setting; keep one"
-            )
-        values[canonical] = value
-    return cls(**values)
-
-
-def _canonical_key(section: str, key: str, known: list[str]) -> str:
-    if key in known:
-        return key
-    if (section, key) in RETIRED:
-        raise ConfigError(f"[{section}].{key} is no longer a setting: {RETIRED[section, key]}")
-    alias = ALIASES.get(key)
-    if alias is not None and alias[0] == section:
-        return alias[1]
-    homes = _home_sections(key)
-    if homes:
-        where = " or ".join(f"[{home}]" for home in homes)
-        raise ConfigError(f"[{section}].{key} belongs in {where}, not [{section}]")
-    section_aliases = [a for a, (s, _) in ALIASES.items() if s == section]
-    hint = _suggest(key, known + section_aliases)
-    raise ConfigError(f"unknown key [{section}].{key}{hint}; known keys: {', '.join(known)}")
-
-
-def _home_sections(key: str) -> list[str]:
-    """The sections that have ``key`` (``episodes_per_task``: rollout and validation)."""
-    if key in ALIASES:
-        return [ALIASES[key][0]]
-    return [name for name, cls in SECTIONS.items() if key in {f.name for f in dataclasses.fields(cls)}]
-
-
-def _suggest(word: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-# ---------------------------------------------------------------- validation
-
-
-def _check_types(section_object: Any, section: str) -> None:
-    """Check (and normalise: int -> float, list -> tuple) every field of a section."""
-    hints = typing.get_type_hints(type(section_object))
-    for f in dataclasses.fields(section_object):
-        value = getattr(section_object, f.name)
-        normalised = _coerce(value, hints[f.name], f"[{section}].{f.name}")
-        if normalised is not value:
-            object.__setattr__(section_object, f.name, normalised)
-
-
-def _coerce(value: Any, hint: Any, where: str) -> Any:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (types.UnionType, typing.Union):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], where)
-    if origin is Literal:
-        if value not in args:
-            allowed = ", ".join(repr(a) for a in args)
-            raise ConfigError(f"{where} must be one of {allowed}; got {value!r}")
-        return value
-    if origin is tuple:
-        if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{where} must be a list of strings; got {value!r}")
-        return tuple(value)
-    if origin is dict:
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{where} must be a table; got {type(value).__name__}")
-        return value
-    return _coerce_scalar(value, hint, where)
-
-
-def _coerce_scalar(value: Any, hint: Any, where: str) -> Any:
-    if hint is bool:
-        ok = isinstance(value, bool)
-    elif hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif hint is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        value = float(value) if ok and not isinstance(value, float) else value
-    elif hint is str:
-        ok = isinstance(value, str)
-    else:  # pragma: no cover - a field type this module does not know
-        raise TypeError(f"{where}: unsupported field type {hint!r}")
-    if not ok:
-        expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-        raise ConfigError(
-            f"{where} must be {expected[hint]}; got {type(value).__name__} {value!r}"
-        )
-    return value
-
-
-def _at_least(section_object: Any, section: str, key: str, minimum: int) -> None:
-    value = getattr(section_object, key)
-    if value is not None and value < minimum:
-        raise ConfigError(f"[{section}].{key} must be at least {minimum}; got {value!r}")
-
-
-def _in_range(
-    section_object: Any, section: str, key: str, low: float, high: float | None,
-    *, low_open: bool = False,
-) -> None:
-    value = getattr(section_object, key)
-    too_low = value <= low if low_open else value < low
-    if too_low or (high is not None and value > high):
-        bracket = "(" if low_open else "["
-        upper = f"{high}]" if high is not None else "inf)"
-        raise ConfigError(f"[{section}].{key} must be in {bracket}{low}, {upper}; got {value!r}")
-
-
-# ---------------------------------------------------------------- output
-
-
-def _section_dict(section_object: Any) -> dict[str, Any]:
-    """Field values in declaration order, None omitted (TOML has no null; None = default)."""
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(section_object):
-        value = getattr(section_object, f.name)
-        if value is not None:
-            out[f.name] = list(value) if isinstance(value, tuple) else value
-    return out
-
-
-def _flatten_into(flat: dict[str, str], prefix: str, value: Any) -> None:
-    if isinstance(value, Mapping):
-        for key, inner in value.items():
-            _flatten_into(flat, f"{prefix}.{key}", inner)
-    elif isinstance(value, list):
-        flat[prefix] = ",".join(str(v) for v in value)
-    else:
-        flat[prefix] = str(value).lower() if isinstance(value, bool) else str(value)

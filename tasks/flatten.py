@@ -30,13 +30,12 @@ from pathlib import Path
 
 from rollflow.envs.episode import ActionTokens
 from rollflow.storage.records import EpisodeRecord, SampleRecord, ScoreRecord
-from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import (
     sample_records_to_table,
     table_to_episode_records,
     table_to_score_records,
 )
-from rollflow.tasks.config import RunConfig
+from rollflow.storage.stage_outputs import read_output, write_output
 
 
 class FlattenError(ValueError):
@@ -123,18 +122,13 @@ def flatten_episodes(
     return samples
 
 
-def flatten_stage(config: RunConfig, run_dir: Path, step: int) -> Path:
-    """Flatten step ``step``'s scored training episodes into ``samples.parquet``.
+def flatten_stage(episodes: Path, scores: Path, out: Path) -> Path:
+    """Flatten a step's scored training episodes into ``out`` (``samples.parquet``).
 
-    ``config`` is taken for the uniform stage signature; flattening has no settings (what
-    is trained was decided by scoring). A finished output is returned as is; a step with
+    Flattening has no settings (what is trained was decided by scoring). A step with
     nothing to train writes an empty table, so the stage still counts as done.
     """
-    folder = RunFolder(run_dir)
-    done = folder.stage_output(step, "samples")
-    if done is not None:
-        return done
-    episodes = table_to_episode_records(folder.read_stage(step, "episodes"))
-    scores = table_to_score_records(folder.read_stage(step, "scores"))
-    samples = flatten_episodes(episodes, scores)
-    return folder.write_stage(sample_records_to_table(samples), step, "samples")
+    samples = flatten_episodes(
+        table_to_episode_records(read_output(episodes)), table_to_score_records(read_output(scores))
+    )
+    return write_output(sample_records_to_table(samples), out)

@@ -8,10 +8,10 @@ last of all, after MLflow has it: that file existing is what marks a step finish
 replay after a crash logs no duplicate point (``RunTracker.log_step`` skips steps already
 logged).
 
-Stage times are recorded in the run folder as each stage finishes (``run_timed``), not
-measured around the calls of the run that logs them: a resumed step's stages that had
-already finished return at once, and their ``time/...`` must be what they took when they
-really ran, not ~0 s. Simplified: a crash between a stage's output landing and its time
+Stage times are recorded in the run folder as each stage finishes (``flows/step.py``'s
+``run_stage``), not measured around the calls of the run that logs them: a resumed step's
+stages that had already finished are not run again, and their ``time/...`` must be what
+they took when they really ran, not ~0 s. Simplified: a crash between a stage's output landing and its time
 being recorded leaves that stage without a figure; its ``time/<stage>`` and ``time/step``
 are then left out rather than logged as a false number. A sharded rollout resumed from
 its finished parts records the time of the call that finished it, not of the parts an
@@ -24,25 +24,24 @@ of their best and worst episodes as an artifact.
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from rollflow.storage.errors import NoDataError, SchemaMismatchError
+from rollflow.storage.errors import NoDataError
 from rollflow.storage.parquet import write_bytes_atomic
 from rollflow.storage.query import open_run_sql, run_query, step_metrics, teacher_metrics
 from rollflow.storage.records import TrainResult
 from rollflow.tasks.collect import async_step_metrics
-from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.runfolder import (  # noqa: F401  (METRICS_JSON re-exported)
+    METRICS_JSON,
+    OPTIONAL_TIMED_STAGES,
+    TIMED_STAGES,
+    RunFolder,
+)
 from rollflow.storage.transcript import render_episode
 from rollflow.tasks.config import RunConfig, flatten_config
 from rollflow.tasks.step_health import step_summary
 
-METRICS_JSON = "metrics.json"
-STAGE_SECONDS_JSON = "stage_seconds.json"  # stage name -> wall seconds of its one real run
-# A training step's stages, in order, with the output that marks each finished.
-STEP_STAGES = {"rollout": "episodes", "scoring": "scores", "flatten": "samples", "train": "train"}
-OPTIONAL_STEP_STAGES = {"teacher": "teacher"}  # only where a teacher is configured (OPD)
 REWARD_CURVE = "reward_curve.png"
 TRANSCRIPTS_TXT = "transcripts.txt"
 SAMPLE_TRANSCRIPTS = 2  # best and worst validation episodes each logged as text
@@ -119,48 +118,19 @@ def optim_metrics(result: TrainResult) -> dict[str, float]:
     return metrics
 
 
-def run_timed(folder: RunFolder, step: int, stage: str, run: Callable[[], Path]) -> Path:
-    """Run one training-step stage; when it really works (its output was not there yet),
-    record its wall seconds in the step's ``stage_seconds.json``."""
-    outputs = STEP_STAGES | OPTIONAL_STEP_STAGES
-    if stage not in outputs:
-        raise ValueError(f"a training step's stages are {list(outputs)}, got {stage!r}")
-    if folder.is_complete(step, outputs[stage]):
-        return run()  # finished before a crash: the stage skips itself, its figure stands
-    started = time.perf_counter()
-    path = run()
-    seconds = time.perf_counter() - started
-    recorded = recorded_stage_seconds(folder, step)
-    folder.write_json_atomic(folder.step_dir(step) / STAGE_SECONDS_JSON, {**recorded, stage: seconds})
-    return path
-
-
-def recorded_stage_seconds(folder: RunFolder, step: int) -> dict[str, float]:
-    """The wall seconds each finished stage of ``step`` took when it ran (none: ``{}``)."""
-    path = folder.step_dir(step) / STAGE_SECONDS_JSON
-    if not path.exists():
-        return {}
-    data = folder.read_json(path)
-    if not isinstance(data, dict) or not all(isinstance(v, int | float) for v in data.values()):
-        raise SchemaMismatchError(path, f"expected stage name -> seconds, got {data!r}")
-    return {str(stage): float(seconds) for stage, seconds in data.items()}
-
-
 def time_metrics(folder: RunFolder, step: int) -> dict[str, float]:
     """``time/<stage>`` per recorded stage, and ``time/step`` once every stage has a figure."""
-    seconds = recorded_stage_seconds(folder, step)
+    seconds = folder.stage_seconds(step)
     metrics = {f"time/{stage}": value for stage, value in seconds.items()}
-    if set(STEP_STAGES) <= set(seconds):
-        metrics["time/step"] = sum(seconds[stage] for stage in STEP_STAGES | OPTIONAL_STEP_STAGES if stage in seconds)
+    if set(TIMED_STAGES) <= set(seconds):
+        metrics["time/step"] = sum(seconds[s] for s in TIMED_STAGES + OPTIONAL_TIMED_STAGES if s in seconds)
     return metrics
 
 
 def metrics_stage(config: RunConfig, run_dir: Path, step: int) -> Path:
     """Gather, log and write the step's metrics; returns the ``metrics.json`` path."""
     folder = RunFolder(run_dir)
-    path = folder.step_dir(step) / METRICS_JSON
-    if path.exists():
-        return path
+    path = folder.step_paths(step).metrics_json
     metrics = rollout_metrics(run_dir, step, "train")
     metrics.update(teacher_step_metrics(run_dir, step))
     metrics.update(optim_metrics(folder.read_train_result(step)))
@@ -172,16 +142,14 @@ def metrics_stage(config: RunConfig, run_dir: Path, step: int) -> Path:
 
 def step_outcome(folder: RunFolder, step: int) -> str:
     """The step line's numbers (``tasks/step_health.py``'s ``step_summary``) from its ``metrics.json``."""
-    return step_summary(folder.read_json(folder.step_dir(step) / METRICS_JSON))
+    return step_summary(folder.read_json(folder.step_paths(step).metrics_json))
 
 
 def validation_metrics_stage(config: RunConfig, run_dir: Path, step: int) -> Path:
     """Log the validation pass of ``step``, a few of its transcripts (best and worst) as text and
     as MLflow traces (``storage/traces.py``)."""
     folder = RunFolder(run_dir)
-    path = folder.step_dir(step, "validation") / METRICS_JSON
-    if path.exists():
-        return path
+    path = folder.step_paths(step, "validation").metrics_json
     metrics = {f"val/{key}": value for key, value in rollout_metrics(run_dir, step, "validation").items()}
     transcripts = write_sample_transcripts(folder, step)
     _log(config, folder, step, metrics, artifacts=[transcripts])

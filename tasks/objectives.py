@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from rollflow.storage.records import SampleRecord, TeacherRecord
-from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_teacher_records
+from rollflow.storage.stage_outputs import read_output
 from rollflow.tasks.config import RunConfig
 
 
@@ -89,11 +90,14 @@ OBJECTIVES: dict[str, Objective] = {
 
 
 def objective_samples(
-    config: RunConfig, folder: RunFolder, step: int, samples: Sequence[SampleRecord]
+    config: RunConfig, samples: Sequence[SampleRecord], teacher: Path | None
 ) -> list[SampleRecord]:
-    """The step's samples with the per-token advantages of ``[train].objective``."""
+    """``samples`` with the per-token advantages of ``[train].objective``; ``teacher`` is the
+    step's ``teacher.parquet`` (None: no teacher configured)."""
     objective = OBJECTIVES[config.train.objective]
-    teacher: dict[str, TeacherRecord] = {}
+    by_id: dict[str, TeacherRecord] = {}
     if objective.needs_teacher and samples:
-        teacher = {r.sample_id: r for r in table_to_teacher_records(folder.read_stage(step, "teacher"))}
-    return objective.advantages(samples, teacher, ObjectiveSettings.from_config(config))
+        if teacher is None:
+            raise ValueError(f"[train].objective = {config.train.objective!r} needs the step's teacher scores")
+        by_id = {r.sample_id: r for r in table_to_teacher_records(read_output(teacher))}
+    return objective.advantages(samples, by_id, ObjectiveSettings.from_config(config))

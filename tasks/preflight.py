@@ -1,10 +1,13 @@
 """Checks before a run starts: the files it loads, its environment, its prompts' length.
 
-``check_run_config(config)`` is what ``rollflow train`` / ``resume`` and
+``preflight(config)`` is what ``rollflow train`` / ``resume`` / ``pipeline`` and
 ``train_multi_turn`` call before Prefect starts and before a run folder is made, so a
-mistake costs a second and one line (``PreflightError``, a ``ConfigError`` naming the
-setting) instead of a dead run folder and a page of tracebacks from inside a stage:
+mistake costs a second and one line (a ``ConfigError`` naming the setting) instead of a
+dead run folder and a page of tracebacks from inside a stage:
 
+- **the rules across sections** a training run needs (``tasks.config.check_run_config``:
+  no nucleus, no ``openai`` backend, the async settings' rules), which ``open_run``
+  applies again to every run it opens;
 - **model files**: ``[model].path``, ``[model].gguf_file``, ``[model].adapter`` and the
   teacher's ``[train].teacher_path`` / ``teacher_adapter`` exist and are what the loader
   wants (a relative path is relative to the working directory, which the error names);
@@ -37,15 +40,17 @@ from rollflow.envs.runner import (
     load_environment_handle,
 )
 from rollflow.envs.types import Message, Split, ToolSpec
-from rollflow.tasks.config import ConfigError, RunConfig
+from rollflow.tasks.config import ConfigError, RunConfig, check_run_config
 
 
 class PreflightError(ConfigError):
     """A run would fail once started; the message names the setting and the value."""
 
 
-def check_run_config(config: RunConfig) -> None:
-    """Every check above, cheapest first; the first problem raises ``PreflightError``."""
+def preflight(config: RunConfig) -> None:
+    """Every check above, cheapest first; the first problem raises ``ConfigError`` (a
+    ``PreflightError`` for the files, the environment and the prompts)."""
+    check_run_config(config)
     check_model_files(config)
     handle = check_environment(config)
     check_prompts_fit(config, handle)
@@ -144,7 +149,7 @@ def prompt_tokens(config: RunConfig, handle: EnvironmentHandle, item: TaskItem) 
     """The length in tokens of ``item``'s opening prompt as the policy would see it."""
     from rollflow.policy.codec import ChatCodec
     from rollflow.policy.models import load_tokenizer
-    from rollflow.tasks.checkpoints import base_model_ref
+    from rollflow.tasks.models import base_model_ref
 
     probe = _PromptProbe()
     rollout = asyncio.run(handle.play(item, probe, EpisodeLimits(max_turns=1)))

@@ -19,7 +19,7 @@ Simplified, and why:
 - A chunk holds as many groups as fit in ``concurrency`` episodes: the whole chunk is
   generated as one batch, and a crash loses at most one chunk of work.
 
-A generator that dies mid-rollout (vLLM; ``policy_io.generator_fault``: the managed
+A generator that dies mid-rollout (vLLM; ``Generator.fault``: the managed
 server's process group is gone or ``GET /health`` fails, checked after every chunk):
 - the chunk is discarded when any of its episodes carries an error (it may be the dead
   server's "all attempts failed"), never written; a chunk whose episodes all finished is
@@ -27,7 +27,7 @@ server's process group is gone or ``GET /health`` fails, checked after every chu
 - a managed server is restarted (same spec, the step's adapter reloaded under the same
   version, ``logs/vllm-server.log`` says it restarted and why) and the discarded chunk is
   replayed with its seed: nothing lost, nothing doubled. At most
-  ``MAX_GENERATOR_RESTARTS`` restarts per stage; one more death fails the stage with
+  ``MAX_GENERATOR_RESTARTS`` (``tasks/generator.py``) restarts per stage; one more death fails the stage with
   ``GeneratorError`` naming the server, how it ended and its log's tail;
 - an external server (``[rollout].base_urls``) cannot be restarted by us: the stage fails
   with ``GeneratorError`` naming the URL, and a resumed run replays only the missing
@@ -65,12 +65,13 @@ from rollflow.storage.parquet import part_index
 from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import episode_records_to_table
+from rollflow.storage.stage_outputs import locate_output
 from rollflow.tasks.config import ConfigError, RunConfig
-from rollflow.tasks.policy_io import UNMANAGED_SERVER, ActingPolicy, GeneratorError, open_policy
+from rollflow.tasks.generator import RestartBudget
+from rollflow.tasks.policy_io import ActingPolicy, open_policy
 from rollflow.tasks.step_health import episode_errors, keep_episode_errors
 
 PROGRESS_EVERY_S = 15.0
-MAX_GENERATOR_RESTARTS = 2  # per stage: a server that keeps dying is not a transient fault
 
 
 def derive_seed(*parts: object) -> int:
@@ -115,13 +116,14 @@ def episode_limits(config: RunConfig, split: str, style: Style) -> EpisodeLimits
 
 
 def rollout_stage(
-    config: RunConfig, run_dir: Path, step: int, split: str = "train", policy: Policy | None = None
+    config: RunConfig, out: Path, step: int, split: str = "train", source: Policy | ActingPolicy | None = None
 ) -> Path:
-    """Play the step's episodes and write them; returns the sealed episodes folder."""
-    folder = RunFolder(run_dir)
-    done = folder.stage_output(step, "episodes", split)
-    if done is not None:
-        return done
+    """Play step ``step``'s ``split`` episodes into ``out`` (the step's episodes folder, part by
+    part); returns it sealed. ``source`` is the policy to act with (None: the step's own,
+    ``open_policy``)."""
+    folder = locate_output(out).folder
+    if Path(out).absolute() != folder.parts_dir(step, "episodes", split):
+        raise ValueError(f"{out} is not the episodes folder of {split} step {step}")
     handle = load_environment_handle(config.env.name, config.env.kwargs)
     if split == "train":
         items = select_train_tasks(handle.tasks("train"), step, config.rollout.batch_size, config.train.seed)
@@ -136,7 +138,7 @@ def rollout_stage(
     written = {part_index(p) for p in folder.part_paths(step, "episodes", split)}
     started = time.perf_counter()
     restarts = _Restarts()
-    with open_policy(config, folder, step, policy) as acting:
+    with open_policy(config, folder, step, source) as acting:
         for index, chunk in enumerate(chunks):
             if index in written:
                 continue
@@ -171,33 +173,16 @@ def _keep_errors(
 
 
 class _Restarts:
-    """The stage's generator restarts: after each chunk, is the generator still alive?"""
+    """The stage's generator restarts: after each chunk, the one fault check
+    (``RestartBudget.keep``, ``MAX_GENERATOR_RESTARTS`` per stage)."""
 
     def __init__(self) -> None:
-        self.used = 0
+        self.budget = RestartBudget()
 
     def chunk_is_good(self, acting: ActingPolicy, rollouts_GE: list[list[EpisodeRollout]], label: str) -> bool:
         """True: write the chunk. False: it was discarded and the generator restarted."""
-        fault = acting.generator_fault()
-        if fault is None:
-            return True
         errored = sum(r.error is not None for rollouts_E in rollouts_GE for r in rollouts_E)
-        if not fault.managed and not errored:
-            print(f"  {label}: warning: {fault.describe()}", file=sys.stderr, flush=True)
-            return True
-        lost = f"{label}: {errored} of {sum(map(len, rollouts_GE))} episodes errored and were not written"
-        if not fault.managed:
-            raise GeneratorError(f"{lost}: {fault.describe()}; {UNMANAGED_SERVER}")
-        if self.used >= MAX_GENERATOR_RESTARTS:
-            raise GeneratorError(
-                f"{lost}: {fault.describe()}\nit died after {self.used} restarts in this stage "
-                f"(MAX_GENERATOR_RESTARTS = {MAX_GENERATOR_RESTARTS}); look at its log"
-            )
-        self.used += 1
-        print(f"  {lost}; restart {self.used}/{MAX_GENERATOR_RESTARTS}: {fault.server} {fault.reason}",
-              file=sys.stderr, flush=True)  # fmt: skip
-        acting.restart_generator(fault)
-        return not errored
+        return self.budget.keep(acting, errored, sum(map(len, rollouts_GE)), label)
 
 
 class _CountingHandle:

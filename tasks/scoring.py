@@ -82,8 +82,8 @@ from rollflow.envs.runner import EnvironmentHandle, EpisodeScore, TaskItem, load
 from rollflow.envs.tracebacks import keeping_tracebacks
 from rollflow.envs.types import Split, TruncationCause
 from rollflow.storage.records import EpisodeRecord, ScoreRecord
-from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import score_records_to_table, table_to_episode_records
+from rollflow.storage.stage_outputs import locate_output, read_output, write_output
 from rollflow.tasks.config import RunConfig
 from rollflow.tasks.preflight import prompt_tokens
 from rollflow.tasks.step_health import (
@@ -319,19 +319,16 @@ def _why_left_out(rollout: EpisodeRollout, score: EpisodeScore) -> str:
 
 
 def score_stage(
-    config: RunConfig, run_dir: Path, step: int, split: str,
-    handle: EnvironmentHandle | None = None,
+    config: RunConfig, episodes_path: Path, out: Path, handle: EnvironmentHandle | None = None
 ) -> Path:
-    """Score step ``step``'s ``split`` episodes and write ``scores.parquet`` atomically.
+    """Score a step's episodes and write ``out`` (its ``scores.parquet``) atomically.
 
     ``handle`` defaults to ``config.env``'s environment; the Python API passes the one it
-    built from ``env_factory``. A finished output is returned as is.
+    built from ``env_factory``. The step's ``errors.jsonl`` gains the scorer's failures.
     """
-    folder = RunFolder(run_dir)
-    done = folder.stage_output(step, "scores", split)
-    if done is not None:
-        return done
-    episodes = table_to_episode_records(folder.read_stage(step, "episodes", split))
+    where = locate_output(out)
+    folder, step, split = where.folder, where.step, where.split
+    episodes = table_to_episode_records(read_output(episodes_path))
     if handle is None:
         handle = load_environment_handle(config.env.name, config.env.kwargs)
     with keeping_tracebacks() as tracebacks:
@@ -347,11 +344,11 @@ def score_stage(
     try:
         check_step_outcome(episodes, records, errors_path(folder, step, split), config.rollout.max_model_length, measure)
     except StepFailedError as failed:
-        if config.rollout.max_steps_off_policy is None and any(e.rollout.error for e in episodes):
+        if any(e.rollout.error for e in episodes):
             discard_episodes(folder, step, split)
             raise StepFailedError(f"{failed}; its episodes were discarded: `rollflow resume` plays them again") from None
         raise
-    return folder.write_stage(score_records_to_table(records), step, "scores", split)
+    return write_output(score_records_to_table(records), out)
 
 
 def _prompt_tokens(config: RunConfig, handle: EnvironmentHandle, split: str, episode: EpisodeRecord) -> int:

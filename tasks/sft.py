@@ -45,8 +45,9 @@ from rollflow.policy.stopping import raise_if_stop_requested
 from rollflow.storage.filemodes import give_ordinary_modes
 from rollflow.storage.parquet import temporary_path
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.checkpoints import load_policy_for_training, seed_everything
+from rollflow.tasks.checkpoints import seed_everything
 from rollflow.tasks.config import RunConfig
+from rollflow.tasks.models import load_policy_for_training
 from rollflow.tasks.sft_rows import SFTDataError, SFTRow, examples_from_environment, examples_from_file, tokenize_example
 
 SFT_DIR = "sft"

@@ -6,7 +6,10 @@ never sinks a batch. Three things keep that from hiding a broken environment:
 - **tracebacks are kept** in the step's folder, ``errors.jsonl`` (``steps/step=N/`` or
   ``validation/step=N/``): one JSON object a line, ``{"stage", "episode_id", "task_id",
   "error", "traceback"}``, written by the rollout stage (the episode raised) and the scoring
-  stage (its scorer raised). ``traceback`` is None where the error was no exception (a
+  stage (its scorer raised). An async step's rollout lines are its admitted groups' own
+  files (``async/groups/group-N.errors.jsonl``, written by the rollout workers with the
+  group), copied in under the step's episode ids by its admission (``tasks/collect.py``).
+  ``traceback`` is None where the error was no exception (a
   scorer that returned the wrong type). A stage writing again (a replayed chunk, a resumed
   scoring) replaces its own lines for the episodes it covers, so the file holds each
   episode's latest attempt.
@@ -14,9 +17,9 @@ never sinks a batch. Three things keep that from hiding a broken environment:
   (``StepFailedError``, raised by the scoring stage before it writes ``scores.parquet``,
   so a resume after the fix scores again): its message names the most common error and
   the traceback file, or the prompt's length against ``[rollout].max_model_length``.
-  Where episodes errored in the rollout itself, a lockstep run also discards the step's
-  episodes (``discard_episodes``), so the resume plays them again with the fixed
-  environment. An async run keeps them: its admitted groups are not replayed.
+  Where episodes errored in the rollout itself, the step's episodes are also discarded
+  (``discard_episodes``; an async step's admission with them), so the resume plays them
+  again with the fixed environment.
 - **each step line** says the step's reward, pass rate, and failed and overflowed counts
   (``step_summary``).
 
@@ -35,6 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rollflow.envs.types import TruncationCause
+from rollflow.storage.async_groups import admission_path
 from rollflow.storage.parquet import temporary_path, write_bytes_atomic
 from rollflow.storage.records import EpisodeRecord, ScoreRecord
 from rollflow.storage.runfolder import RunFolder
@@ -76,8 +80,20 @@ def keep_episode_errors(
     rows = [*kept, *errors]
     if not rows and not path.exists():
         return None
-    write_bytes_atomic("".join(json.dumps(asdict(e)) + "\n" for e in rows).encode(), path)
+    write_bytes_atomic(_jsonl(rows), path)
     return path
+
+
+def write_episode_errors(path: Path, errors: Sequence[EpisodeError]) -> None:
+    """``errors`` as the whole of ``path`` (an async group's own file); no file when there are none."""
+    if errors:
+        write_bytes_atomic(_jsonl(errors), path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _jsonl(rows: Sequence[EpisodeError]) -> bytes:
+    return "".join(json.dumps(asdict(e)) + "\n" for e in rows).encode()
 
 
 def episode_errors(
@@ -133,16 +149,19 @@ def check_step_outcome(
 
 def discard_episodes(folder: RunFolder, step: int, split: str) -> None:
     """Take the step's episodes out of the run (renamed to a temporary, then removed), so
-    a resume plays them again: episodes the rollout itself failed teach nothing."""
+    a resume plays them again: episodes the rollout itself failed teach nothing. An async
+    step's admission goes after them, so the resume admits again (and plays the failed
+    groups again: ``tasks/collect.py``)."""
     output = folder.stage_output(step, "episodes", split)
-    if output is None:
-        return
-    doomed = temporary_path(output)
-    os.rename(output, doomed)  # atomic: a crash leaves a temporary, which a resume discards
-    if doomed.is_dir():
-        shutil.rmtree(doomed)
-    else:
-        doomed.unlink()
+    if output is not None:
+        doomed = temporary_path(output)
+        os.rename(output, doomed)  # atomic: a crash leaves a temporary, which a resume discards
+        if doomed.is_dir():
+            shutil.rmtree(doomed)
+        else:
+            doomed.unlink()
+    if split == "train":
+        admission_path(folder, step).unlink(missing_ok=True)
 
 
 def _commonest(errors: Sequence[str]) -> str:

@@ -17,8 +17,7 @@ Student and teacher must share token ids: ``check_teacher`` compares their token
 (``check_same_tokenizer``) and the flow calls it before the first rollout, so a mismatch
 is refused in seconds, naming both models, not after a step of rollouts.
 
-Idempotent like every stage: a finished ``teacher.parquet`` is returned as is, and the
-table is written atomically. Simplified: the teacher is loaded for each step's stage
+The table is written atomically, never over a finished one. Simplified: the teacher is loaded for each step's stage
 (seconds for a small model next to a step's rollout) rather than kept alive between steps.
 """
 
@@ -39,10 +38,10 @@ from rollflow.policy.teacher import (
     model_ref_for,
 )
 from rollflow.storage.records import SampleRecord, TeacherRecord
-from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_sample_records, teacher_records_to_table
-from rollflow.tasks.checkpoints import base_model_ref, torch_device, torch_dtype
+from rollflow.storage.stage_outputs import read_output, write_output
 from rollflow.tasks.config import ConfigError, RunConfig
+from rollflow.tasks.models import base_model_ref, torch_device, torch_dtype
 
 
 def load_teacher(config: RunConfig) -> LocalTeacher | ServerTeacher:
@@ -106,12 +105,8 @@ def score_samples(teacher: Teacher, samples: Sequence[SampleRecord]) -> list[Tea
     return records
 
 
-def teacher_stage(config: RunConfig, run_dir: Path, step: int) -> Path:
-    """Score step ``step``'s samples with the teacher; returns ``teacher.parquet``'s path."""
-    folder = RunFolder(run_dir)
-    done = folder.stage_output(step, "teacher")
-    if done is not None:
-        return done
-    samples = table_to_sample_records(folder.read_stage(step, "samples"))
-    records = score_samples(load_teacher(config), samples) if samples else []
-    return folder.write_stage(teacher_records_to_table(records), step, "teacher")
+def teacher_stage(config: RunConfig, samples: Path, out: Path) -> Path:
+    """Score a step's ``samples`` with the teacher into ``out`` (``teacher.parquet``)."""
+    records = table_to_sample_records(read_output(samples))
+    scored = score_samples(load_teacher(config), records) if records else []
+    return write_output(teacher_records_to_table(scored), out)

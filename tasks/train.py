@@ -1,187 +1,62 @@
 """Training stage: one GRPO update on the step's samples, then a new policy version on disk.
 
-``grpo_update`` is the algorithm: it packs samples into micro-batches by a padded-token
-budget (right padding), computes each taken token's log-probability, hands them to
-``rollflow.policy.loss.grpo_loss`` with whole-batch totals (so the summed micro-batch gradients do
-not depend on the split), clips the gradient norm and takes one optimizer step.
+``train_stage`` is given the step's samples, its teacher scores (OPD; None otherwise), the
+checkpoint to continue from (None: the run's start) and the two paths it writes. It loads
+that checkpoint (LoRA adapter or full weights) with its optimizer and RNG state, or starts
+version 0 from the base model with a fresh LoRA seeded by ``[train].seed``; applies
+``[train].objective``'s advantages (``rollflow.tasks.objectives``; the loss and the update do
+not know which objective ran); runs ``grpo_update`` (``tasks/grpo_update.py``, the
+algorithm); commits the checkpoint folder and then ``train.json``.
 
-Log-probabilities are computed exactly as the sampler computed its own:
-``log_softmax(logits / temperature)`` at the rollout's sampling temperature, so the
-importance ratio is 1 wherever trainer and sampler agree. The model is in eval mode for
-those forward passes (no dropout: the sampler has none either). ``top_p`` < 1 samples from
-a truncated distribution the trainer does not rebuild, so a training run refuses it
-(``check_training_sampling``).
-
-``train_stage`` wraps it for the flow: load the newest checkpoint (LoRA adapter or full
-weights) with its optimizer and RNG state, or start version 0 from the base model with a
-fresh LoRA seeded by ``[train].seed``; read ``samples.parquet``; update; commit
-``checkpoints/step=NNNNNN/`` and then ``train.json``. The KL reference is always policy
-version 0, where the run started: with a fresh LoRA the same model with the adapter switched
-off; from a starting adapter (``[model].adapter``, an SFT warm start) a frozen second copy of
-that adapter in the same peft model; with full weights a second, frozen copy of the starting
-model. It is loaded or built only when ``kl_coef > 0``.
+The KL reference is always policy version 0, where the run started: with a fresh LoRA the
+same model with the adapter switched off; from a starting adapter (``[model].adapter``, an
+SFT warm start) a frozen second copy of that adapter in the same peft model; with full
+weights a second, frozen copy of the starting model. It is loaded or built only when
+``kl_coef > 0``.
 
 Full weights are trained (and checkpointed) in float32 whatever ``[model].dtype`` says,
 which only sets how a policy is loaded to act (``training_dtype``): AdamW on bfloat16
 weights rounds most small updates away. The sampler then scores in bfloat16 and the
-trainer in float32, a gap the ratio's clip absorbs (mean |log ratio| 7e-4 on the tiny model).
-
-What the loss pushes on is the per-token advantage of ``[train].objective``
-(``rollflow.tasks.objectives``); the loss and the trainer do not know which objective ran.
-
-One optimizer step per batch by default; ``[train].minibatches = K`` splits the batch into
-K minibatches with a step each (PPO-style: more learning per rolled-out episode, for the
-same forward and backward compute). Simplified on purpose: no PPO epochs over the same data,
-AdamW with a constant learning rate and no weight decay, no sequence packing inside a row.
-On CPU with a fixed seed the same inputs give bit-identical weights.
-
-Off-policy correction (``[train].off_policy_correction``, the formulas in
-``rollflow.policy.loss``): async runs train on groups a policy several versions old
-sampled, and the PPO clip against that stale sampler alone is what peers found unstable.
-``tis`` (the default when ``[rollout].max_steps_off_policy`` is set) takes the PPO ratio
-against the trainer's own policy at the start of the step (the proximal policy) and weights
-each token by ``min(exp(prox_logp - sampler_logp), off_policy_cap)``; ``mask`` zeroes the
-tokens whose ratio leaves ``[1/cap, cap]``; ``none`` (the lockstep default) is the loss
-without correction, unchanged. The proximal logprobs cost nothing with one minibatch (the
-step's forward, detached); with K > 1 they are one extra no-grad forward over the trained
-samples before the first optimizer step, packed as the training forwards are. Every step
-reports the sampler/trainer mismatch (k3 of ``prox_logp - sampler_logp``, under ``none``
-against the policy at the start of each optimizer step), the mean weight and the share of
-tokens truncated or masked.
+trainer in float32, a gap the ratio's clip absorbs.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
-from transformers.modeling_layers import GradientCheckpointingLayer
 
-from rollflow.policy.loss import BatchTotals, LossSettings, LossStats, grpo_loss
-from rollflow.policy.stopping import raise_if_stop_requested
-from rollflow.storage.records import SampleRecord, TrainResult
-from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.records import TrainResult
 from rollflow.storage.schemas import table_to_sample_records
+from rollflow.storage.stage_outputs import locate_output, read_output
 from rollflow.tasks.checkpoints import (
     REFERENCE_ADAPTER,
     Checkpoint,
-    base_model_ref,
     checkpoint_train_result,
-    latest_checkpoint,
     load_optimizer_state,
-    load_policy_for_training,
     load_rng_state,
     prune_checkpoints,
+    read_checkpoint,
     save_checkpoint,
     seed_everything,
-    torch_device,
-    training_dtype,
 )
 from rollflow.tasks.config import RunConfig, check_training_sampling
+from rollflow.tasks.grpo_update import (  # noqa: F401  (UpdateStats ... re-exported: the update's public names)
+    RefLogprobsFn,
+    UpdateSettings,
+    UpdateStats,
+    batch_totals,
+    grpo_update,
+    make_optimizer,
+    pack_microbatches,
+    split_minibatches,
+    token_logprobs,
+    train_without_dropout,
+)
+from rollflow.tasks.models import base_model_ref, load_policy_for_training, torch_device, training_dtype
 from rollflow.tasks.objectives import objective_samples
-
-# (input_ids_BT, attention_mask_BT, wanted_BT) -> reference logprobs of tokens 1..T-1, (B, T-1)
-RefLogprobsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class UpdateSettings:
-    loss: LossSettings = field(default_factory=LossSettings)
-    max_tokens_per_microbatch: int = 4096  # padded tokens (rows x longest row) per forward
-    max_grad_norm: float = 1.0
-    temperature: float = 1.0  # the rollout's sampling temperature
-    normaliser: float = 2048.0  # dr_grpo's constant: max_model_length
-    pad_token_id: int = 0
-    minibatches: int = 1  # optimizer steps per batch
-
-    @classmethod
-    def from_config(cls, config: RunConfig, pad_token_id: int) -> UpdateSettings:
-        train = config.train
-        return cls(
-            loss=LossSettings(train.loss, train.clip_eps_low, train.clip_eps_high, train.kl_coef,
-                              config.off_policy_correction, train.off_policy_cap),
-            max_tokens_per_microbatch=train.max_tokens_per_microbatch,
-            max_grad_norm=train.max_grad_norm,
-            temperature=config.rollout.temperature,
-            normaliser=float(config.rollout.max_model_length),
-            pad_token_id=pad_token_id,
-            minibatches=train.minibatches,
-        )
-
-
-@dataclass(frozen=True)
-class UpdateStats:
-    loss: float
-    kl: float | None  # mean k3 KL per action token; None without a reference
-    clip_fraction: float
-    ratio_mean: float
-    grad_norm: float  # before clipping
-    num_samples: int
-    num_tokens: int
-    num_action_tokens: int
-    num_microbatches: int
-    seconds: float
-    mismatch_kl: float | None = None  # mean k3 KL(sampler || trainer at step start); None: no token computed
-    is_weight_mean: float | None = None  # mean behaviour weight; None under correction "none"
-    corrected_fraction: float | None = None  # share of tokens truncated (tis) or masked (mask)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
-
-
-# ---------------------------------------------------------------- packing and logprobs
-
-
-def pack_microbatches(samples: Sequence[SampleRecord], max_tokens: int) -> list[list[SampleRecord]]:
-    """Longest first, greedily, while rows x longest row stays within ``max_tokens``.
-
-    A sample longer than the budget gets a micro-batch of its own. Sorting by length keeps
-    padding small; the order does not change the result (the loss is a sum).
-    """
-    ordered = sorted(samples, key=lambda s: len(s.input_ids), reverse=True)
-    batches: list[list[SampleRecord]] = []
-    for sample in ordered:
-        if batches:
-            current = batches[-1]
-            longest = len(current[0].input_ids)  # sorted: the first is the longest
-            if (len(current) + 1) * longest <= max_tokens:
-                current.append(sample)
-                continue
-        batches.append([sample])
-    return batches
-
-
-def token_logprobs(
-    model: PreTrainedModel, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
-    temperature: float, wanted_BT: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """log p(token t | tokens < t) for t = 1..T-1 under ``log_softmax(logits / temperature)``.
-
-    ``wanted_BT`` (bool, (B, T-1)) names the tokens whose logprob is needed (the action
-    tokens); the vocabulary projection then runs only at the positions predicting them, and
-    every other entry is 0. On an episode whose context is ten times its actions, that
-    skips most of the (T, 49k) float logits (400 MB per 2k tokens) and their softmax.
-    """
-    targets_BT = input_ids_BT[:, 1:]
-    if wanted_BT is None:
-        logits_BTV = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False).logits
-        logits_BTV = logits_BTV[:, :-1].float() / temperature  # position t-1 predicts token t
-        picked_BT = logits_BTV.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)
-        return picked_BT - torch.logsumexp(logits_BTV, dim=-1)  # (B, T-1)
-    keep_BT = torch.zeros_like(input_ids_BT, dtype=torch.bool)
-    keep_BT[:, :-1] = wanted_BT  # position t-1 predicts token t
-    logits_NV = model(
-        input_ids=input_ids_BT, attention_mask=attention_mask_BT, logits_to_keep=keep_BT, use_cache=False
-    ).logits
-    logits_NV = logits_NV.float() / temperature  # (N, V): one row per wanted token, row-major
-    picked_N = logits_NV.gather(-1, targets_BT[wanted_BT].unsqueeze(-1)).squeeze(-1)
-    logprobs_BT = torch.zeros(targets_BT.shape, dtype=logits_NV.dtype, device=logits_NV.device)
-    return logprobs_BT.masked_scatter(wanted_BT, picked_N - torch.logsumexp(logits_NV, dim=-1))
 
 
 def adapter_off_reference(model: PreTrainedModel, temperature: float) -> RefLogprobsFn:
@@ -237,254 +112,45 @@ def frozen_model_reference(reference_model: PreTrainedModel, temperature: float)
     return reference
 
 
-def train_without_dropout(model: PreTrainedModel) -> None:
-    """Eval mode for the loss's forward passes, except for gradient checkpointing.
-
-    Dropout (attention, LoRA) would make the trainer's logprobs a random draw: the ratio
-    against the sampler (which never drops out) would start away from 1 and the KL
-    against the reference away from 0. Layers under gradient checkpointing keep their
-    training flag (set on them alone, not their children), since transformers only
-    checkpoints a layer that is training; nothing in the layer itself reads the flag.
-    """
-    model.eval()
-    for module in model.modules():
-        if isinstance(module, GradientCheckpointingLayer) and module.gradient_checkpointing:
-            module.training = True
-
-
-def _pad(rows: Sequence[Sequence[float]], width: int, value: float, dtype: torch.dtype) -> torch.Tensor:
-    return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows], dtype=dtype)
-
-
-def _microbatch_tensors(
-    batch: Sequence[SampleRecord], pad_token_id: int, device: torch.device
-) -> dict[str, torch.Tensor]:
-    width = max(len(s.input_ids) for s in batch)
-    tensors = {
-        "input_ids": _pad([s.input_ids for s in batch], width, pad_token_id, torch.long),
-        "attention_mask": _pad([[1] * len(s.input_ids) for s in batch], width, 0, torch.long),
-        "loss_mask": _pad([s.loss_mask for s in batch], width, 0, torch.float32),
-        "advantages": _pad([s.advantages for s in batch], width, 0.0, torch.float32),
-        "sampler_logprobs": _pad([s.sampler_logprobs for s in batch], width, 0.0, torch.float32),
-    }
-    return {name: tensor.to(device) for name, tensor in tensors.items()}
-
-
-def _has_signal(sample: SampleRecord) -> bool:
-    return any(a != 0 for a, m in zip(sample.advantages, sample.loss_mask, strict=True) if m)
-
-
-def _zero_grads(optimizer: torch.optim.Optimizer) -> None:
-    """Zero (not None) gradients: Adam skips a parameter whose grad is None entirely."""
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            param.grad = torch.zeros_like(param)
-
-
-def batch_totals(samples: Sequence[SampleRecord], normaliser: float) -> BatchTotals | None:
-    """Whole-batch counts over trainable positions (token 0 has nothing to predict it)."""
-    action_counts = [sum(s.loss_mask[1:]) for s in samples]
-    if sum(action_counts) == 0:
-        return None
-    return BatchTotals(
-        num_sequences=sum(1 for n in action_counts if n > 0),
-        num_action_tokens=sum(action_counts),
-        normaliser=normaliser,
-    )
-
-
-def split_minibatches(samples: Sequence[SampleRecord], count: int) -> list[list[SampleRecord]]:
-    """``samples`` dealt round-robin into ``count`` minibatches (fewer when there are fewer).
-
-    Samples arrive group by group, so dealing them out gives every minibatch a share of
-    every group: its advantages then still compare episodes of one task with each other,
-    positive next to negative, rather than one minibatch holding only some tasks.
-    """
-    count = max(1, min(count, len(samples)))
-    return [list(samples[i::count]) for i in range(count)]
-
-
-def grpo_update(
-    model: PreTrainedModel,
-    ref_logprobs_fn: RefLogprobsFn | None,
-    optimizer: torch.optim.Optimizer,
-    samples: Sequence[SampleRecord],
-    settings: UpdateSettings,
-) -> UpdateStats:
-    """``settings.minibatches`` optimizer steps on ``samples``, one per minibatch.
-
-    A minibatch with no action token at all takes no step. With one minibatch (the
-    default) this is one step on the whole batch. Later minibatches are scored by a policy
-    that earlier ones already moved: the importance ratio against the old policy (the
-    sampler, or under an off-policy correction the proximal policy computed here before the
-    first step) and its clip are what keep those steps near it, as in PPO.
-    """
-    start = time.perf_counter()
-    num_tokens = sum(len(s.input_ids) for s in samples)
-    minibatches = [
-        (chunk, totals)
-        for chunk in split_minibatches(samples, settings.minibatches)
-        if (totals := batch_totals(chunk, settings.normaliser)) is not None
-    ]
-    if not minibatches:
-        return UpdateStats(0.0, None, 0.0, 0.0, 0.0, len(samples), num_tokens, 0, 0,
-                           time.perf_counter() - start)
-    use_reference = ref_logprobs_fn is not None and settings.loss.kl_coef > 0
-    train_without_dropout(model)
-    prox: dict[str, torch.Tensor] | None = None
-    if settings.loss.off_policy_correction != "none" and len(minibatches) > 1:
-        prox = proximal_logprobs(model, [c for c, _ in minibatches], use_reference, settings)
-    losses, grad_norms, stats, num_microbatches = [], [], LossStats(), 0
-    for chunk, totals in minibatches:
-        loss, grad_norm, chunk_stats, count = _optimizer_step(
-            model, ref_logprobs_fn if use_reference else None, optimizer, chunk, totals, settings, prox
-        )
-        losses.append(loss)
-        grad_norms.append(grad_norm)
-        stats = stats + chunk_stats
-        num_microbatches += count
-    model.eval()
-    corrected = settings.loss.off_policy_correction != "none" and stats.action_tokens > 0
-    return UpdateStats(
-        loss=sum(losses) / len(losses), kl=stats.kl_mean if use_reference else None,
-        clip_fraction=stats.clip_fraction, ratio_mean=stats.ratio_mean,
-        grad_norm=sum(grad_norms) / len(grad_norms), num_samples=len(samples),
-        num_tokens=num_tokens, num_action_tokens=sum(t.num_action_tokens for _, t in minibatches),
-        num_microbatches=num_microbatches, seconds=time.perf_counter() - start,
-        mismatch_kl=stats.mismatch_kl_mean if stats.action_tokens else None,
-        is_weight_mean=stats.is_weight_mean if corrected else None,
-        corrected_fraction=stats.corrected_fraction if corrected else None,
-    )
-
-
-def _trained_batches(
-    samples: Sequence[SampleRecord], keep_all: bool, settings: UpdateSettings
-) -> list[list[SampleRecord]]:
-    """The micro-batches a step forwards: without a KL term (``keep_all`` False) a sample
-    whose advantages are all 0 (a zero-variance group) adds exactly 0 to the loss and its
-    gradient, so it is left out; the step's totals still count it."""
-    trained = samples if keep_all else [s for s in samples if _has_signal(s)]
-    return pack_microbatches(trained, settings.max_tokens_per_microbatch) if trained else []
-
-
-def proximal_logprobs(
-    model: PreTrainedModel, chunks: Sequence[Sequence[SampleRecord]], keep_all: bool,
-    settings: UpdateSettings,
-) -> dict[str, torch.Tensor]:
-    """The policy's logprobs before any optimizer step, by sample id: (T-1,), 0 on context.
-
-    One no-grad forward over every sample the steps will train, packed exactly as their
-    own forwards will be, so the first minibatch's ratio against it starts at 1.
-    """
-    prox: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for chunk in chunks:
-            for batch in _trained_batches(chunk, keep_all, settings):
-                t = _microbatch_tensors(batch, settings.pad_token_id, model.device)
-                wanted_BT = t["loss_mask"][:, 1:] > 0
-                logprobs_BT = token_logprobs(
-                    model, t["input_ids"], t["attention_mask"], settings.temperature, wanted_BT)
-                for s, row_T in zip(batch, logprobs_BT, strict=True):
-                    if s.sample_id in prox:
-                        raise ValueError(f"sample id {s.sample_id!r} appears twice in one training batch")
-                    prox[s.sample_id] = row_T[: len(s.input_ids) - 1].clone()
-    return prox
-
-
-def _batch_proximal(
-    prox: Mapping[str, torch.Tensor] | None, batch: Sequence[SampleRecord], like_BT: torch.Tensor
-) -> torch.Tensor | None:
-    """``batch``'s rows of ``prox``, right-padded with 0 to ``like_BT``'s (B, T-1)."""
-    if prox is None:
-        return None
-    out_BT = torch.zeros_like(like_BT)
-    for b, s in enumerate(batch):
-        row_T = prox[s.sample_id]
-        out_BT[b, : row_T.shape[0]] = row_T
-    return out_BT
-
-
-def _optimizer_step(
-    model: PreTrainedModel,
-    ref_logprobs_fn: RefLogprobsFn | None,
-    optimizer: torch.optim.Optimizer,
-    samples: Sequence[SampleRecord],
-    totals: BatchTotals,
-    settings: UpdateSettings,
-    prox: Mapping[str, torch.Tensor] | None = None,
-) -> tuple[float, float, LossStats, int]:
-    """One optimizer step on ``samples``: (loss, grad norm before clipping, stats, micro-batches).
-
-    ``prox``: the step-start policy's logprobs by sample id (None: this step's own forward
-    is the proximal policy).
-    """
-    _zero_grads(optimizer)
-    loss_total, stats = 0.0, LossStats()
-    # The optimizer steps even when no sample is left to forward (Adam's momentum moves
-    # on, as with a zero gradient).
-    batches = _trained_batches(samples, ref_logprobs_fn is not None, settings)
-    for batch in batches:
-        raise_if_stop_requested()  # SIGTERM: abandon the step; nothing of it is written
-        t = _microbatch_tensors(batch, settings.pad_token_id, model.device)
-        wanted_BT = t["loss_mask"][:, 1:] > 0  # action tokens: the only logprobs the loss reads
-        logprobs_BT = token_logprobs(model, t["input_ids"], t["attention_mask"], settings.temperature, wanted_BT)
-        ref_BT = ref_logprobs_fn(t["input_ids"], t["attention_mask"], wanted_BT) if ref_logprobs_fn else None
-        loss, batch_stats = grpo_loss(
-            logprobs_BT, t["sampler_logprobs"][:, 1:], t["advantages"][:, 1:],
-            t["loss_mask"][:, 1:], totals, settings.loss, ref_BT, _batch_proximal(prox, batch, logprobs_BT),
-        )
-        loss.backward()  # accumulates: each micro-batch loss is already its share of the total
-        loss_total += loss.item()
-        stats = stats + batch_stats
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss_total, float(grad_norm), stats, len(batches)
-
-
-def make_optimizer(model: PreTrainedModel, learning_rate: float) -> torch.optim.Optimizer:
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    if not trainable:
-        raise ValueError("the model has no trainable parameters")
-    return torch.optim.AdamW(trainable, lr=learning_rate, weight_decay=0.0)
-
-
 # ---------------------------------------------------------------- the stage
 
 
-def train_stage(config: RunConfig, run_dir: Path, step: int) -> Path:
-    """Train on step ``step``'s samples; returns the path of its ``train.json``.
+def train_stage(
+    config: RunConfig, samples: Path, teacher: Path | None, previous: Path | None,
+    out_checkpoint: Path, out_result: Path,
+) -> Path:
+    """Train on ``samples`` from checkpoint ``previous``; commits ``out_checkpoint``, then
+    writes ``out_result`` (``train.json``) and returns its path.
 
-    Idempotent: a finished step is returned as is; a step whose checkpoint was committed
-    before a crash kept ``train.json`` from being written gets it from the checkpoint.
-    Every step makes a new policy version, even one with nothing to train (its weights
-    are then the previous version's), so step ``s`` always acts with version ``s``.
+    A checkpoint committed before a crash kept ``train.json`` from being written is not
+    trained again: ``train.json`` is rewritten from it. Every step makes a new policy
+    version, even one with nothing to train (its weights are then the previous version's),
+    so step ``s`` always acts with version ``s``.
     """
     check_training_sampling(config)  # a run started through the API, not `rollflow train`
-    folder = RunFolder(run_dir)
-    if folder.is_complete(step, "train"):
-        return folder.stage_path(step, "train")
-    committed = latest_checkpoint(folder, before_step=step + 1)
-    if committed is not None and committed.step == step:
-        path = folder.write_train_result(checkpoint_train_result(committed))
+    where = locate_output(out_result)
+    folder, step = where.folder, where.step
+    if Path(out_checkpoint).absolute() != folder.checkpoint_dir(step):
+        raise ValueError(f"step {step} commits its checkpoint at {folder.checkpoint_dir(step)}, not {out_checkpoint}")
+    if out_checkpoint.is_dir():  # committed whole (renamed into place), train.json not yet written
+        path = folder.write_train_result(checkpoint_train_result(read_checkpoint(out_checkpoint)))
         prune_checkpoints(folder, config.train.keep_checkpoints)
         return path
     timings: dict[str, float] = {}
     clock = time.perf_counter()
-    previous = latest_checkpoint(folder, before_step=step)
-    model, tokenizer = load_policy_for_training(config, previous)
+    start = read_checkpoint(previous) if previous is not None else None
+    model, tokenizer = load_policy_for_training(config, start)
     optimizer = make_optimizer(model, config.train.learning_rate)
-    _restore_or_seed(config, previous, optimizer)
+    _restore_or_seed(config, start, optimizer)
     reference = kl_reference(config, model)
     timings["load_s"] = _lap(clock)
     clock = time.perf_counter()
-    samples = objective_samples(config, folder, step, table_to_sample_records(folder.read_stage(step, "samples")))
+    records = objective_samples(config, table_to_sample_records(read_output(samples)), teacher)
     timings["read_s"] = _lap(clock)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    stats = grpo_update(model, reference, optimizer, samples, UpdateSettings.from_config(config, pad_id))
+    stats = grpo_update(model, reference, optimizer, records, UpdateSettings.from_config(config, pad_id))
     timings["update_s"] = stats.seconds
-    version = (previous.policy_version if previous else 0) + 1
+    version = (start.policy_version if start else 0) + 1
     result = _train_result(folder.run_id, step, version, config, stats, timings)
     save_checkpoint(folder, model, tokenizer, optimizer, result, config.train.use_lora)
     path = folder.write_train_result(result)

@@ -19,11 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollflow.policy import vllm_server
 from rollflow.policy.vllm_server import VLLMServerSpec
+from rollflow.policy.vllm_weights import LM_HEAD_SHARD
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks import policy_io
+from rollflow.tasks import vllm_generator
 from rollflow.tasks.async_generator import AsyncGenerator, open_generator
+from rollflow.tasks.generator import run_adapter_prefix
+from rollflow.tasks.vllm_generator import VLLMGenerator
 from rollflow.tasks.collect import RolloutWorkers
 from rollflow.tasks.config import ModelConfig, RolloutConfig, RunConfig, TrainConfig, ValidationConfig
 
@@ -55,6 +57,7 @@ class FakePolicy:
 
     def __init__(self) -> None:
         self.version = 0
+        self.settings = None
         self.base_urls = (DEAD_URL,)
         self.calls: list[tuple[object, ...]] = []
         self.reload_started = threading.Event()
@@ -82,9 +85,17 @@ class FakePolicy:
 def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakePolicy]:
     policy = FakePolicy()
     FakeServer.specs = []
-    monkeypatch.setattr(vllm_server, "VLLMServer", FakeServer)
-    monkeypatch.setattr(policy_io, "managed_policy", lambda *args: policy)
+    monkeypatch.setattr(vllm_generator, "VLLMServer", FakeServer)
+    monkeypatch.setattr(vllm_generator, "managed_policy", lambda *args: policy)
     yield policy
+
+
+def _on_fake_server(
+    config: RunConfig, policy: object, version: int = 0, source: Path | None = None, folder: RunFolder | None = None
+) -> AsyncGenerator:
+    """An async generator on ``policy`` as a managed server's (``FakeServer``) would be."""
+    generator = VLLMGenerator(config, folder, policy, FakeServer(None), None, key=())  # type: ignore[arg-type]
+    return AsyncGenerator(config, generator, version, source)
 
 
 def _config(model_dir: Path, *, lora: bool, adapter: str | None = None, **rollout: object) -> RunConfig:
@@ -127,20 +138,21 @@ def test_a_full_weight_run_from_an_adapter_serves_the_merged_start_as_version_0(
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    from rollflow.tasks.checkpoints import load_policy_for_training
+    from rollflow.tasks.models import load_policy_for_training
 
     adapter = _random_adapter(tiny_model_dir, tmp_path / "sft-adapter")
     config = _config(tiny_model_dir, lora=False, adapter=str(adapter), weight_sync_type="pipeline")
     with open_generator(config, RunFolder(tmp_path / "run"), 0) as generator:
         assert generator.version == 0
-    reloads = [c for c in fake_vllm.calls if c[0] == "reload"]
-    assert len(reloads) == 1 and reloads[0][2] == 0, f"version 0's weights never reached the server: {fake_vllm.calls}"
-    served = AutoModelForCausalLM.from_pretrained(str(reloads[0][1]), dtype=torch.float32).eval()
+        reloads = [c for c in fake_vllm.calls if c[0] == "reload"]
+        assert len(reloads) == 1 and reloads[0][2] == 0, f"version 0's weights never reached the server: {fake_vllm.calls}"
+        served = AutoModelForCausalLM.from_pretrained(str(reloads[0][1]), dtype=torch.float32).eval()
+        assert (reloads[0][1] / LM_HEAD_SHARD).exists(), "tied: its output layer as its own shard"
+    assert not reloads[0][1].exists(), "the merged start outlived its generator"
     trainer, _ = load_policy_for_training(config, None)  # what the importance ratios are taken against
     base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
     assert (_logprobs(served) - _logprobs(trainer.eval())).abs().max() < 1e-5
     assert (_logprobs(served) - _logprobs(base)).abs().max() > 1e-2, "the adapter moves the logprobs"
-    assert (reloads[0][1] / vllm_server.LM_HEAD_SHARD).exists(), "tied: its output layer as its own shard"
 
 
 # ---------------------------------------------------------------- B3: adapters by run, within --max-loras
@@ -149,11 +161,12 @@ def test_a_full_weight_run_from_an_adapter_serves_the_merged_start_as_version_0(
 def test_adapters_are_named_by_run_so_runs_sharing_a_server_keep_their_own(
     fake_vllm: FakePolicy, tmp_path: Path
 ) -> None:
-    config = _config(tmp_path, lora=True)
+    config = _config(tmp_path, lora=True, lora_serving="adapter")
     names = []
     for root in (tmp_path / "a" / "run", tmp_path / "b" / "run"):  # two runs, one folder name
-        generator = AsyncGenerator(config, fake_vllm, 0, tmp_path / "adapter-v0", adapter_prefix=policy_io.run_adapter_prefix(RunFolder(root)))
+        generator = _on_fake_server(config, fake_vllm, 0, tmp_path / "adapter-v0", RunFolder(root))
         names.append(generator.adapter(3))
+    assert names[0] == run_adapter_prefix(RunFolder(tmp_path / "a" / "run")) + "-v3"
     assert names[0] != names[1]
     assert all(name.startswith("policy-run-") and name.endswith("-v3") for name in names), names
 
@@ -167,7 +180,7 @@ def test_every_adapter_a_generator_holds_fits_the_servers_max_loras(
 
     monkeypatch.setattr(async_generator, "fresh_adapter", lambda config, folder: tmp_path / "adapter-v0")
     folder = RunFolder(tmp_path / "run")
-    config = _config(tiny_model_dir, lora=True, groups_in_flight=4, weight_sync_type="background_publish")
+    config = _config(tiny_model_dir, lora=True, groups_in_flight=4, weight_sync_type="background_publish", lora_serving="adapter")
     with open_generator(config, folder, 0) as generator:
         for version in range(config.groups_in_flight):  # each group outlives the next publication
             assert asyncio.run(generator.start_group()) == version
@@ -188,13 +201,13 @@ def test_async_validation_against_a_dead_server_raises_and_seals_nothing(
     from rollflow.tasks.policy_io import GeneratorError, sampling_settings
     from rollflow.tasks.rollout import rollout_stage
 
-    config = _config(tiny_model_dir, lora=False)
-    dead = VLLMPolicy([DEAD_URL], load_tokenizer(ModelRef(path=str(tiny_model_dir))), sampling_settings(config),
-                      served_model="policy")  # fmt: skip
-    generator = AsyncGenerator(config, dead, 4, tiny_model_dir)
+    config = _config(tiny_model_dir, lora=True, lora_serving="adapter")  # the user's servers get adapters
+    tokenizer = load_tokenizer(ModelRef(path=str(tiny_model_dir)))
+    dead = VLLMPolicy([DEAD_URL], tokenizer, sampling_settings(config), served_model="policy")
+    generator = AsyncGenerator(config, VLLMGenerator(config, None, dead, None, tokenizer, key=()), 4, None)
     folder = RunFolder(tmp_path / "run")
     with pytest.raises(GeneratorError, match="127.0.0.1:9"):
-        rollout_stage(config, folder.root, 4, "validation", generator.pinned_for_validation(4))
+        rollout_stage(config, folder.step_paths(4, "validation").episodes, 4, "validation", generator.pinned_for_validation(4))
     assert folder.stage_output(4, "episodes", "validation") is None, "a validation of errors was sealed"
     assert not folder.part_paths(4, "episodes", "validation"), "errored episodes were written"
 
@@ -209,7 +222,7 @@ def test_an_interrupted_full_weight_publish_opens_the_group_gate_again(fake_vllm
     def interrupt(*_: object) -> None:
         raise Interrupted
 
-    generator = AsyncGenerator(_config(tmp_path, lora=False), fake_vllm, 0, tmp_path)
+    generator = _on_fake_server(_config(tmp_path, lora=False), fake_vllm)
     assert asyncio.run(generator.start_group()) == 0  # a running group: the swap waits for it
     previous = signal.signal(signal.SIGALRM, interrupt)
     signal.setitimer(signal.ITIMER_REAL, 0.3)  # SIGTERM / Ctrl-C while the publish waits
@@ -224,7 +237,7 @@ def test_an_interrupted_full_weight_publish_opens_the_group_gate_again(fake_vllm
 
 
 def test_a_publish_waiting_for_groups_gives_up_when_the_generator_stops(fake_vllm: FakePolicy, tmp_path: Path) -> None:
-    generator = AsyncGenerator(_config(tmp_path, lora=False), fake_vllm, 0, tmp_path)
+    generator = _on_fake_server(_config(tmp_path, lora=False), fake_vllm)
     assert asyncio.run(generator.start_group()) == 0  # never finishes
     publishing = threading.Thread(target=generator.publish, args=(1, tmp_path / "checkpoint"), daemon=True)
     publishing.start()
@@ -237,7 +250,7 @@ def test_a_publish_waiting_for_groups_gives_up_when_the_generator_stops(fake_vll
 
 
 def test_a_stopped_generator_lets_a_request_waiting_behind_the_pause_go(fake_vllm: FakePolicy, tmp_path: Path) -> None:
-    generator = AsyncGenerator(_config(tmp_path, lora=False, weight_sync_type="pipeline"), fake_vllm, 0, tmp_path)
+    generator = _on_fake_server(_config(tmp_path, lora=False, weight_sync_type="pipeline"), fake_vllm)
     generator._accept_requests = False  # a pipeline swap in progress
 
     async def request_then_stop() -> None:
@@ -252,7 +265,7 @@ def test_a_stopped_generator_lets_a_request_waiting_behind_the_pause_go(fake_vll
 
 def test_stopping_the_workers_ends_a_collector_blocked_behind_a_closed_gate(fake_vllm: FakePolicy, tmp_path: Path) -> None:
     config = _config(tmp_path, lora=False)
-    generator = AsyncGenerator(config, fake_vllm, 0, tmp_path)
+    generator = _on_fake_server(config, fake_vllm)
     generator._accept_groups = False  # a synchronous full-weight publish in progress
     folder = RunFolder(tmp_path / "run")
     folder.root.mkdir(parents=True)

@@ -19,7 +19,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollflow.flows.runs import check_async, check_supported
 from rollflow.storage.async_groups import GroupStamp, consumed_groups, finished_groups, read_admission
 from rollflow.storage.query import open_run_sql, run_query
 from rollflow.storage.runfolder import RunFolder
@@ -33,6 +32,8 @@ from rollflow.tasks.config import (
     TrackingConfig,
     TrainConfig,
     ValidationConfig,
+    check_async,
+    check_run_config,
     config_to_toml,
     parse_config,
 )
@@ -60,10 +61,14 @@ def test_the_deferred_modes_need_async(mode: str) -> None:
         check_async(_parsed({"weight_sync_type": mode}, {"use_lora": False}))
 
 
-def test_pipeline_needs_full_weights() -> None:
-    with pytest.raises(ConfigError, match=r"'pipeline' needs full-weight training \(\[train\]\.use_lora = false\)"):
-        check_async(_parsed({"max_steps_off_policy": 1, "weight_sync_type": "pipeline"}))
-    check_async(_parsed({"max_steps_off_policy": 1, "weight_sync_type": "pipeline"}, {"use_lora": False}))
+def test_pipeline_needs_weights_swapped_in_place() -> None:
+    pipeline = {"max_steps_off_policy": 1, "weight_sync_type": "pipeline"}
+    with pytest.raises(ConfigError, match=r"'pipeline' needs weights swapped in place: full-weight training"):
+        check_async(_parsed({**pipeline, "lora_serving": "adapter"}))
+    with pytest.raises(ConfigError, match=r"'pipeline' needs weights swapped in place"):
+        check_async(_parsed({**pipeline, "base_urls": ["http://127.0.0.1:8000/v1"]}))
+    check_async(_parsed(pipeline, {"use_lora": False}))
+    check_async(_parsed(pipeline))  # LoRA merged into the base: swapped in place like full weights
 
 
 def test_any_publication_mode_may_keep_one_checkpoint() -> None:
@@ -75,7 +80,7 @@ def test_any_publication_mode_may_keep_one_checkpoint() -> None:
 def test_async_needs_the_vllm_generator() -> None:
     config = parse_config({"rollout": {"max_steps_off_policy": 1}})
     with pytest.raises(ConfigError, match="needs \\[rollout\\]\\.backend = 'vllm'"):
-        check_supported(config)
+        check_run_config(config)
 
 
 def test_an_unknown_sync_type_and_a_negative_limit_are_refused() -> None:
@@ -318,6 +323,7 @@ def test_a_killed_async_lora_run_resumed_trains_every_group_once_stamped_with_th
     sys.path.insert(0, str(TESTS))
     config = async_config(
         vllm_model_dir, tmp_path, groups_in_flight=4, weight_sync_type="background_publish",
+        lora_serving="adapter",  # it reads each version's adapter (async/policy-vN) back for the mismatch check
         train={"num_steps": 4, "keep_checkpoints": 10},
     )  # fmt: skip
     run_dir = tmp_path / "run"
@@ -457,7 +463,9 @@ def test_an_async_lora_run_keeping_one_checkpoint_loads_each_adapter_once_and_ne
     from rollflow.tasks.policy_io import run_adapter_prefix
 
     sys.path.insert(0, str(TESTS))
-    config = async_config(vllm_model_dir, tmp_path, groups_in_flight=4, train={"num_steps": 3, "keep_checkpoints": 1})
+    config = async_config(
+        vllm_model_dir, tmp_path, groups_in_flight=4, lora_serving="adapter", train={"num_steps": 3, "keep_checkpoints": 1}
+    )  # its point is vLLM's adapter loading: served as adapters, not merged
     run_dir = Path(train_flow(config_path=str(_write(config, tmp_path, "keep-one")), run_dir=str(tmp_path / "run")))
     folder = RunFolder(run_dir)
     for step in range(3):

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from rollflow.policy import vllm_server
 from rollflow.storage.async_groups import Admission, write_admission
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.checkpoints import prune_checkpoints
+from rollflow.tasks import vllm_generator
 from rollflow.tasks.config import parse_config
-from test_async_generator import FakePolicy, _config, fake_vllm  # noqa: F401 - the fixture
+from test_async_generator import FakePolicy, FakeServer, _config, _random_adapter, fake_vllm  # noqa: F401 - the fixture
 
 JOIN_S = 5.0
 
@@ -48,8 +48,9 @@ def test_an_async_run_keeping_one_checkpoint_resumes_after_dying_between_train_a
     """The review's B4: step 1 trained (checkpoint 1 committed, the older one pruned), then
     the run died before step 1's metrics. The resume starts at step 1, whose generator
     serves version 1: checkpoint 0."""
-    from rollflow.flows.runs import RunHandle, check_supported
+    from rollflow.flows.runs import RunHandle
     from rollflow.flows.train import run_async_training
+    from rollflow.tasks.config import check_run_config
 
     class ServerStarted(Exception):
         pass
@@ -62,7 +63,7 @@ def test_an_async_run_keeping_one_checkpoint_resumes_after_dying_between_train_a
         "rollout": {"backend": "vllm", "max_steps_off_policy": 1},
         "train": {"keep_checkpoints": 1, "num_steps": 3},
     })  # fmt: skip
-    check_supported(config)
+    check_run_config(config)
     folder = RunFolder(tmp_path / "run")
     for step in (0, 1):  # as the async schedule does: admit, train (commit, then prune), metrics
         _admit(folder, step)
@@ -71,7 +72,7 @@ def test_an_async_run_keeping_one_checkpoint_resumes_after_dying_between_train_a
         if step == 0:
             _finish_step(folder, 0)
     assert _steps(folder) == [0, 1], "step 1's resume acts with checkpoint 0"
-    monkeypatch.setattr(vllm_server, "VLLMServer", server_started)
+    monkeypatch.setattr(vllm_generator, "VLLMServer", server_started)
     with pytest.raises(ServerStarted):  # past the checkpoint lookup: the server is next
         run_async_training(RunHandle(config=config, folder=folder))
     _finish_step(folder, 1)
@@ -105,7 +106,7 @@ def test_an_adapter_a_running_group_samples_keeps_its_checkpoint(
 
     monkeypatch.setattr(async_generator, "fresh_adapter", lambda config, folder: tmp_path / "adapter-v0")
     folder = RunFolder(tmp_path / "run")
-    config = _config(tiny_model_dir, lora=True)
+    config = _config(tiny_model_dir, lora=True, lora_serving="adapter")
     config = replace(config, train=replace(config.train, keep_checkpoints=1))
     with async_generator.open_generator(config, folder, 0) as generator:
         _commit(folder, 0)
@@ -146,4 +147,48 @@ def test_a_checkpoint_being_published_in_the_background_is_not_pruned(
         done.join(JOIN_S)
         assert not done.is_alive()
         prune_checkpoints(folder, 1)
+        assert _steps(folder) == [0, 1], "the server holds version 1's weights: a restart reloads them"
+        publisher.publish(2, folder.checkpoint_dir(1))
+        publisher.join()
+        prune_checkpoints(folder, 1)
         assert _steps(folder) == [1]
+
+
+def test_a_merged_lora_generator_keeps_only_the_served_merged_folder(
+    fake_vllm: FakePolicy, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """LoRA served merged: each version is merged into the base and reloaded in place; the
+    merged folder of the served version is what a restart reloads, so neither an older
+    merged folder nor the served version's checkpoint is kept for it."""
+    import shutil
+
+    from rollflow.tasks.async_generator import open_generator
+    from rollflow.tasks.vllm_generator import SERVING_DIR
+
+    config = _config(tiny_model_dir, lora=True)  # lora_serving = "merged", the default
+    folder = RunFolder(tmp_path / "run")
+    adapter = _random_adapter(tiny_model_dir, tmp_path / "adapter")
+
+    def commit(step: int) -> None:
+        tmp = folder.new_checkpoint_tmp(step)
+        for item in adapter.iterdir():
+            shutil.copy2(item, tmp / item.name)
+        (tmp / "version.json").write_text(json.dumps({"policy_version": step + 1, "step": step, "use_lora": True}))
+        folder.commit_checkpoint(tmp, step)
+
+    serving = folder.root / SERVING_DIR
+    with open_generator(config, folder, 0) as generator:
+        spec = FakeServer.specs[-1]
+        assert not spec.enable_lora and spec.model_dir.endswith("-untied"), "merged: a plain, untied server"
+        for step in range(3):
+            commit(step)
+            generator.publish(step + 1, folder.checkpoint_dir(step))
+            assert sorted(p.name for p in serving.iterdir()) == [f".policy-v{step + 1}-merged.lock", f"policy-v{step + 1}-merged"]
+        commit(3)  # version 4, not yet published
+        prune_checkpoints(folder, 1)
+        assert _steps(folder) == [3], "version 3 is served from its merged folder, not its checkpoint"
+    reloads = [c for c in fake_vllm.calls if c[0] == "reload"]
+    assert [(c[1].name, c[2]) for c in reloads] == [(f"policy-v{v}-merged", v) for v in (1, 2, 3)]
+    assert not [c for c in fake_vllm.calls if c[0] == "add"], "no adapter reached the server"
+    assert not serving.exists(), "the merged folders outlived their generator"
+

@@ -186,7 +186,7 @@ def test_auto_dtype_takes_bfloat16_only_where_the_cpu_runs_it_natively(monkeypat
     float32 on a CPU that would emulate it; full-weight training stays float32 either way."""
     import torch
 
-    from rollflow.tasks.checkpoints import torch_dtype, training_dtype
+    from rollflow.tasks.models import torch_dtype, training_dtype
 
     config = parse_config({"model": {"dtype": "auto"}})
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -207,7 +207,7 @@ def test_the_model_device_is_checked_in_the_config_and_on_the_machine() -> None:
     import torch
 
     from rollflow.policy.models import ModelLoadError, resolve_device
-    from rollflow.tasks.checkpoints import auto_dtype, torch_device
+    from rollflow.tasks.models import auto_dtype, torch_device
 
     with pytest.raises(ConfigError, match=r"\[model\]\.device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got 'gpu'"):
         parse_config({"model": {"device": "gpu"}})

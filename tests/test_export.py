@@ -23,15 +23,9 @@ from rollflow.policy.sampling import SamplingSettings
 from rollflow.policy.transformers_backend import TransformersPolicy
 from rollflow.storage.records import TrainResult
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.checkpoints import (
-    OPTIMIZER_FILE,
-    latest_checkpoint,
-    load_policy_for_training,
-    policy_model_ref,
-    read_checkpoint,
-    save_checkpoint,
-)
+from rollflow.tasks.checkpoints import OPTIMIZER_FILE, latest_checkpoint, read_checkpoint, save_checkpoint
 from rollflow.tasks.config import RunConfig, config_to_toml, load_config
+from rollflow.tasks.models import load_policy_for_training, policy_model_ref
 from tiny_run import REPO
 
 MESSAGES: list[Message] = [

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 from rollflow.envs.episode import ActionTokens, EpisodeRollout
-from rollflow.envs.types import TruncationCause
+from rollflow.flows.step import run_once
 from rollflow.storage.records import EpisodeRecord, ScoreRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import episode_records_to_table, score_records_to_table, table_to_sample_records
-from rollflow.tasks.config import RunConfig
 from rollflow.tasks.flatten import FlattenError, flatten_episode_to_samples, flatten_episodes, flatten_stage
 
 
@@ -122,12 +122,13 @@ def test_flatten_stage_writes_samples_of_trained_episodes_only(tmp_path: Path) -
     folder = RunFolder(tmp_path)
     folder.write_stage(episode_records_to_table([a, b]), 0, "episodes")
     folder.write_stage(score_records_to_table([score(a.episode_id, 0.25), score(b.episode_id, trained=False)]), 0, "scores")
-    path = flatten_stage(RunConfig(), tmp_path, 0)
+    p = folder.step_paths(0)
+    path = flatten_stage(p.admitted, p.scores, p.samples)
     [sample] = table_to_sample_records(folder.read_stage(0, "samples"))
     assert sample.input_ids == (1, 2, 3, 4, 5, 6) and sample.loss_mask == (0, 0, 1, 1, 0, 1)
     assert sample.advantages == (0.0, 0.0, 0.25, 0.25, 0.0, 0.25)
     assert sample.sampler_logprobs == pytest.approx((0.0, 0.0, -0.1, -0.2, 0.0, -0.1))
-    assert flatten_stage(RunConfig(), tmp_path, 0) == path  # finished: returned as is
+    assert run_once(p.samples, partial(flatten_stage, p.admitted, p.scores, p.samples)) == path  # finished: returned as is
 
 
 def test_flatten_stage_with_nothing_to_train_writes_an_empty_table(tmp_path: Path) -> None:
@@ -135,5 +136,6 @@ def test_flatten_stage_with_nothing_to_train_writes_an_empty_table(tmp_path: Pat
     folder = RunFolder(tmp_path)
     folder.write_stage(episode_records_to_table([a]), 0, "episodes")
     folder.write_stage(score_records_to_table([score(trained=False)]), 0, "scores")
-    flatten_stage(RunConfig(), tmp_path, 0)
+    p = folder.step_paths(0)
+    flatten_stage(p.admitted, p.scores, p.samples)
     assert folder.read_stage(0, "samples").num_rows == 0

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-import rollflow.flows.train as train_module
+import rollflow.flows.step as step_module
 from rollflow.flows.cli import main
 from rollflow.flows.runs import RunSetupError, open_run
 from rollflow.flows.train import train_flow
@@ -22,6 +22,7 @@ from rollflow.storage.errors import ConfigMismatchError
 from rollflow.storage.query import open_run_sql, run_query
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_episode_records
+from rollflow.storage.stage_outputs import locate_output
 from rollflow.storage.tracking import RunTracker
 from rollflow.tasks.config import ConfigError, load_config
 from tiny_run import kill_group, tiny_config_at
@@ -95,15 +96,21 @@ def test_rerunning_a_finished_run_changes_nothing(uninterrupted: Path) -> None:
     assert [s for s, _ in tracker.metric_history("optim/loss")] == [0, 1]
 
 
+def stage_step(args: tuple) -> int:
+    """The step a stage call works on: its ``step`` argument, else its output path's step."""
+    steps = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
+    return steps[0] if steps else locate_output(args[-1]).step
+
+
 def crash_at_step_one(monkeypatch: pytest.MonkeyPatch, stage: str) -> None:
-    real: Callable[..., Path] = getattr(train_module, stage)
+    real: Callable[..., Path] = getattr(step_module, stage)
 
-    def crashing(config, run_dir, step, *args, **kwargs):  # noqa: ANN001, ANN202
-        if step == 1:
+    def crashing(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        if stage_step(args) == 1:
             raise InjectedCrash(f"{stage} died at step 1")
-        return real(config, run_dir, step, *args, **kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(train_module, stage, crashing)
+    monkeypatch.setattr(step_module, stage, crashing)
 
 
 @pytest.mark.parametrize(
@@ -155,6 +162,7 @@ def test_a_stop_request_mid_rollout_records_no_episode_and_the_rollout_replays(
     from rollflow.tasks.rollout import rollout_stage
 
     handle = open_run(tiny_config_path, tmp_path / "run")
+    out = handle.folder.step_paths(0).episodes
     draws = 0
     real_draw = generation.draw_tokens
 
@@ -168,12 +176,12 @@ def test_a_stop_request_mid_rollout_records_no_episode_and_the_rollout_replays(
     with monkeypatch.context() as patch:
         patch.setattr(generation, "draw_tokens", draw_then_stop)
         with pytest.raises(StopRequested):
-            rollout_stage(handle.config, handle.root, 0)
+            rollout_stage(handle.config, out, 0)
     assert draws == 5
     assert handle.folder.part_paths(0, "episodes", "train") == []
     assert not handle.folder.is_complete(0, "episodes", "train")
     clear_stop()
-    rollout_stage(handle.config, handle.root, 0)
+    rollout_stage(handle.config, out, 0)
     episodes = table_to_episode_records(handle.folder.read_stage(0, "episodes"))
     assert len(episodes) == 4 and all(e.rollout.error is None for e in episodes)
 

@@ -40,7 +40,6 @@ from rollflow.storage.async_groups import finished_groups, read_admission
 from rollflow.storage.query import open_run_sql, run_query
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.config import RunConfig, config_to_toml
-from rollflow.tasks.metrics import recorded_stage_seconds
 from tiny_run import build_vllm_tiny_model
 
 TESTS = Path(__file__).parent
@@ -198,7 +197,7 @@ def rollout_half_done(folder: RunFolder, step: int) -> Callable[[], bool]:
 def training(folder: RunFolder, step: int) -> Callable[[], bool]:
     def seen() -> bool:
         assert not folder.checkpoint_dir(step).exists(), f"step {step} trained before the kill"
-        return "flatten" in recorded_stage_seconds(folder, step)
+        return "flatten" in folder.stage_seconds(step)
 
     return seen
 

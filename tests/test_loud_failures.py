@@ -104,3 +104,56 @@ def test_each_step_line_says_reward_pass_rate_errors_and_overflows(
     assert f"reward {metrics['reward/mean']:.3f}" in lines[0]
     assert f"pass {metrics['reward/pass_rate']:.0%}" in lines[0]
     assert "errors 0/4" in lines[0] and "overflows 0/4" in lines[0]
+
+
+# ---------------------------------------------------------------- async: the rollout workers' episodes
+
+
+@pytest.fixture(scope="module")
+def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tiny_run import build_vllm_tiny_model
+
+    return build_vllm_tiny_model(tmp_path_factory.mktemp("loud-async-tiny"))
+
+
+@pytest.mark.slow
+def test_an_async_step_that_always_raises_keeps_its_tracebacks_fails_and_a_resume_after_the_fix_replays_it(
+    vllm_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Async (a real managed vLLM server): the rollout workers keep each errored episode's
+    traceback in its group's file, the admission copies them into the step's errors.jsonl
+    under the step's episode ids; the failed step is discarded with its admission, and the
+    resume after the fix plays its groups again and trains."""
+    from test_async_training import async_config
+
+    from rollflow.storage.async_groups import consumed_groups, finished_groups, read_admission
+    from rollflow.storage.schemas import table_to_episode_records
+    from rollflow.tasks.collect import group_errors_path
+
+    config = async_config(vllm_model_dir, tmp_path, groups_in_flight=2, train={"num_steps": 1})
+    config = replace(config, env=replace(config.env, name="broken_env:load_environment", kwargs={"broken": "step"}))
+    path = tmp_path / "async.toml"
+    path.write_text(config_to_toml(replace(config, storage=replace(config.storage, runs_dir=str(tmp_path / "runs")))))
+    run_dir = tmp_path / "run"
+    folder = RunFolder(run_dir)
+    with pytest.raises(StepFailedError, match=r"^step 0: all 4 episodes failed: KeyError: 'the step is broken' "
+                       r"\(in step_episode\) \(tracebacks in .*step=000000/errors\.jsonl\); its episodes were discarded"):
+        train_flow(config_path=str(path), run_dir=str(run_dir))
+    kept = kept_errors(run_dir)
+    assert sorted(e["episode_id"] for e in kept) == ["train/0/0/0", "train/0/0/1", "train/0/1/0", "train/0/1/1"]
+    assert {e["stage"] for e in kept} == {"rollout"} and all(e["task_id"].startswith("say-") for e in kept)
+    assert all('raise KeyError("the step is broken")' in e["traceback"] for e in kept), kept[0]["traceback"]
+    played = finished_groups(folder)
+    assert played and all(group_errors_path(folder, i).is_file() for i in played), "each group keeps its own"
+    assert read_admission(folder, 0) is None and not consumed_groups(folder), "the failed admission is discarded"
+    assert not folder.is_complete(0, "episodes")
+
+    monkeypatch.setattr(broken_env, "REPAIRED", {"step"})
+    train_flow(run_dir=str(run_dir))
+    assert folder.completed_steps() == [0]
+    episodes = table_to_episode_records(folder.read_stage(0, "episodes"))
+    assert len(episodes) == 4 and {e.rollout.error for e in episodes} == {None}
+    admitted = read_admission(folder, 0)
+    assert admitted is not None and not set(admitted.admitted) - set(played), "the same data positions, played again"
+    assert kept_errors(run_dir) == []  # the replayed episodes replaced the failed attempt's lines
+    assert not any(group_errors_path(folder, i).exists() for i in admitted.admitted)

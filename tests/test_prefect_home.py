@@ -62,3 +62,52 @@ def test_a_users_prefect_home_or_server_is_left_alone(tmp_path: Path) -> None:
     assert use_project_prefect_home(with_server, start=tmp_path) is None
     assert "PREFECT_HOME" not in with_server
     assert not (tmp_path / ".rollflow").exists()
+
+
+TRIGGERS = "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED"
+
+
+def test_the_temporary_servers_unused_services_are_off_unless_the_user_set_them(tmp_path: Path) -> None:
+    environ: dict[str, str] = {}
+    use_project_prefect_home(environ, start=tmp_path)
+    assert environ[TRIGGERS] == "false"
+    own = {TRIGGERS: "true"}
+    use_project_prefect_home(own, start=tmp_path)
+    assert own[TRIGGERS] == "true"
+    older = {"PREFECT_API_SERVICES_TRIGGERS_ENABLED": "true"}  # the spelling Prefect still reads
+    use_project_prefect_home(older, start=tmp_path)
+    assert TRIGGERS not in older
+    with_server = {"PREFECT_API_URL": "http://127.0.0.1:4200/api"}  # a real server: its own services
+    use_project_prefect_home(with_server, start=tmp_path)
+    assert TRIGGERS not in with_server
+
+
+# The real entry (stopped in its first line), then Prefect's temporary server as a flow
+# starts it; what that server process was started with, from /proc.
+_REPORT_SERVER_ENVIRONMENT = (
+    "from rollflow.flows.cli import main\n"
+    "main(['train', 'missing.toml'])\n"
+    "from prefect.server.api.server import SubprocessASGIServer\n"
+    "server = SubprocessASGIServer()\n"
+    "server.start(timeout=120)\n"
+    "try:\n"
+    "    pid = server.server_process.pid\n"
+    "    print(open(f'/proc/{pid}/environ').read().replace(chr(0), chr(10)))\n"
+    "finally:\n"
+    "    server.stop()\n"
+)
+
+
+def test_the_services_setting_reaches_prefects_temporary_server(tmp_path: Path) -> None:
+    env = {key: value for key, value in os.environ.items() if key not in ("PREFECT_API_URL", TRIGGERS)}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    for given, expected in ((None, "false"), ("true", "true")):
+        if given is not None:
+            env[TRIGGERS] = given
+        result = subprocess.run(
+            [sys.executable, "-c", _REPORT_SERVER_ENVIRONMENT], cwd=tmp_path, env=env,
+            capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        seen = [line.split("=", 1)[1] for line in result.stdout.splitlines() if line.startswith(f"{TRIGGERS}=")]
+        assert [value.lower() for value in seen] == [expected], result.stdout[-3000:]  # Prefect writes "False"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rollflow.tasks.config import RunConfig, config_to_toml, load_config
-from rollflow.tasks.preflight import PreflightError, check_run_config
+from rollflow.tasks.config import ConfigError, RunConfig, config_to_toml, load_config
+from rollflow.tasks.preflight import PreflightError, preflight
 from tiny_run import tiny_config_at
 
 TESTS = Path(__file__).resolve().parent
@@ -81,13 +81,13 @@ def test_wrong_env_kwargs_name_the_setting(tiny_model_dir: Path, tmp_path: Path)
                                                         "kwargs": {"brokn": "score"}})
     with pytest.raises(PreflightError, match=r"^\[env\]\.kwargs = \{'brokn': 'score'\}: bad arguments for "
                        r"broken_env:load_environment: missing a required argument: 'broken'; it takes \(broken: 'str'\)"):
-        check_run_config(config)
+        preflight(config)
 
 
 def test_a_missing_gguf_file_says_it_looked_inside_the_model_path(tiny_model_dir: Path, tmp_path: Path) -> None:
     config = tiny_config(tmp_path, tiny_model_dir, model={"gguf_file": "model-q4.gguf"})
     with pytest.raises(PreflightError) as missing:
-        check_run_config(config)
+        preflight(config)
     assert str(missing.value) == (
         f"[model].gguf_file = 'model-q4.gguf' does not exist (looked for {tiny_model_dir / 'model-q4.gguf'}: "
         f"a name inside [model].path = '{tiny_model_dir}')"
@@ -97,7 +97,7 @@ def test_a_missing_gguf_file_says_it_looked_inside_the_model_path(tiny_model_dir
 def test_a_model_path_that_is_no_model_folder_names_the_setting(tiny_model_dir: Path, tmp_path: Path) -> None:
     config = tiny_config(tmp_path, tiny_model_dir, model={"path": str(tmp_path)})
     with pytest.raises(PreflightError, match=r"^\[model\]\.path = .* is a folder without config\.json"):
-        check_run_config(config)
+        preflight(config)
 
 
 def test_a_prompt_that_cannot_fit_is_refused_with_its_length(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -106,11 +106,11 @@ def test_a_prompt_that_cannot_fit_is_refused_with_its_length(tiny_model_dir: Pat
                          rollout={"max_model_length": 100})
     with pytest.raises(PreflightError, match=r"^\[rollout\]\.max_model_length = 100 cannot hold the prompt of "
                        r"train task 'say-\d': it is \d{3} tokens, with no room left for a reply$"):
-        check_run_config(config)
+        preflight(config)
 
 
 def test_a_sound_config_passes(tiny_model_dir: Path, tmp_path: Path) -> None:
-    check_run_config(tiny_config(tmp_path, tiny_model_dir))
+    preflight(tiny_config(tmp_path, tiny_model_dir))
 
 
 def test_train_multi_turn_checks_before_the_flow_starts(tmp_path: Path) -> None:
@@ -121,5 +121,28 @@ def test_train_multi_turn_checks_before_the_flow_starts(tmp_path: Path) -> None:
     suite = load_calculator_math(num_train=2, num_validation=1)
     config = GRPOConfig(model=str(tmp_path / "no-model"), num_steps=1, max_turns=2, runs_dir=str(tmp_path / "runs"))
     with pytest.raises(PreflightError, match=r"^\[model\]\.path = '.*no-model' does not exist$"):
+        train_multi_turn(config, tasks=suite.tasks, env_factory=suite.env_factory, val_tasks=suite.val_tasks)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_rules_across_sections_come_first(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """``preflight`` is the one check before Prefect starts: a training run's cross-section rules
+    (``tasks.config.check_run_config``) fail there too, not later inside the flow."""
+    nucleus = tiny_config(tmp_path, tiny_model_dir, rollout={"top_p": 0.9}, model={"path": "models/nope"})
+    with pytest.raises(ConfigError, match=r"^\[rollout\]\.top_p = 0\.9: training needs 1\.0"):
+        preflight(nucleus)
+    drifting = tiny_config(tmp_path, tiny_model_dir, rollout={"weight_sync_type": "background_publish"})
+    with pytest.raises(ConfigError, match=r"^\[rollout\]\.weight_sync_type = 'background_publish' defers"):
+        preflight(drifting)
+
+
+def test_train_multi_turn_refuses_a_nucleus_before_a_run_folder_is_made(tmp_path: Path) -> None:
+    from rollflow.envs.calculator_math import load_environment as load_calculator_math
+    from rollflow.flows.api import train_multi_turn
+    from rollflow.tasks.grpo_config import GRPOConfig
+
+    suite = load_calculator_math(num_train=2, num_validation=1)
+    config = GRPOConfig(num_steps=1, max_turns=2, top_p=0.9, runs_dir=str(tmp_path / "runs"))
+    with pytest.raises(ConfigError, match=r"^\[rollout\]\.top_p = 0\.9: training needs 1\.0"):
         train_multi_turn(config, tasks=suite.tasks, env_factory=suite.env_factory, val_tasks=suite.val_tasks)
     assert not (tmp_path / "runs").exists()

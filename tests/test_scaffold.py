@@ -18,7 +18,7 @@ from rollflow.envs.scripted import constant_policy
 from rollflow.flows.cli import main
 from rollflow.storage.query import open_run_sql, run_query
 from rollflow.tasks.config import config_to_toml, load_config
-from rollflow.tasks.preflight import check_run_config
+from rollflow.tasks.preflight import preflight
 
 # What a written test may import besides ``rollflow`` itself: the runner and scripted
 # policies that play the environment (not reference-doc names, so not re-exported).
@@ -181,7 +181,7 @@ def test_env_new_writes_a_config_the_train_flow_runs_on_the_starter(
     assert str(config_path) in capsys.readouterr().out.splitlines()
     config = load_config(config_path)
     assert config.env.name == f"my_envs.{name}:load_environment"
-    check_run_config(config)  # as written: the bundled model's files, the environment, its prompts fit
+    preflight(config)  # as written: the bundled model's files, the environment, its prompts fit
     tiny = replace(
         config,
         model=replace(config.model, path=str(tiny_model_dir)),

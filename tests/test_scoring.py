@@ -7,6 +7,7 @@ import json
 import math
 import re
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from rollflow.envs.types import (
     TaskExample,
     TruncationCause,
 )
+from rollflow.flows.step import run_once
 from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import episode_records_to_table, table_to_score_records
@@ -205,13 +207,14 @@ def test_score_stage_scores_each_group_once_and_writes_scores(tmp_path: Path, sp
     config = parse_config({"env": {"name": f"{__name__}:load_environment"}})
     eps = write_episodes(tmp_path, split)
     AnswerEnv.group_calls = 0
-    path = score_stage(config, tmp_path, 0, split)
+    p = RunFolder(tmp_path).step_paths(0, split)
+    path = score_stage(config, p.admitted, p.scores)
     assert AnswerEnv.group_calls == 2
     records = table_to_score_records(RunFolder(tmp_path).read_stage(0, "scores", split))
     assert [r.episode_id for r in records] == [e.episode_id for e in eps]
     assert [r.final_reward for r in records] == pytest.approx([1.0, 0.0, 1.0, -0.1])
     assert [r.passed for r in records] == [True, False, True, False]
-    assert score_stage(config, tmp_path, 0, split) == path  # finished: not scored again
+    assert run_once(p.scores, partial(score_stage, config, p.admitted, p.scores)) == path  # finished: not scored again
     assert AnswerEnv.group_calls == 2
 
 
@@ -220,7 +223,8 @@ def test_score_stage_accepts_a_prebuilt_handle_and_names_unknown_tasks(tmp_path:
     env = AnswerEnv()
     env.dataset = [{"input": "other", "id": "task-9"}]
     with pytest.raises(ScoringError, match="task 'task-0' is not among the environment's train tasks"):
-        score_stage(parse_config({}), tmp_path, 0, "train", handle=handle_from_hook(env))
+        p = RunFolder(tmp_path).step_paths(0)
+        score_stage(parse_config({}), p.admitted, p.scores, handle=handle_from_hook(env))
 
 
 # ---------------------------------------------------------------- issue 13: the reward path

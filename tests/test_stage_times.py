@@ -1,7 +1,7 @@
 """Stage wall times come from the run folder, so a resumed step logs what its stages really took.
 
-A step killed after its rollout is resumed: the rollout stage returns at once because its
-file exists. Its ``time/rollout`` must still be the time the rollout took when it ran.
+A step killed after its rollout is resumed: the rollout stage is not run again because its
+output exists. Its ``time/rollout`` must still be the time the rollout took when it ran.
 """
 
 from __future__ import annotations
@@ -14,13 +14,18 @@ from pathlib import Path
 
 import pytest
 
-import rollflow.flows.train as train_module
+import rollflow.flows.step as step_module
+from rollflow.flows.step import run_stage
 from rollflow.flows.train import train_flow
 from rollflow.storage.errors import SchemaMismatchError
-from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.runfolder import STAGE_SECONDS_JSON, RunFolder
 from rollflow.storage.tracking import RunTracker
 from rollflow.tasks.config import config_to_toml, load_config
-from rollflow.tasks.metrics import STAGE_SECONDS_JSON, recorded_stage_seconds, run_timed
+
+
+def recorded_stage_seconds(folder: RunFolder, step: int) -> dict[str, float]:
+    return folder.stage_seconds(step)
+
 
 class KilledInTraining(RuntimeError):
     pass
@@ -44,7 +49,7 @@ def test_a_step_resumed_after_its_rollout_logs_the_rollout_s_real_time(
 ) -> None:
     run_dir = tmp_path / "run"
     inner_rollout_s: list[float] = []
-    real_rollout = train_module.rollout_stage
+    real_rollout = step_module.rollout_stage
 
     def timed_rollout(*args: object) -> Path:
         started = time.perf_counter()
@@ -56,8 +61,8 @@ def test_a_step_resumed_after_its_rollout_logs_the_rollout_s_real_time(
         raise KilledInTraining("killed in training")
 
     with monkeypatch.context() as patch:
-        patch.setattr(train_module, "rollout_stage", timed_rollout)
-        patch.setattr(train_module, "train_stage", killed)
+        patch.setattr(step_module, "rollout_stage", timed_rollout)
+        patch.setattr(step_module, "train_stage", killed)
         with pytest.raises(KilledInTraining):
             train_flow(config_path=str(one_step_config), run_dir=str(run_dir))
     folder = RunFolder(run_dir)
@@ -108,4 +113,4 @@ def test_a_stage_times_file_that_is_not_stage_to_seconds_is_refused_by_path(tmp_
     with pytest.raises(SchemaMismatchError, match=re.escape(f"{path}: expected stage name -> seconds")):
         recorded_stage_seconds(folder, 0)
     with pytest.raises(ValueError, match="stages are \\['rollout', 'scoring', 'flatten', 'train', 'teacher'\\], got 'metrics'"):
-        run_timed(folder, 0, "metrics", lambda: path)
+        run_stage(folder, 0, "metrics", path, lambda: path)

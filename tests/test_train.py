@@ -20,14 +20,10 @@ from rollflow.policy.transformers_backend import TransformersPolicy
 from rollflow.storage.records import EpisodeRecord, SampleRecord, ScoreRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import sample_records_to_table
-from rollflow.tasks.checkpoints import (
-    latest_checkpoint,
-    load_policy_for_training,
-    policy_model_ref,
-    seed_everything,
-)
+from rollflow.tasks.checkpoints import latest_checkpoint, seed_everything
 from rollflow.tasks.config import RunConfig, parse_config
 from rollflow.tasks.flatten import flatten_episode_to_samples
+from rollflow.tasks.models import load_policy_for_training, policy_model_ref
 from rollflow.tasks.train import (
     UpdateSettings,
     adapter_off_reference,
@@ -227,6 +223,13 @@ def write_samples(run_dir: Path, step: int) -> None:
     RunFolder(run_dir).write_stage(sample_records_to_table(stage_samples(step)), step, "samples")
 
 
+def train_step(config: RunConfig, run_dir: Path, step: int) -> Path:
+    """The train stage on step ``step``'s samples, from the checkpoint before it (no teacher)."""
+    folder = RunFolder(run_dir)
+    p = folder.step_paths(step)
+    return train_stage(config, p.samples, None, folder.checkpoint_before(step), p.checkpoint, p.train_json)
+
+
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -236,7 +239,7 @@ def test_resume_from_checkpoint_equals_uninterrupted(tiny_model_dir: Path, tmp_p
     run_dir = tmp_path / "run"
     for step in (0, 1):  # each call loads the previous checkpoint from disk, as a resume does
         write_samples(run_dir, step)
-        train_stage(config, run_dir, step)
+        train_step(config, run_dir, step)
     folder = RunFolder(run_dir)
     latest = latest_checkpoint(folder)
     assert latest is not None and (latest.step, latest.policy_version) == (1, 2)
@@ -264,7 +267,7 @@ def test_train_stage_is_deterministic_idempotent_and_recovers_train_json(
     states = []
     for name in ("a", "b"):
         write_samples(tmp_path / name, 0)
-        train_stage(config, tmp_path / name, 0)
+        train_step(config, tmp_path / name, 0)
         checkpoint = latest_checkpoint(RunFolder(tmp_path / name))
         states.append(trainable_state(load_policy_for_training(config, checkpoint)[0]))
     assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
@@ -274,7 +277,7 @@ def test_train_stage_is_deterministic_idempotent_and_recovers_train_json(
     # killed after the checkpoint was committed, before train.json: rewritten from it
     folder.stage_path(0, "train").unlink()
     checkpoint_files = sorted(p.stat().st_mtime_ns for p in folder.checkpoint_dir(0).iterdir())
-    train_stage(config, tmp_path / "a", 0)
+    train_step(config, tmp_path / "a", 0)
     assert folder.read_train_result(0) == first
     assert sorted(p.stat().st_mtime_ns for p in folder.checkpoint_dir(0).iterdir()) == checkpoint_files
 
@@ -284,7 +287,7 @@ def test_full_weight_training_and_checkpoint_pruning(tiny_model_dir: Path, tmp_p
     run_dir = tmp_path / "run"
     for step in (0, 1):
         write_samples(run_dir, step)
-        train_stage(config, run_dir, step)
+        train_step(config, run_dir, step)
     folder = RunFolder(run_dir)
     assert [s for s, _ in folder.checkpoints()] == [1]  # step 0 pruned
     latest = latest_checkpoint(folder)
@@ -395,11 +398,11 @@ def test_trainer_logprobs_match_the_sampler_on_flattened_episodes(tiny_model_dir
 def test_step_with_nothing_to_train_still_makes_a_version(tiny_model_dir: Path, tmp_path: Path) -> None:
     config = tiny_config(tiny_model_dir)
     RunFolder(tmp_path).write_stage(sample_records_to_table([]), 0, "samples")
-    train_stage(config, tmp_path, 0)
+    train_step(config, tmp_path, 0)
     result = RunFolder(tmp_path).read_train_result(0)
     assert (result.num_samples, result.num_action_tokens, result.policy_version) == (0, 0, 1)
     write_samples(tmp_path, 1)  # the next step resumes from the untrained version fine
-    train_stage(config, tmp_path, 1)
+    train_step(config, tmp_path, 1)
     assert RunFolder(tmp_path).read_train_result(1).policy_version == 2
 
 
@@ -434,11 +437,11 @@ def test_a_stop_request_abandons_the_step_and_writes_no_checkpoint(tiny_model_di
     write_samples(tmp_path, 0)
     request_stop()
     with pytest.raises(StopRequested):
-        train_stage(config, tmp_path, 0)
+        train_step(config, tmp_path, 0)
     folder = RunFolder(tmp_path)
     assert not folder.is_complete(0, "train") and folder.checkpoints() == []
     clear_stop()
-    train_stage(config, tmp_path, 0)  # the step is simply redone
+    train_step(config, tmp_path, 0)  # the step is simply redone
     assert folder.is_complete(0, "train") and len(folder.checkpoints()) == 1
 
 
@@ -447,7 +450,7 @@ def test_the_model_and_its_batches_go_to_the_device_asked_for(tiny_model_dir: Pa
     GPU here, to show the device reaches the weights and every batch tensor (an argument
     dropped on the way would leave them on the CPU, which the suite would never notice)."""
     from rollflow.policy.models import ModelRef, load_causal_lm
-    from rollflow.tasks.train import _microbatch_tensors
+    from rollflow.tasks.grpo_update import _microbatch_tensors
 
     model, _ = load_causal_lm(ModelRef(path=str(tiny_model_dir)), device="meta")
     assert {p.device.type for p in model.parameters()} == {"meta"}

@@ -9,15 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from test_train import batch, micro_model, stage_samples, tiny_config, write_samples
+from test_train import batch, micro_model, stage_samples, tiny_config, train_step, write_samples
 
 from rollflow.flows.runs import open_run
 from rollflow.policy.loss import LossSettings
 from rollflow.policy.models import load_causal_lm
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.checkpoints import latest_checkpoint, load_policy_for_training, policy_model_ref, torch_dtype
+from rollflow.tasks.checkpoints import latest_checkpoint
 from rollflow.tasks.config import ConfigError, RunConfig, config_to_toml, load_config
-from rollflow.tasks.train import UpdateSettings, adapter_off_reference, grpo_update, make_optimizer, train_stage
+from rollflow.tasks.models import load_policy_for_training, policy_model_ref, torch_dtype
+from rollflow.tasks.train import UpdateSettings, adapter_off_reference, grpo_update, make_optimizer
 
 DROPOUT = 0.5
 
@@ -83,7 +84,7 @@ def train_steps(config: RunConfig, run_dir: Path, steps: int) -> torch.nn.Module
     """``steps`` train stages, each resuming from the checkpoint on disk; the last policy."""
     for step in range(steps):
         write_samples(run_dir, step)
-        train_stage(config, run_dir, step)
+        train_step(config, run_dir, step)
     latest = latest_checkpoint(RunFolder(run_dir))
     assert latest is not None and latest.policy_version == steps
     return load_policy_for_training(config, latest)[0]
@@ -131,4 +132,4 @@ def test_training_refuses_top_p_below_1_and_evaluation_keeps_it(tiny_model_dir: 
         open_run(path, tmp_path / "run")  # rollflow train / resume
     write_samples(tmp_path / "api", 0)
     with pytest.raises(ConfigError, match=refusal):
-        train_stage(config, tmp_path / "api", 0)
+        train_step(config, tmp_path / "api", 0)

@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from test_train import tiny_config, write_samples
+from test_train import tiny_config, train_step, write_samples
 
 from rollflow.policy.models import ModelRef, load_causal_lm
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.checkpoints import latest_checkpoint, load_policy_for_training
+from rollflow.tasks.checkpoints import latest_checkpoint
 from rollflow.tasks.config import RunConfig
-from rollflow.tasks.train import kl_reference, token_logprobs, train_stage
+from rollflow.tasks.models import load_policy_for_training
+from rollflow.tasks.train import kl_reference, token_logprobs
 
 IDS_BT = torch.tensor([[1, 17, 300, 301, 302, 2, 40, 41, 42]])
 WANTED_BT = torch.tensor([[False, True, True, True, False, False, True, True]])
@@ -79,7 +80,7 @@ def test_kl_is_zero_at_the_first_update_and_the_reference_stays_the_start(
     run_dir = tmp_path / "run"
     for step in (0, 1):
         write_samples(run_dir, step)
-        train_stage(config, run_dir, step)
+        train_step(config, run_dir, step)
     folder = RunFolder(run_dir)
     first, second = folder.read_train_result(0), folder.read_train_result(1)
     assert first.kl == pytest.approx(0.0, abs=1e-7)  # policy version 0 == the reference
@@ -111,5 +112,5 @@ def test_full_weight_training_from_an_adapter_starts_at_kl_0(
     start = logprobs_of(ModelRef(path=str(tiny_model_dir), adapter=str(start_adapter)))
     assert torch.allclose(reference(IDS_BT, torch.ones_like(IDS_BT), WANTED_BT), start, atol=1e-6)
     write_samples(tmp_path, 0)
-    train_stage(config, tmp_path, 0)
+    train_step(config, tmp_path, 0)
     assert RunFolder(tmp_path).read_train_result(0).kl == pytest.approx(0.0, abs=1e-6)

@@ -30,7 +30,8 @@ from rollflow.envs.types import Message
 from rollflow.policy.models import ModelRef, load_tokenizer
 from rollflow.policy.sampling import SamplingSettings, sampling_logprobs
 from rollflow.policy.vllm_backend import VLLMPolicy, VLLMPolicyError, adapter_name
-from rollflow.policy.vllm_server import VLLMServer, VLLMServerError, VLLMServerSpec, free_port, write_lm_head_shard
+from rollflow.policy.vllm_server import VLLMServer, VLLMServerError, VLLMServerSpec, free_port
+from rollflow.policy.vllm_weights import write_lm_head_shard
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks import policy_io
 from rollflow.tasks.config import ModelConfig, RolloutConfig, RunConfig, TrainConfig
@@ -69,7 +70,7 @@ def run_config(model_dir: Path) -> RunConfig:
         model=ModelConfig(path=str(model_dir)),
         rollout=RolloutConfig(
             backend="vllm", max_model_length=MAX_LEN, max_completion_tokens=12,
-            vllm_kvcache_space_gib=1, generation_timeout_s=120.0,
+            vllm_kvcache_space_gib=1, generation_timeout_s=120.0, lora_serving="adapter",
         ),  # fmt: skip
         train=TrainConfig(lora_rank=LORA_RANK, lora_alpha=16.0),
     )

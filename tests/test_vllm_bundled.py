@@ -40,7 +40,7 @@ from rollflow.envs.runner import EpisodeLimits, load_environment_handle, play_gr
 from rollflow.policy.models import ModelRef, hf_model_folder
 from rollflow.policy.sampling import sampling_logprobs
 from rollflow.policy.vllm_backend import VLLMPolicy
-from rollflow.policy.vllm_server import untied_serving_folder
+from rollflow.policy.vllm_weights import untied_serving_folder
 from rollflow.tasks import policy_io
 from rollflow.tasks.config import RolloutConfig, RunConfig, TrainConfig
 

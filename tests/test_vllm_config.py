@@ -8,16 +8,8 @@ import pytest
 
 from rollflow.flows.runs import open_run
 from rollflow.policy.models import build_tiny_model
-from rollflow.policy.vllm_cpu import cpu_attention_problem, is_cpu_vllm, model_head_dim
-from rollflow.policy.vllm_server import (
-    DEFAULT_PYTHON,
-    VLLMServer,
-    VLLMServerError,
-    VLLMServerSpec,
-    cpu_list,
-    lora_rank_limit,
-    parse_cpu_list,
-)
+from rollflow.policy.vllm_cpu import cpu_attention_problem, cpu_list, is_cpu_vllm, model_head_dim, parse_cpu_list
+from rollflow.policy.vllm_server import DEFAULT_PYTHON, VLLMServer, VLLMServerError, VLLMServerSpec, lora_rank_limit
 from rollflow.tasks.config import ConfigError, config_to_toml, parse_config
 
 
@@ -108,12 +100,13 @@ def _toml_dict(text: str) -> dict[str, object]:
 def test_a_base_url_that_does_not_answer_fails_before_any_episode(tmp_path: Path, tiny_model_dir: Path) -> None:
     from rollflow.policy.vllm_backend import VLLMPolicyError
     from rollflow.policy.vllm_server import free_port
+    from rollflow.storage.runfolder import RunFolder
     from rollflow.tasks.rollout import rollout_stage
 
     silent = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
     config = parse_config({"model": {"path": str(tiny_model_dir)}, "rollout": {"backend": "vllm", "base_urls": [silent]}})
     with pytest.raises(VLLMPolicyError, match=f"{silent} does not answer"):
-        rollout_stage(config, tmp_path / "run", 0)
+        rollout_stage(config, RunFolder(tmp_path / "run").step_paths(0).episodes, 0)
     assert not list((tmp_path / "run").rglob("*.parquet"))
 
 

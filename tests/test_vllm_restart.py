@@ -32,7 +32,7 @@ from rollflow.policy.vllm_server import PYTHON_ENV, VLLMServer, VLLMServerError,
 from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_episode_records
-from rollflow.tasks import policy_io, rollout
+from rollflow.tasks import generator, policy_io
 from rollflow.tasks.config import EnvConfig, ModelConfig, RolloutConfig, RunConfig, TrainConfig
 from rollflow.tasks.policy_io import GeneratorError
 from rollflow.tasks.rollout import rollout_stage
@@ -235,14 +235,14 @@ def test_a_managed_server_killed_mid_rollout_is_restarted_and_the_chunk_replayed
         _commit_checkpoint(folder, 0, adapter, version=1)
 
     started = time.monotonic()
-    rollout_stage(run_config, runs["clean"].root, 1)  # starts the server: what a replay must equal
+    rollout_stage(run_config, runs["clean"].step_paths(1).episodes, 1)  # starts the server: what a replay must equal
     print(f"clean stage (server start included): {time.monotonic() - started:.1f} s", file=sys.__stderr__)
     first_server = policy_io._GENERATOR[0].server
     assert first_server is not None and first_server.restarts == 0
     killer = _Killer(lambda: bool(runs["killed"].part_paths(1, "episodes")), _served, _managed_group)
     killer.start()
     started = time.monotonic()
-    rollout_stage(run_config, runs["killed"].root, 1)
+    rollout_stage(run_config, runs["killed"].step_paths(1).episodes, 1)
     killed_s = time.monotonic() - started
     killer.join(timeout=1)
     assert killer.killed_at is not None, "the killer never fired"
@@ -283,13 +283,13 @@ def test_a_server_that_keeps_dying_fails_the_stage_with_its_exit_and_log(
     run_config: RunConfig, managed: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Restarts capped at 0: the first death is one too many (the cap's error, without 3 kills)."""
-    monkeypatch.setattr(rollout, "MAX_GENERATOR_RESTARTS", 0)
+    monkeypatch.setattr(generator, "MAX_GENERATOR_RESTARTS", 0)
     folder = RunFolder(tmp_path / "run")
     policy_io.load_vllm_policy(run_config, folder, 0)  # the previous test's server, or a new one
     killer = _Killer(lambda: True, _served, _managed_group)
     killer.start()
     with pytest.raises(GeneratorError) as caught:
-        rollout_stage(run_config, folder.root, 0)
+        rollout_stage(run_config, folder.step_paths(0).episodes, 0)
     message = str(caught.value)
     assert "chunk 1/2: " in message and "episodes errored and were not written" in message
     assert re.search(r"the managed vLLM server http://127\.0\.0\.1:\d+/v1 was killed by SIGKILL", message)
@@ -317,7 +317,7 @@ def test_an_external_server_that_dies_fails_the_stage_naming_its_url(
         killer = _Killer(lambda: bool(policy_io._GENERATOR), _served, lambda: group)
         killer.start()
         with pytest.raises(GeneratorError) as caught:
-            rollout_stage(config, folder.root, 0)
+            rollout_stage(config, folder.step_paths(0).episodes, 0)
         message = str(caught.value)
         assert f"the vLLM server {server.base_url} stopped answering" in message
         assert "cannot restart a server it does not manage ([rollout].base_urls)" in message
@@ -344,7 +344,7 @@ def test_a_real_engine_that_dies_at_its_first_request_fails_the_stage_at_once_wi
     config = replace(run_config, model=ModelConfig(path=str(head_dim_16)))
     folder = RunFolder(tmp_path / "run")
     with pytest.raises(VLLMServerError) as caught:
-        rollout_stage(config, folder.root, 0)
+        rollout_stage(config, folder.step_paths(0).episodes, 0)
     assert caught.value.deterministic, str(caught.value)
     assert caught.value.fatal_line is not None
     assert "Unsupported CPU attention configuration: head_dim=16" in caught.value.fatal_line

@@ -21,16 +21,8 @@ import pytest
 
 from rollflow.policy.models import build_tiny_model
 from rollflow.policy.vllm_cpu import engine_failure
-from rollflow.policy.vllm_server import (
-    DEFAULT_PYTHON,
-    LM_HEAD_SHARD,
-    LOG_TAIL_CHARS,
-    PYTHON_ENV,
-    VLLMServer,
-    VLLMServerError,
-    VLLMServerSpec,
-    untied_serving_folder,
-)
+from rollflow.policy.vllm_server import DEFAULT_PYTHON, LOG_TAIL_CHARS, PYTHON_ENV, VLLMServer, VLLMServerError, VLLMServerSpec
+from rollflow.policy.vllm_weights import LM_HEAD_SHARD, untied_serving_folder
 
 
 def _fake_python(tmp_path: Path, body: str) -> Path:

@@ -1,0 +1,148 @@
+"""One GRPO training step, as both schedules run it: episodes -> scores -> samples -> [teacher] -> train -> metrics.
+
+``grpo_step`` reads top to bottom: each stage is handed the paths it reads (the outputs of
+the stages before it) and the path it writes (from the run folder's ``StepPaths``), and
+returns that path for the next. Where the step's episodes come from is the schedule's
+choice (``episodes_from``): lockstep plays them (``rollout``), async admits groups that
+rollout workers already played (``admit``, ``tasks/collect.py``).
+
+A stage whose output is already finished is not run again (``run_stage``): the file, not
+Prefect's database, is the record of what is done, so a resume works with a fresh Prefect
+server. A stage that really runs has its wall seconds recorded in the step folder's
+``stage_seconds.json``, so a resumed step logs what its finished stages took before the
+crash, not the instant a skip takes.
+
+Each stage runs as a thin Prefect task named for its step ("rollout step 3 (train)");
+the live objects a task is handed (a policy, the rollout workers) are wrapped in
+``quote`` so that Prefect does not walk them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.utilities.annotations import quote
+
+from rollflow.envs.agent import Policy
+from rollflow.flows.runs import RunHandle
+from rollflow.storage.runfolder import RunFolder, StepPaths, check_timed_stage
+from rollflow.storage.stage_outputs import finished_output
+from rollflow.tasks.collect import RolloutWorkers, admit_stage
+from rollflow.tasks.config import RunConfig
+from rollflow.tasks.flatten import flatten_stage
+from rollflow.tasks.metrics import metrics_stage, validation_metrics_stage
+from rollflow.tasks.policy_io import ActingPolicy
+from rollflow.tasks.rollout import rollout_stage
+from rollflow.tasks.scoring import score_stage
+from rollflow.tasks.teacher import teacher_stage
+from rollflow.tasks.train import train_stage
+
+# The files are the cache: Prefect must neither hash configs nor persist results.
+_STAGE = dict(cache_policy=NO_CACHE, persist_result=False)
+
+
+@task(name="rollout", task_run_name="rollout step {step} ({split})", **_STAGE)
+def rollout(
+    config: RunConfig, out: Path, step: int, split: str = "train", source: Policy | ActingPolicy | None = None
+) -> Path:
+    return rollout_stage(config, out, step, split, source)
+
+
+@task(name="admit", task_run_name="admit step {step}", **_STAGE)
+def admit(config: RunConfig, workers: RolloutWorkers, step: int, out: Path) -> Path:
+    return admit_stage(config, workers, step, out)
+
+
+@task(name="scoring", task_run_name="scoring step {step} ({split})", **_STAGE)
+def scoring(config: RunConfig, episodes: Path, out: Path, step: int, split: str = "train") -> Path:
+    return score_stage(config, episodes, out)
+
+
+@task(name="flatten", task_run_name="flatten step {step}", **_STAGE)
+def flatten(episodes: Path, scores: Path, out: Path, step: int) -> Path:
+    return flatten_stage(episodes, scores, out)
+
+
+@task(name="teacher", task_run_name="teacher step {step}", **_STAGE)
+def teacher_scores(config: RunConfig, samples: Path, out: Path, step: int) -> Path:
+    return teacher_stage(config, samples, out)
+
+
+@task(name="train", task_run_name="train step {step}", **_STAGE)
+def train(
+    config: RunConfig, samples: Path, teacher: Path | None, previous: Path | None,
+    out_checkpoint: Path, out_result: Path, step: int,
+) -> Path:
+    return train_stage(config, samples, teacher, previous, out_checkpoint, out_result)
+
+
+@task(name="metrics", task_run_name="metrics step {step}", **_STAGE)
+def metrics(config: RunConfig, run_dir: Path, step: int) -> Path:
+    return metrics_stage(config, run_dir, step)
+
+
+@task(name="validation-metrics", task_run_name="validation metrics step {step}", **_STAGE)
+def validation_metrics(config: RunConfig, run_dir: Path, step: int) -> Path:
+    return validation_metrics_stage(config, run_dir, step)
+
+
+def run_once(out: Path, run: Callable[[], Path]) -> Path:
+    """The finished output ``out`` stands for, or ``run()``, which writes it."""
+    done = finished_output(out)
+    return done if done is not None else run()
+
+
+def run_stage(folder: RunFolder, step: int, name: str, out: Path, run: Callable[[], Path]) -> Path:
+    """``run_once`` for a training step's stage ``name``, recording its wall seconds in the
+    step's ``stage_seconds.json`` when it really runs (a finished stage's figure stands)."""
+    check_timed_stage(name)
+    done = finished_output(out)
+    if done is not None:
+        return done
+    started = time.perf_counter()
+    path = run()
+    folder.record_stage_seconds(step, name, time.perf_counter() - started)
+    return path
+
+
+def grpo_step(
+    handle: RunHandle, step: int, episodes_from: Callable[[StepPaths], Path],
+    publish: Callable[[int, Path], None] | None = None,
+) -> StepPaths:
+    """Run (or finish) training step ``step``; returns its paths.
+
+    ``episodes_from(p)`` writes the step's episodes and returns where (``p.episodes`` or
+    ``p.admitted``). ``publish(version, checkpoint)``, where given (async), sends the new
+    policy version to the generator as soon as it is trained, before the metrics.
+    """
+    config, folder = handle.config, handle.folder
+    p = folder.step_paths(step)
+    stage = partial(run_stage, folder, step)
+    episodes = stage("rollout", p.episodes, partial(episodes_from, p))
+    scores = stage("scoring", p.scores, partial(scoring, config, episodes, p.scores, step))
+    samples = stage("flatten", p.samples, partial(flatten, episodes, scores, p.samples, step))
+    teacher = None
+    if config.train.has_teacher:
+        teacher = stage("teacher", p.teacher, partial(teacher_scores, config, samples, p.teacher, step))
+    previous = folder.checkpoint_before(step)
+    stage("train", p.train_json,
+          partial(train, config, samples, teacher, previous, p.checkpoint, p.train_json, step))  # fmt: skip
+    if publish is not None:
+        publish(step + 1, p.checkpoint)
+    run_once(p.metrics_json, partial(metrics, config, folder.root, step))
+    return p
+
+
+def rollout_from(config: RunConfig, source: Policy | ActingPolicy | None = None) -> Callable[[StepPaths], Path]:
+    """Lockstep's ``episodes_from``: play the step's episodes with ``source`` (None: the step's policy)."""
+    return lambda p: rollout(config, p.episodes, p.step, p.split, quote(source))
+
+
+def admitted_from(config: RunConfig, workers: RolloutWorkers) -> Callable[[StepPaths], Path]:
+    """Async's ``episodes_from``: admit ``batch_size`` finished groups of the rollout workers."""
+    return lambda p: admit(config, quote(workers), p.step, p.admitted)

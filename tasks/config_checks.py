@@ -1,0 +1,86 @@
+"""The rules across config sections that a training run needs.
+
+Each section checks its own fields (``rollflow.tasks.config``); what is left are the
+combinations a training run cannot use and evaluation can: ``check_run_config`` applies
+them all. ``flows.runs.open_run`` calls it on every run it opens, new or resumed, and
+``tasks.preflight.preflight`` first of all, before Prefect starts.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rollflow.tasks.config_parsing import ConfigError
+
+if TYPE_CHECKING:
+    from rollflow.tasks.config import RunConfig
+
+
+def check_run_config(config: RunConfig) -> None:
+    """Every rule below; the first broken one raises ``ConfigError``."""
+    check_training_sampling(config)
+    check_training_backend(config)
+    check_async(config)
+
+
+def check_training_sampling(config: RunConfig) -> None:
+    """Refuse sampling settings a training run cannot learn from (evaluation may use them).
+
+    The trainer scores each sampled token under ``log_softmax(logits / temperature)``,
+    the whole distribution. With ``top_p < 1`` the sampler drew from the renormalised
+    nucleus instead, so the importance ratio would start at the nucleus mass (below 1),
+    not 1, and the clip would act on that bias rather than on the policy's drift.
+    """
+    top_p = config.rollout.top_p
+    if top_p < 1.0:
+        raise ConfigError(
+            f"[rollout].top_p = {top_p}: training needs 1.0. The trainer scores tokens under "
+            "the whole distribution, so with a nucleus the importance ratio would start at the "
+            "nucleus mass instead of 1; top_p < 1 is for `rollflow eval`"
+        )
+
+
+def check_training_backend(config: RunConfig) -> None:
+    """Refuse a backend that cannot train: ``"openai"`` would never see new weights."""
+    if config.rollout.backend == "openai":
+        raise ConfigError(
+            "[rollout].backend = 'openai' cannot train: no new weights ever reach the server, "
+            "so every step would sample the starting policy (off-policy, every episode stamped "
+            "version 0). Use backend = 'vllm' (a managed server, or your own with base_urls); "
+            "'openai' is for `rollflow eval`"
+        )
+
+
+def check_async(config: RunConfig) -> None:
+    """The async settings' rules (the reference's)."""
+    rollout = config.rollout
+    if rollout.max_steps_off_policy is None:
+        if rollout.weight_sync_type != "synchronous":
+            raise ConfigError(
+                f"[rollout].weight_sync_type = {rollout.weight_sync_type!r} defers publication, "
+                "which needs async collection to bound the drift it allows: set "
+                "[rollout].max_steps_off_policy (1 is a good start) or use 'synchronous'"
+            )
+        return
+    if rollout.weight_sync_type == "pipeline" and config.train.use_lora and (
+        rollout.lora_serving == "adapter" or rollout.base_urls
+    ):
+        raise ConfigError(
+            "[rollout].weight_sync_type = 'pipeline' needs weights swapped in place: full-weight "
+            "training ([train].use_lora = false), or LoRA merged on a managed server "
+            "([rollout].lora_serving = 'merged', no base_urls); in-flight generation switches to "
+            "the new weights, which LoRA adapters keep per version instead ('background_publish')"
+        )
+    # Any keep_checkpoints works: pruning spares what the run still reads (a publication in
+    # flight, adapters in use, the resume's checkpoint): tasks/checkpoints.py's checkpoints_to_keep.
+    if rollout.backend != "vllm":
+        raise ConfigError(
+            "[rollout].max_steps_off_policy (async collection) needs [rollout].backend = 'vllm': "
+            "the rollout workers sample beside the trainer on a vLLM generator (the "
+            f"'{rollout.backend}' backend would share the trainer's process)"
+        )
+    if rollout.base_urls and not config.train.use_lora:
+        raise ConfigError(
+            "[rollout].max_steps_off_policy with base_urls needs [train].use_lora = true: new "
+            "full weights reach only a managed server (leave base_urls empty)"
+        )

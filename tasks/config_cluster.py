@@ -1,0 +1,78 @@
+"""The ``[cluster]`` section: where a run's Ray work runs (``flows/cluster.py`` acts on it).
+
+- ``mode = "none"`` (the default): no Ray; every stage runs in the run's own process tree,
+  as before this section existed.
+- ``mode = "local"``: rollflow starts a Ray cluster on this machine for the run and stops
+  it after, whatever happened: a head node and ``num_worker_nodes`` worker nodes, each a
+  ``ray start`` of its own with its own CPU budget, bound to a loopback address only.
+- ``mode = "address"``: an existing cluster's GCS address ``HOST:PORT`` (what ``ray start
+  --head`` prints); rollflow only connects to it and never stops it.
+
+The memory settings keep a local cluster small on a machine that also holds a vLLM server
+and a trainer: ``object_store_mib_per_node`` caps each node's object store (shared memory;
+tasks pass file paths, so little goes through it), ``memory_gib_per_node`` is the memory
+Ray may schedule on a node (a logical resource for placement, not an OS limit).
+
+Simplified on purpose: Ray Client addresses (``ray://HOST:10001``) are refused. Through
+Ray Client every result and log goes through one proxy connection, which drops long runs
+(prefect-ray's own docs and issues say so); run rollflow on a node of the cluster instead
+(``ray job submit``, or a shell on the head) and give the head's GCS address.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from rollflow.tasks.config_parsing import ConfigError, at_least, check_types, in_range
+
+ClusterMode = Literal["none", "local", "address"]
+RAY_MIN_OBJECT_STORE_MIB = 75  # Ray refuses a smaller object store
+_GCS_ADDRESS = re.compile(r"[A-Za-z0-9.\-]+:\d{1,5}|\[[0-9A-Fa-f:]+\]:\d{1,5}")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    mode: ClusterMode = "none"
+    address: str | None = None  # mode "address": the head's GCS address, HOST:PORT
+    num_worker_nodes: int = 1  # mode "local": nodes besides the head
+    head_cpus: int = 1  # the head's CPU budget (Ray's CPU resource; tasks ask for 1 each)
+    cpus_per_node: int = 1  # each worker node's CPU budget
+    memory_gib_per_node: float = 2.0  # schedulable memory per node (placement, not a cap)
+    object_store_mib_per_node: int = 256  # each node's object store, a hard cap
+    # Each local node on cores of its own (as ``taskset -c`` does); needs head_cpus +
+    # num_worker_nodes * cpus_per_node cores free to this process.
+    pin_cores: bool = False
+    startup_timeout_s: float = 120.0  # every node must have joined within this
+
+    def __post_init__(self) -> None:
+        check_types(self, "cluster")
+        for key in ("head_cpus", "cpus_per_node"):
+            at_least(self, "cluster", key, 1)
+        at_least(self, "cluster", "num_worker_nodes", 0)
+        at_least(self, "cluster", "object_store_mib_per_node", RAY_MIN_OBJECT_STORE_MIB)
+        in_range(self, "cluster", "memory_gib_per_node", 0.0, None, low_open=True)
+        in_range(self, "cluster", "startup_timeout_s", 0.0, None, low_open=True)
+        if self.mode == "address":
+            self._check_address()
+        elif self.address is not None:
+            raise ConfigError(
+                f"[cluster].address is for mode = 'address'; got mode = {self.mode!r} "
+                "(set mode = 'address' to join that cluster, or drop address)"
+            )
+
+    def _check_address(self) -> None:
+        if self.address is None:
+            raise ConfigError("[cluster].mode = 'address' needs [cluster].address, the head's HOST:PORT")
+        if self.address.startswith("ray://"):
+            raise ConfigError(
+                f"[cluster].address {self.address!r} is a Ray Client address, which rollflow does not "
+                "use (one proxy connection carries every result and drops long runs): run rollflow on "
+                "a node of the cluster and give the head's GCS address, HOST:PORT (default port 6379)"
+            )
+        if _GCS_ADDRESS.fullmatch(self.address) is None:
+            raise ConfigError(
+                f"[cluster].address must be the head's GCS address HOST:PORT (e.g. '10.0.0.5:6379'); "
+                f"got {self.address!r}"
+            )

@@ -1,0 +1,328 @@
+"""The vLLM generator: managed or external servers, the versions they hold, and restarts.
+
+``rollflow.tasks.generator`` says what a generator is and how a version reaches a vLLM
+server (in place, merged, or as an adapter); this module does it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+from transformers import PreTrainedTokenizerBase
+
+from rollflow.envs.agent import Policy
+from rollflow.policy.models import ModelRef, hf_model_folder, load_tokenizer, stop_token_ids
+from rollflow.policy.procs import fault_point
+from rollflow.policy.sampling import SamplingSettings
+from rollflow.policy.vllm_backend import VLLMPolicy, adapter_name, discover_served_model
+from rollflow.policy.vllm_server import VLLMServer, VLLMServerSpec, lora_rank_limit
+from rollflow.policy.vllm_weights import merge_adapter, untied_serving_folder
+from rollflow.storage.runfolder import RunFolder
+from rollflow.tasks.config import ConfigError, RunConfig
+from rollflow.tasks.generator import (
+    UNMANAGED_SERVER,
+    GeneratorError,
+    GeneratorFault,
+    run_adapter_prefix,
+    sampling_settings,
+)
+from rollflow.tasks.models import base_model_ref
+
+SERVED_MODEL_NAME = "policy"
+VLLM_LOG = Path("logs") / "vllm-server.log"
+SERVING_DIR = "serving"  # <run>/serving/policy-v{N}-merged: the version a server reloaded
+HEALTH_TIMEOUT_S = 10.0
+
+
+# ---------------------------------------------------------------- vLLM
+
+
+def serves_in_place(config: RunConfig) -> bool:
+    """Whether a managed server gets each version's weights in place (full weights, or
+    LoRA merged) rather than as adapters."""
+    return not config.train.use_lora or config.rollout.lora_serving == "merged"
+
+
+class VLLMGenerator:
+    """vLLM servers, managed (``server``) or the user's, and the versions they hold."""
+
+    def __init__(
+        self, config: RunConfig, folder: RunFolder | None, policy: VLLMPolicy, server: VLLMServer | None,
+        tokenizer: PreTrainedTokenizerBase, *, key: tuple[object, ...],
+    ) -> None:  # fmt: skip
+        self.config, self.folder, self.policy, self.server = config, folder, policy, server
+        self.tokenizer, self.key = tokenizer, key
+        self.in_place = server is not None and serves_in_place(config)
+        self.adapters: dict[int, Path] = {}  # adapters: version -> folder, loaded on the servers
+        self.weights: tuple[int, Path] | None = None  # in place: the version reloaded (None: the spec's own)
+        self._scratch: Path | None = None  # merged folders of a generator without a run folder
+
+    def adapter(self, version: int) -> str:
+        return adapter_name(run_adapter_prefix(self.folder), version)
+
+    def policy_for(self, version: int, checkpoint: Path | None) -> Policy:
+        """The policy acting as ``version``, the one version served (others are unloaded)."""
+        policy = self.policy
+        policy.settings = sampling_settings(self.config)
+        if self.in_place:
+            self._reload(version, self.serving_folder(version, checkpoint))
+        else:
+            source = checkpoint if checkpoint is not None else self.config.model.adapter
+            if source is None:
+                policy.unload_adapter()
+                self.adapters.clear()
+            else:
+                self._check_adapter(Path(source))
+                fault_point("weight_publish")  # tests: a kill while the step's weights go to the server
+                policy.load_adapter(source, version, self.adapter(version))
+                self.adapters = {version: Path(source)}
+        policy.version = version
+        return policy
+
+    def publish(self, version: int, checkpoint: Path | None) -> None:
+        """``version`` served (None: the run's start): beside the adapters held, or in
+        place of the weights. Requests running meanwhile meet either version: the caller
+        pauses them first where that matters (``AsyncGenerator``)."""
+        if self.in_place:
+            self._reload(version, self.serving_folder(version, checkpoint))
+        elif checkpoint is not None:
+            self._check_adapter(Path(checkpoint))
+            fault_point("weight_publish")  # tests: a kill while a new version goes to the server
+            self.policy.add_adapter(checkpoint, self.adapter(version))
+            self.adapters[version] = Path(checkpoint)
+        self.policy.version = version
+
+    def retire(self, version: int) -> None:
+        """Unload ``version``'s adapter (no request may still name it)."""
+        if self.adapters.pop(version, None) is not None:
+            self.policy.remove_adapter(self.adapter(version))
+
+    def versions_read(self) -> set[int]:
+        """The versions whose checkpoint folders a restart reads: the adapters loaded, and
+        full weights reloaded from their checkpoint (a merged version has its own folder)."""
+        read = set(self.adapters.copy())  # published on another thread
+        merged = self.folder.root / SERVING_DIR if self.folder is not None else self._scratch
+        if self.weights is not None and self.weights[1].parent != merged:
+            read.add(self.weights[0])
+        return read
+
+    def pinned(self, version: int, seed: int) -> VLLMPolicy:
+        """A view that always samples ``version`` (published) from ``seed``."""
+        adapter = self.adapter(version) if version in self.adapters else None
+        return self.policy.pinned(version, adapter=adapter, seed=seed)
+
+    def fault(self) -> GeneratorFault | None:
+        return server_fault(self.server, self.policy.base_urls)
+
+    def restart(self, reason: str) -> None:
+        """The same spec on a fresh server, holding what this one held; a new policy for its
+        port (counters carried over). ``GeneratorError`` for the user's servers."""
+        server = self.server
+        if server is None:
+            raise GeneratorError(f"{reason}; {UNMANAGED_SERVER}")
+        print(f"  vLLM: restarting the managed server: {reason}", file=sys.stderr, flush=True)
+        server.restart(reason, log_path=self.folder.root / VLLM_LOG if self.folder is not None else None)
+        print(f"  vLLM: restarted, healthy after {server.startup_s:.1f} s", file=sys.stderr, flush=True)
+        old = self.policy
+        self.policy = managed_policy(server, self.tokenizer, old.settings)
+        self.policy.stats, self.policy.version = old.stats, old.version
+        # What was held, as far as its folders are left (pruned ones: the next policy_for loads anew)
+        self.adapters = {v: folder for v, folder in self.adapters.items() if folder.is_dir()}
+        for version, folder in self.adapters.items():
+            self.policy.add_adapter(folder, self.adapter(version))
+        if self.weights is not None and not self.weights[1].is_dir():
+            self.weights = None  # the fresh server holds its spec's own weights
+        if self.weights is not None:
+            self.policy.reload_weights(self.weights[1], self.weights[0])
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+        elif self.folder is not None and self.in_place:  # a cache: rebuilt from the checkpoints
+            shutil.rmtree(self.folder.root / SERVING_DIR, ignore_errors=True)
+
+    # ---- in place
+
+    def serving_folder(self, version: int, checkpoint: Path | None) -> Path | None:
+        """What the server reloads to serve ``checkpoint`` (None: its spec's own folder)."""
+        base = base_model_ref(self.config)
+        if checkpoint is None:
+            if base.adapter is None:
+                return None
+            checkpoint = Path(base.adapter)  # the trainer's version 0: base and adapter, merged
+        if not (Path(checkpoint) / "adapter_config.json").is_file():
+            return Path(checkpoint)  # a full-weight checkpoint
+        target = self._serving_dir() / f"policy-v{version}-merged"
+        return merge_adapter(ModelRef(path=base.path, gguf_file=base.gguf_file), Path(checkpoint), target)
+
+    def _reload(self, version: int, folder: Path | None) -> None:
+        held = self.weights[1] if self.weights is not None else None
+        assert self.server is not None
+        if held != folder:
+            fault_point("weight_publish")  # tests: a kill while the step's weights go to the server
+            seconds = self.policy.reload_weights(folder or self.server.spec.model_dir, version)
+            print(f"  vLLM: version {version}'s weights reloaded in place in {seconds:.1f}s", file=sys.stderr, flush=True)
+        self.weights = None if folder is None else (version, folder)
+        self._forget_merged(keep=folder)
+
+    def _serving_dir(self) -> Path:
+        if self.folder is not None:
+            return self.folder.root / SERVING_DIR
+        if self._scratch is None:
+            self._scratch = Path(tempfile.mkdtemp(prefix="rollflow-serving-"))
+        return self._scratch
+
+    def _forget_merged(self, keep: Path | None) -> None:
+        """Delete the merged folders the server no longer needs: it holds ``keep``'s weights,
+        which a restart reloads; every other version is rebuilt from its checkpoint."""
+        if self.folder is None and self._scratch is None:
+            return
+        for merged in self._serving_dir().glob("policy-v*-merged"):
+            if merged != keep:
+                shutil.rmtree(merged, ignore_errors=True)
+                (merged.parent / f".{merged.name}.lock").unlink(missing_ok=True)  # build_atomically's
+
+    def _check_adapter(self, source: Path) -> None:
+        """Only adapters reach the user's servers (a managed one serving adapters trains LoRA)."""
+        if self.server is None and not (source / "adapter_config.json").is_file():
+            raise ConfigError(
+                "[rollout].base_urls: full-weight checkpoints cannot reach external vLLM servers; "
+                "train with [train].use_lora = true, or leave base_urls empty for a managed server"
+            )
+
+
+def server_spec(config: RunConfig, *, versions_in_flight: int) -> VLLMServerSpec:
+    """The managed server of a run: the base model, untied when weights are reloaded in
+    place; LoRA flags only when versions reach it as adapters."""
+    base = base_model_ref(config)
+    model_dir = hf_model_folder(ModelRef(path=base.path, gguf_file=base.gguf_file))
+    lora = not serves_in_place(config)
+    return VLLMServerSpec(
+        model_dir=str(untied_serving_folder(model_dir) if serves_in_place(config) else model_dir),
+        served_model_name=config.rollout.api_model or SERVED_MODEL_NAME,
+        max_model_len=config.rollout.max_model_length,
+        enable_lora=lora,
+        max_lora_rank=lora_rank_limit(config.train.lora_rank) if lora else 16,
+        max_loras=max(1, versions_in_flight) if lora else 1,
+        kvcache_space_gib=config.rollout.vllm_kvcache_space_gib,
+        python=config.rollout.vllm_python,
+    )
+
+
+def generator_key(config: RunConfig, *, versions_in_flight: int) -> tuple[object, ...]:
+    """Equal keys: one generator serves both configs."""
+    rollout = config.rollout
+    if rollout.base_urls:
+        return ("external", rollout.base_urls, rollout.api_model)
+    return ("managed", server_spec(config, versions_in_flight=versions_in_flight))
+
+
+def start_vllm_generator(config: RunConfig, folder: RunFolder | None, *, versions_in_flight: int) -> VLLMGenerator:
+    """Start the managed server (or connect to the user's), serving the base model."""
+    rollout = config.rollout
+    base = base_model_ref(config)
+    tokenizer = load_tokenizer(ModelRef(path=base.path, gguf_file=base.gguf_file))
+    key = generator_key(config, versions_in_flight=versions_in_flight)
+    if rollout.base_urls:
+        served = rollout.api_model or discover_served_model(rollout.base_urls[0])
+        policy = VLLMPolicy(
+            rollout.base_urls, tokenizer, sampling_settings(config), served_model=served,
+            stop_token_ids=stop_token_ids(hf_model_folder(base)),
+        )  # fmt: skip
+        policy.connect(check_logprobs_mode=True)
+        return VLLMGenerator(config, folder, policy, None, tokenizer, key=key)
+    spec = key[1]
+    assert isinstance(spec, VLLMServerSpec)
+    log = folder.root / VLLM_LOG if folder is not None else None
+    server = VLLMServer(spec, log_path=log, startup_timeout_s=rollout.vllm_startup_timeout_s).start()
+    try:
+        policy = managed_policy(server, tokenizer, sampling_settings(config))
+    except BaseException:
+        server.stop()
+        raise
+    return VLLMGenerator(config, folder, policy, server, tokenizer, key=key)
+
+
+def managed_policy(server: VLLMServer, tokenizer: PreTrainedTokenizerBase, settings: SamplingSettings) -> VLLMPolicy:
+    spec = server.spec
+    policy = VLLMPolicy(
+        [server.base_url], tokenizer, settings, served_model=spec.served_model_name,
+        stop_token_ids=stop_token_ids(Path(spec.model_dir)),
+        max_lora_rank=spec.max_lora_rank if spec.enable_lora else None,
+    )  # fmt: skip
+    policy.connect(check_logprobs_mode=False)  # our flags: processed logprobs
+    return policy
+
+
+# ---------------------------------------------------------------- the process's own
+
+
+_HELD: list[VLLMGenerator] = []  # at most one: see the module docstring
+
+
+def held_generator(config: RunConfig, folder: RunFolder | None) -> VLLMGenerator:
+    """The process's vLLM generator for ``config`` (one version in flight): the one kept
+    from an earlier stage when it fits (restarted if it died since), else a new one."""
+    key = generator_key(config, versions_in_flight=1)
+    if _HELD and _HELD[0].key == key:
+        kept = _HELD[0]
+        kept.config, kept.folder = config, folder
+        if kept.server is not None and not kept.server.running:  # died since the last stage
+            kept.restart(f"{kept.server.base_url} {kept.server.describe_exit()} between stages")
+        return kept
+    stop_held_generator()
+    _HELD.append(start_vllm_generator(config, folder, versions_in_flight=1))
+    return _HELD[0]
+
+
+@contextmanager
+def hold(generator: VLLMGenerator) -> Iterator[None]:
+    """``generator`` is the process's kept one while open (``held_generator`` finds it)."""
+    _HELD.append(generator)
+    try:
+        yield
+    finally:
+        if generator in _HELD:
+            _HELD.remove(generator)
+
+
+def stop_held_generator() -> None:
+    """Stop the process's kept vLLM generator, if there is one."""
+    while _HELD:
+        _HELD.pop().close()
+
+
+def server_fault(server: VLLMServer | None, base_urls: Sequence[str]) -> GeneratorFault | None:
+    """Why ``server`` (managed) or the user's ``base_urls`` (``server`` None) cannot sample."""
+    if server is None:
+        for url in base_urls:
+            problem = _health_problem(url)
+            if problem is not None:
+                return GeneratorFault(url, problem, managed=False)
+        return None
+    url = base_urls[0]
+    problem = None if server.running else server.describe_exit()
+    problem = problem or _health_problem(url)
+    if problem is None:
+        return None
+    return GeneratorFault(url, problem, managed=True, log_path=server.log_path, log_tail=server.log_tail())
+
+
+def _health_problem(base_url: str) -> str | None:
+    """None when ``GET /health`` answers 200, else what went wrong."""
+    url = base_url.removesuffix("/v1") + "/health"
+    try:
+        response = httpx.get(url, timeout=HEALTH_TIMEOUT_S)
+    except httpx.HTTPError as error:
+        return f"stopped answering (GET {url}: {type(error).__name__}: {error})"
+    if response.status_code != 200:
+        return f"is unhealthy (GET {url} answered HTTP {response.status_code})"
+    return None

@@ -1,0 +1,34 @@
+"""The [cluster] section (tasks/config_cluster.py): defaults, round trip, and clear errors."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from rollflow.tasks.config import ConfigError, config_to_toml, parse_config
+
+
+def test_no_cluster_is_the_default_and_a_local_one_round_trips_through_toml() -> None:
+    assert parse_config({}).cluster.mode == "none"
+    config = parse_config({"cluster": {"mode": "local", "num_worker_nodes": 2, "pin_cores": True}})
+    assert parse_config(tomllib.loads(config_to_toml(config))) == config
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ({"mode": "locale"}, r"\[cluster\].mode must be one of 'none', 'local', 'address'"),
+        ({"num_worker_node": 1}, r"did you mean 'num_worker_nodes'"),
+        ({"mode": "address"}, r"needs \[cluster\].address"),
+        ({"mode": "address", "address": "ray://head:10001"}, r"Ray Client address"),
+        ({"mode": "address", "address": "head"}, r"HOST:PORT"),
+        ({"address": "head:6379"}, r"\[cluster\].address is for mode = 'address'"),
+        ({"object_store_mib_per_node": 10}, r"object_store_mib_per_node must be at least 75"),
+        ({"cpus_per_node": 0}, r"cpus_per_node must be at least 1"),
+        ({"memory_gib_per_node": 0}, r"memory_gib_per_node must be in \(0.0"),
+    ],
+)
+def test_a_wrong_cluster_setting_names_itself(table: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"cluster": table})
