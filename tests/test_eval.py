@@ -6,17 +6,15 @@ not the SQL the report uses), so a wrong query or a wrong join would show.
 
 from __future__ import annotations
 
-import json
 import logging
-import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
+from json_server import json_server
 
 from rollflow.flows.cli import main
 from rollflow.flows.eval import EvalOverrides, eval_config, eval_flow, eval_report, format_report
@@ -171,33 +169,18 @@ class ChatServer:
 def chat_server() -> Iterator[ChatServer]:
     server = ChatServer(answer="17")
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 (the http.server API)
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-            server.bodies.append({"path": self.path, **body})
-            message = {"role": "assistant", "content": server.answer}
-            payload = json.dumps({
-                "id": "c", "object": "chat.completion",
-                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 30, "completion_tokens": 2, "total_tokens": 32},
-            }).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
+    def answer(path: str, headers: Mapping[str, str], body: dict[str, Any]) -> tuple[int, Any, float]:
+        server.bodies.append({"path": path, **body})
+        message = {"role": "assistant", "content": server.answer}
+        return 200, {
+            "id": "c", "object": "chat.completion",
+            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 30, "completion_tokens": 2, "total_tokens": 32},
+        }, 0.0  # fmt: skip
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    server.base_url = f"http://127.0.0.1:{httpd.server_address[1]}/v1"
-    yield server
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join()
+    with json_server(answer) as url:
+        server.base_url = f"{url}/v1"
+        yield server
 
 
 def served_eval(chat_server: ChatServer, tmp_path: Path, validation: str) -> Path:

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+from json_server import json_server
 
 from rollflow.envs.agent import PolicyAction
 from rollflow.envs.protocol import describe_tools, parse_action
@@ -48,34 +46,13 @@ class CannedServer:
 def server() -> Iterator[CannedServer]:
     canned = CannedServer()
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 (the http.server API)
-            length = int(self.headers.get("Content-Length", 0))
-            body = json.loads(self.rfile.read(length))
-            canned.requests.append((self.path, dict(self.headers), body))
-            status, answer, delay_s = canned.answers.pop(0)
-            time.sleep(delay_s)
-            payload = json.dumps(answer).encode()
-            try:
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the client gave up (a deadline test)
+    def answer(path: str, headers: Mapping[str, str], body: dict[str, Any]) -> tuple[int, Any, float]:
+        canned.requests.append((path, dict(headers), body))
+        return canned.answers.pop(0)
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
-    thread.start()
-    canned.base_url = f"http://127.0.0.1:{httpd.server_address[1]}/v1"
-    yield canned
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join()
+    with json_server(answer) as url:
+        canned.base_url = f"{url}/v1"
+        yield canned
 
 
 def completion(

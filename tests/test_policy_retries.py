@@ -8,17 +8,16 @@ attempt goes and what it carries.
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
-import threading
 import time
 from collections.abc import Iterator, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
 import pytest
+from json_server import json_server
 
 from rollflow.policy.retries import RETRIED_STATUS, Posted, RetriesExhausted, post_with_retries
 from rollflow.policy.stopping import StopRequested, request_stop
@@ -35,39 +34,20 @@ class Canned:
 @pytest.fixture
 def servers() -> Iterator[list[Canned]]:
     """Two canned servers: replicas of one model."""
-    canned, stops = [Canned(), Canned()], []
-    for server in canned:
+    canned = [Canned(), Canned()]
 
-        class Handler(BaseHTTPRequestHandler):
-            state = server
+    def answering(server: Canned):  # noqa: ANN202 - a json_server.Answer
+        def answer(path: str, headers: Mapping[str, str], body: dict[str, Any]) -> tuple[int, Any, float]:
+            server.bodies.append(body)
+            status = server.statuses.pop(0) if server.statuses else 200
+            return status, {"ok": True} if status == 200 else {"error": {"message": f"said {status}"}}, server.delay_s
 
-            def do_POST(self) -> None:  # noqa: N802 (the http.server API)
-                self.state.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                status = self.state.statuses.pop(0) if self.state.statuses else 200
-                time.sleep(self.state.delay_s)
-                payload = json.dumps({"ok": True} if status == 200 else {"error": {"message": f"said {status}"}})
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
-                    self.wfile.write(payload.encode())
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the client gave up (the timeout test)
+        return answer
 
-            def log_message(self, *args: object) -> None:
-                pass
-
-        httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
-        thread.start()
-        server.url = f"http://127.0.0.1:{httpd.server_address[1]}"
-        stops.append((httpd, thread))
-    yield canned
-    for httpd, thread in stops:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join()
+    with ExitStack() as stack:
+        for server in canned:
+            server.url = stack.enter_context(json_server(answering(server)))
+        yield canned
 
 
 def post(urls: list[str], attempts: int, **options: Any) -> Posted:
