@@ -48,7 +48,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -172,16 +173,23 @@ def fresh_adapter(model_path: str | None, rank: int, alpha: float, dest: Path) -
     return str(dest)
 
 
-def open_engine(config: RunConfig, folder: RunFolder) -> Generator:
-    """The leg's generator: the process's vLLM one (started here), or the in-process one."""
-    from rollflow.tasks.generator import LocalGenerator
-    from rollflow.tasks.vllm_generator import held_generator
+@contextmanager
+def open_engine(config: RunConfig, folder: RunFolder) -> Iterator[Generator]:
+    """The leg's generator (a vLLM one started here, or the in-process one), lent while
+    open, so that opening it again for the step's own folder finds the warm server."""
+    from rollflow.tasks.generator import open_generator
+    from rollflow.tasks.vllm_generator import VLLMGenerator, lend
 
-    return held_generator(config, folder) if config.rollout.backend == "vllm" else LocalGenerator(config)
+    with open_generator(config, folder, versions_in_flight=1) as engine:
+        if isinstance(engine, VLLMGenerator):
+            with lend(engine):
+                yield engine
+        else:
+            yield engine
 
 
-def play(config: RunConfig, run_dir: Path, source: Policy | None = None) -> Path:
-    """Step 0's train rollout of ``run_dir`` (``source``: the policy to act with)."""
+def play(config: RunConfig, run_dir: Path, source: Generator | Policy | None = None) -> Path:
+    """Step 0's train rollout of ``run_dir`` (``source``: what acts: a generator or a policy)."""
     from rollflow.storage.runfolder import RunFolder
     from rollflow.tasks.rollout import rollout_stage
 
@@ -218,7 +226,7 @@ def reset_prefix_cache(engine: object) -> None:
 def run_leg(leg: Leg, workdir: Path, quick: bool, repeat: int) -> LegResult:
     from rollflow.policy.models import build_tiny_model
     from rollflow.storage.runfolder import RunFolder
-    from rollflow.tasks.vllm_generator import stop_held_generator
+    from rollflow.tasks.generator import open_generator
 
     model_path = None
     if quick:  # vLLM's CPU attention needs heads of at least 32
@@ -227,28 +235,25 @@ def run_leg(leg: Leg, workdir: Path, quick: bool, repeat: int) -> LegResult:
     if leg.lora:
         adapter = fresh_adapter(model_path, 4 if quick else 16, 8.0 if quick else 32.0, workdir / "adapter")
     config = bench_config(leg, model_path, adapter, quick)
-    try:
-        started = time.monotonic()
-        warm_dir, step_dir = workdir / "warm-up", workdir / "step"
-        engine = open_engine(config, RunFolder(warm_dir))
-        play(warmup_config(config), warm_dir)
+    warm_dir, step_dir = workdir / "warm-up", workdir / "step"
+    started = time.monotonic()
+    with open_engine(config, RunFolder(warm_dir)) as engine:
+        play(warmup_config(config), warm_dir, engine)
         reset_prefix_cache(engine)  # the warm-up's prompts leave nothing for the step to hit
         start_s = time.monotonic() - started
         started = time.monotonic()
-        engine = open_engine(config, RunFolder(step_dir))
-        policy = engine.policy_for(0, None)  # version 0: base, or base + [model].adapter
-        publish_s = time.monotonic() - started
-        source = None
-        if leg.backend == "transformers":
-            policy.settings = dataclasses.replace(policy.settings, kv_reuse=leg.kv_reuse)
-            source = policy
-        before = server_times(engine)
-        started = time.monotonic()
-        play(config, step_dir, source)
-        rollout_s = time.monotonic() - started
-        after = server_times(engine)
-    finally:
-        stop_held_generator()
+        with open_generator(config, RunFolder(step_dir), versions_in_flight=1) as engine:  # the lent one, for vLLM
+            policy = engine.policy_for(0, None)  # version 0: base, or base + [model].adapter
+            publish_s = time.monotonic() - started
+            source = None
+            if leg.backend == "transformers":
+                policy.settings = dataclasses.replace(policy.settings, kv_reuse=leg.kv_reuse)
+                source = policy
+            before = server_times(engine)
+            started = time.monotonic()
+            play(config, step_dir, source)
+            rollout_s = time.monotonic() - started
+            after = server_times(engine)
     episodes = step_episodes(step_dir)
     actions = [a for e in episodes for a in e.rollout.actions]
     split = (after[0] - before[0], after[1] - before[1]) if before and after else (None, None)

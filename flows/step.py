@@ -35,6 +35,7 @@ from rollflow.storage.stage_outputs import finished_output
 from rollflow.tasks.collect import RolloutWorkers, admit_stage
 from rollflow.tasks.config import RunConfig
 from rollflow.tasks.flatten import flatten_stage
+from rollflow.tasks.generator import Generator
 from rollflow.tasks.metrics import metrics_stage, validation_metrics_stage
 from rollflow.tasks.policy_io import ActingPolicy
 from rollflow.tasks.rollout import rollout_stage
@@ -48,7 +49,8 @@ _STAGE = dict(cache_policy=NO_CACHE, persist_result=False)
 
 @task(name="rollout", task_run_name="rollout step {step} ({split})", **_STAGE)
 def rollout(
-    config: RunConfig, out: Path, step: int, split: str = "train", source: Policy | ActingPolicy | None = None
+    config: RunConfig, out: Path, step: int, split: str = "train",
+    source: Generator | Policy | ActingPolicy | None = None,
 ) -> Path:
     return rollout_stage(config, out, step, split, source)
 
@@ -138,8 +140,11 @@ def grpo_step(
     return p
 
 
-def rollout_from(config: RunConfig, source: Policy | ActingPolicy | None = None) -> Callable[[StepPaths], Path]:
-    """Lockstep's ``episodes_from``: play the step's episodes with ``source`` (None: the step's policy)."""
+def rollout_from(
+    config: RunConfig, source: Generator | Policy | ActingPolicy | None = None
+) -> Callable[[StepPaths], Path]:
+    """Lockstep's ``episodes_from``: play the step's episodes with ``source``: the run's
+    generator (asked for the step's version), a fixed policy, or None (the stage opens one)."""
     return lambda p: rollout(config, p.episodes, p.step, p.split, quote(source))
 
 

@@ -47,16 +47,21 @@ from rollflow.flows.step import (
     validation_metrics,
 )
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.async_generator import open_generator
+from rollflow.tasks.async_generator import open_async_generator
 from rollflow.tasks.collect import Publisher, RolloutWorkers, write_collector_report
 from rollflow.tasks.config import RunConfig
+from rollflow.tasks.generator import Generator, open_generator
 from rollflow.tasks.metrics import finish_tracking, start_tracking, step_outcome
 from rollflow.tasks.policy_io import ActingPolicy
 from rollflow.tasks.teacher import check_teacher
 
 
-def validate(config: RunConfig, run_dir: Path, step: int, policy: Policy | ActingPolicy | None = None) -> None:
-    """Validation before ``step`` (an async run's policy comes watched: ``pinned_for_validation``)."""
+def validate(
+    config: RunConfig, run_dir: Path, step: int, policy: Generator | Policy | ActingPolicy | None = None
+) -> None:
+    """Validation before ``step``, acting with ``policy``: the run's generator (lockstep),
+    a policy pinned to the version (async: ``pinned_for_validation``), or None (the stage
+    opens a generator for itself)."""
     p = RunFolder(run_dir).step_paths(step, "validation")
     episodes = run_once(p.episodes, partial(rollout, config, p.episodes, step, "validation", quote(policy)))
     run_once(p.scores, partial(scoring, config, episodes, p.scores, step, "validation"))
@@ -104,21 +109,26 @@ def run_training(handle: RunHandle) -> None:
 
 
 def run_lockstep_training(handle: RunHandle) -> None:
-    config, root = handle.config, handle.root
-    for step in range(config.train.num_steps):
-        if handle.step_finished(step):
-            continue
-        if validation_due(config, step):
-            validate(config, root, step)
-        grpo_step(handle, step, rollout_from(config))
-        seconds = handle.folder.stage_seconds(step)
-        handle.report(
-            f"step {step + 1}/{config.train.num_steps} done in {sum(seconds.values()):.1f}s: "
-            f"{step_outcome(handle.folder, step)} ("
-            + " ".join(f"{k}={v:.1f}s" for k, v in seconds.items()) + ")"
-        )
-    if validation_due(config, config.train.num_steps):
-        validate(config, root, config.train.num_steps)
+    config, root, last = handle.config, handle.root, handle.config.train.num_steps
+    if handle.next_step() == last:  # trained: at most the last validation is left
+        if validation_due(config, last):
+            validate(config, root, last)  # what is done is not run again; no server started
+        return
+    with open_generator(config, handle.folder, versions_in_flight=1) as generator:
+        for step in range(last):
+            if handle.step_finished(step):
+                continue
+            if validation_due(config, step):
+                validate(config, root, step, generator)
+            grpo_step(handle, step, rollout_from(config, generator))
+            seconds = handle.folder.stage_seconds(step)
+            handle.report(
+                f"step {step + 1}/{last} done in {sum(seconds.values()):.1f}s: "
+                f"{step_outcome(handle.folder, step)} ("
+                + " ".join(f"{k}={v:.1f}s" for k, v in seconds.items()) + ")"
+            )
+        if validation_due(config, last):
+            validate(config, root, last, generator)
 
 
 def run_async_training(handle: RunHandle) -> None:
@@ -131,7 +141,7 @@ def run_async_training(handle: RunHandle) -> None:
             validate(config, root, last)  # what is done is not run again; no workers needed
         return
     started = time.perf_counter()
-    with open_generator(config, folder, first) as generator:
+    with open_async_generator(config, folder, first) as generator:
         workers = RolloutWorkers(config, folder, generator, first).start()
         publisher = Publisher(generator, deferred=config.rollout.weight_sync_type != "synchronous")
         try:

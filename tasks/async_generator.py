@@ -6,7 +6,7 @@ version here (``publish``) and it reaches the run's vLLM generator
 (``rollflow.tasks.vllm_generator.VLLMGenerator``) as its weight-sync type says (see
 ``tasks/collect.py``'s docstring): LoRA adapters side by side as ``policy-<run>-v{N}``
 (``[rollout].lora_serving = "adapter"``), or weights reloaded in place under a pause (full
-weights, and LoRA merged into the base, the default). ``open_generator`` opens the run's
+weights, and LoRA merged into the base, the default). ``open_async_generator`` opens the run's
 generator with one version in flight per running group plus two (``max_loaded_adapters``)
 and closes it afterwards, also on failure.
 
@@ -289,7 +289,7 @@ class AsyncGenerator:
 
 
 @contextlib.contextmanager
-def open_generator(config: RunConfig, folder: RunFolder, first_step: int) -> Iterator[AsyncGenerator]:
+def open_async_generator(config: RunConfig, folder: RunFolder, first_step: int) -> Iterator[AsyncGenerator]:
     """The generator of an async run, serving version ``first_step``; closed after.
 
     A managed server serving adapters gets ``--max-loras`` for every adapter the generator

@@ -44,9 +44,11 @@ piece of work (a rollout chunk, an async group): keep it, or restart a managed s
 and replay the work, at most ``MAX_GENERATOR_RESTARTS`` times per budget; an external
 server raises ``GeneratorError`` naming its URL.
 
-Stages given no generator (until the flow holds one) share the process's own
-(``rollflow.tasks.vllm_generator.held_generator``): one vLLM generator per process, replaced when the config asks for
-another server, since a server holds gigabytes and two would not fit beside training.
+Who holds it: the training flow, for the whole run (``flows/train.py``), and the
+evaluation flow; a stage given none opens one for itself (``open_policy``). A caller that
+runs several flows or stages in a row can lend them one vLLM generator
+(``rollflow.tasks.vllm_generator.lend``): a server holds gigabytes and takes 20-100 s to
+start, so a test module or a notebook starts it once.
 """
 
 from __future__ import annotations
@@ -218,20 +220,18 @@ def openai_generator(config: RunConfig) -> FixedGenerator:
 
 @contextmanager
 def open_generator(config: RunConfig, folder: RunFolder | None, *, versions_in_flight: int) -> Iterator[Generator]:
-    """The run's generator (see the module docstring), closed afterwards."""
+    """The run's generator (see the module docstring), closed afterwards, also on failure;
+    a vLLM generator lent by the caller (``vllm_generator.lend``) is used and left running."""
     if config.rollout.backend == "openai":
         generator: Generator = openai_generator(config)
     elif config.rollout.backend == "vllm":
-        from rollflow.tasks.vllm_generator import hold, start_vllm_generator, stop_held_generator
+        from rollflow.tasks.vllm_generator import lent_generator, start_vllm_generator
 
-        stop_held_generator()  # a server this process kept: never two at once
-        vllm = start_vllm_generator(config, folder, versions_in_flight=versions_in_flight)
-        with hold(vllm):  # stages given no generator meanwhile use this one
-            try:
-                yield vllm
-            finally:
-                vllm.close()
-        return
+        lent = lent_generator(config, folder, versions_in_flight=versions_in_flight)
+        if lent is not None:
+            yield lent
+            return
+        generator = start_vllm_generator(config, folder, versions_in_flight=versions_in_flight)
     else:
         generator = LocalGenerator(config)
     try:

@@ -12,10 +12,9 @@ still samples (``fault``) and has restart it (``restart``: the same version agai
 fresh server). ``source`` may also be a plain ``Policy`` (tests, the Python API: wrapped
 in a ``FixedGenerator``, nothing to watch), or an ``ActingPolicy`` already bound (an async
 run's validation, ``AsyncGenerator.pinned_for_validation``). With no ``source`` the
-backend's own generator serves: for vLLM the process's kept one
-(``rollflow.tasks.vllm_generator.held_generator``), so every step of a process reuses
-one server; ``"openai"`` is evaluation only, and ``rollflow train`` refuses it
-(``tasks/config_checks.check_training_backend``).
+stage opens the backend's generator for itself (``open_generator``: a vLLM one lent by the
+caller, else a new server, stopped when the stage ends); ``"openai"`` is evaluation only,
+and ``rollflow train`` refuses it (``tasks/config_checks.check_training_backend``).
 """
 
 from __future__ import annotations
@@ -35,15 +34,11 @@ from rollflow.tasks.generator import (  # noqa: F401 - UNMANAGED_SERVER, run_ada
     Generator,
     GeneratorError,
     GeneratorFault,
-    LocalGenerator,
-    openai_generator,
+    open_generator,
     run_adapter_prefix,
     sampling_settings,
 )
-from rollflow.tasks.vllm_generator import VLLM_LOG, _HELD, held_generator, stop_held_generator  # noqa: F401 - VLLM_LOG
-
-_GENERATOR = _HELD  # bench/rollout_bench.py reads the process's kept vLLM generator here
-stop_vllm_generator = stop_held_generator
+from rollflow.tasks.vllm_generator import VLLM_LOG  # noqa: F401 - re-exported
 
 
 @dataclass
@@ -93,19 +88,20 @@ def open_policy(
             "[rollout].base_urls: full-weight checkpoints cannot reach external vLLM servers; "
             "train with [train].use_lora = true, or leave base_urls empty for a managed server"
         )
-    generator = source if source is not None else step_generator(config, folder)
     version = 0 if checkpoint is None else checkpoint.policy_version
     path = None if checkpoint is None else checkpoint.path
-    yield ActingPolicy(generator.policy_for(version, path), generator, version, path)
+    if source is not None:
+        yield ActingPolicy(source.policy_for(version, path), source, version, path)
+        return
+    with open_generator(config, folder, versions_in_flight=1) as generator:
+        yield ActingPolicy(generator.policy_for(version, path), generator, version, path)
 
 
-def step_generator(config: RunConfig, folder: RunFolder | None) -> Generator:
-    """The backend's generator for a stage given none (see the module docstring)."""
-    if config.rollout.backend == "openai":
-        return openai_generator(config)
-    if config.rollout.backend == "vllm":
-        return held_generator(config, folder)
-    return LocalGenerator(config)
+def step_policy(generator: Generator, folder: RunFolder | None, step: int) -> Policy:
+    """``generator``'s policy for the checkpoint step ``step`` acts with."""
+    checkpoint = step_checkpoint(folder, step)
+    version = 0 if checkpoint is None else checkpoint.policy_version
+    return generator.policy_for(version, None if checkpoint is None else checkpoint.path)
 
 
 def step_checkpoint(folder: RunFolder | None, step: int) -> Checkpoint | None:
@@ -118,17 +114,3 @@ def step_checkpoint(folder: RunFolder | None, step: int) -> Checkpoint | None:
             f"but the newest one before it is {found}"
         )
     return checkpoint
-
-
-def load_vllm_policy(config: RunConfig, folder: RunFolder | None, step: int) -> Policy:
-    """The step's vLLM policy on the process's kept generator, its servers holding the step's weights."""
-    checkpoint = step_checkpoint(folder, step)
-    version = 0 if checkpoint is None else checkpoint.policy_version
-    return held_generator(config, folder).policy_for(version, None if checkpoint is None else checkpoint.path)
-
-
-def load_transformers_policy(config: RunConfig, folder: RunFolder | None, step: int) -> Policy:
-    """The step's policy loaded in this process."""
-    checkpoint = step_checkpoint(folder, step)
-    version = 0 if checkpoint is None else checkpoint.policy_version
-    return LocalGenerator(config).policy_for(version, None if checkpoint is None else checkpoint.path)

@@ -67,7 +67,7 @@ from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import episode_records_to_table
 from rollflow.storage.stage_outputs import locate_output
 from rollflow.tasks.config import ConfigError, RunConfig
-from rollflow.tasks.generator import RestartBudget
+from rollflow.tasks.generator import Generator, RestartBudget
 from rollflow.tasks.policy_io import ActingPolicy, open_policy
 from rollflow.tasks.step_health import episode_errors, keep_episode_errors
 
@@ -116,11 +116,12 @@ def episode_limits(config: RunConfig, split: str, style: Style) -> EpisodeLimits
 
 
 def rollout_stage(
-    config: RunConfig, out: Path, step: int, split: str = "train", source: Policy | ActingPolicy | None = None
+    config: RunConfig, out: Path, step: int, split: str = "train",
+    source: Generator | Policy | ActingPolicy | None = None,
 ) -> Path:
     """Play step ``step``'s ``split`` episodes into ``out`` (the step's episodes folder, part by
-    part); returns it sealed. ``source`` is the policy to act with (None: the step's own,
-    ``open_policy``)."""
+    part); returns it sealed. ``source`` is what acts: a generator (asked for the step's
+    version), a policy, or None (a generator opened for the stage; ``open_policy``)."""
     folder = locate_output(out).folder
     if Path(out).absolute() != folder.parts_dir(step, "episodes", split):
         raise ValueError(f"{out} is not the episodes folder of {split} step {step}")

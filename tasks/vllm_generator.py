@@ -62,6 +62,7 @@ class VLLMGenerator:
         self.adapters: dict[int, Path] = {}  # adapters: version -> folder, loaded on the servers
         self.weights: tuple[int, Path] | None = None  # in place: the version reloaded (None: the spec's own)
         self._scratch: Path | None = None  # merged folders of a generator without a run folder
+        self.closed = False
 
     def adapter(self, version: int) -> str:
         return adapter_name(run_adapter_prefix(self.folder), version)
@@ -142,6 +143,7 @@ class VLLMGenerator:
             self.policy.reload_weights(self.weights[1], self.weights[0])
 
     def close(self) -> None:
+        self.closed = True
         if self.server is not None:
             self.server.stop()
         if self._scratch is not None:
@@ -262,42 +264,37 @@ def managed_policy(server: VLLMServer, tokenizer: PreTrainedTokenizerBase, setti
     return policy
 
 
-# ---------------------------------------------------------------- the process's own
+# ---------------------------------------------------------------- lent to the flows a caller runs
 
 
-_HELD: list[VLLMGenerator] = []  # at most one: see the module docstring
-
-
-def held_generator(config: RunConfig, folder: RunFolder | None) -> VLLMGenerator:
-    """The process's vLLM generator for ``config`` (one version in flight): the one kept
-    from an earlier stage when it fits (restarted if it died since), else a new one."""
-    key = generator_key(config, versions_in_flight=1)
-    if _HELD and _HELD[0].key == key:
-        kept = _HELD[0]
-        kept.config, kept.folder = config, folder
-        if kept.server is not None and not kept.server.running:  # died since the last stage
-            kept.restart(f"{kept.server.base_url} {kept.server.describe_exit()} between stages")
-        return kept
-    stop_held_generator()
-    _HELD.append(start_vllm_generator(config, folder, versions_in_flight=1))
-    return _HELD[0]
+_LENT: list[VLLMGenerator] = []  # the innermost last
 
 
 @contextmanager
-def hold(generator: VLLMGenerator) -> Iterator[None]:
-    """``generator`` is the process's kept one while open (``held_generator`` finds it)."""
-    _HELD.append(generator)
+def lend(generator: VLLMGenerator) -> Iterator[VLLMGenerator]:
+    """While open, ``open_generator`` for a config this generator serves (an equal
+    ``generator_key``) yields ``generator`` and leaves it running when it closes: one server
+    for the runs and stages a caller starts in a row (a test module, a notebook, a bench).
+    The caller opened it and closes it; nothing outlives the ``with`` of its owner."""
+    _LENT.append(generator)
     try:
-        yield
+        yield generator
     finally:
-        if generator in _HELD:
-            _HELD.remove(generator)
+        if generator in _LENT:
+            _LENT.remove(generator)
 
 
-def stop_held_generator() -> None:
-    """Stop the process's kept vLLM generator, if there is one."""
-    while _HELD:
-        _HELD.pop().close()
+def lent_generator(config: RunConfig, folder: RunFolder | None, *, versions_in_flight: int) -> VLLMGenerator | None:
+    """The lent generator serving ``config``, bound to ``folder`` (its restarts log there,
+    its merged versions go there), restarted if its server died since; None when none is."""
+    key = generator_key(config, versions_in_flight=versions_in_flight)
+    for lent in reversed(_LENT):
+        if lent.key == key and not lent.closed:
+            lent.config, lent.folder = config, folder
+            if lent.server is not None and not lent.server.running:  # died since the last use
+                lent.restart(f"{lent.server.base_url} {lent.server.describe_exit()} since its last use")
+            return lent
+    return None
 
 
 def server_fault(server: VLLMServer | None, base_urls: Sequence[str]) -> GeneratorFault | None:

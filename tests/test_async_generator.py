@@ -23,7 +23,7 @@ from rollflow.policy.vllm_server import VLLMServerSpec
 from rollflow.policy.vllm_weights import LM_HEAD_SHARD
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks import vllm_generator
-from rollflow.tasks.async_generator import AsyncGenerator, open_generator
+from rollflow.tasks.async_generator import AsyncGenerator, open_async_generator
 from rollflow.tasks.generator import run_adapter_prefix
 from rollflow.tasks.vllm_generator import VLLMGenerator
 from rollflow.tasks.collect import RolloutWorkers
@@ -142,7 +142,7 @@ def test_a_full_weight_run_from_an_adapter_serves_the_merged_start_as_version_0(
 
     adapter = _random_adapter(tiny_model_dir, tmp_path / "sft-adapter")
     config = _config(tiny_model_dir, lora=False, adapter=str(adapter), weight_sync_type="pipeline")
-    with open_generator(config, RunFolder(tmp_path / "run"), 0) as generator:
+    with open_async_generator(config, RunFolder(tmp_path / "run"), 0) as generator:
         assert generator.version == 0
         reloads = [c for c in fake_vllm.calls if c[0] == "reload"]
         assert len(reloads) == 1 and reloads[0][2] == 0, f"version 0's weights never reached the server: {fake_vllm.calls}"
@@ -181,7 +181,7 @@ def test_every_adapter_a_generator_holds_fits_the_servers_max_loras(
     monkeypatch.setattr(async_generator, "fresh_adapter", lambda config, folder: tmp_path / "adapter-v0")
     folder = RunFolder(tmp_path / "run")
     config = _config(tiny_model_dir, lora=True, groups_in_flight=4, weight_sync_type="background_publish", lora_serving="adapter")
-    with open_generator(config, folder, 0) as generator:
+    with open_async_generator(config, folder, 0) as generator:
         for version in range(config.groups_in_flight):  # each group outlives the next publication
             assert asyncio.run(generator.start_group()) == version
             generator.publish(version + 1, folder.checkpoint_dir(version))

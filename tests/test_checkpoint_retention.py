@@ -108,7 +108,7 @@ def test_an_adapter_a_running_group_samples_keeps_its_checkpoint(
     folder = RunFolder(tmp_path / "run")
     config = _config(tiny_model_dir, lora=True, lora_serving="adapter")
     config = replace(config, train=replace(config.train, keep_checkpoints=1))
-    with async_generator.open_generator(config, folder, 0) as generator:
+    with async_generator.open_async_generator(config, folder, 0) as generator:
         _commit(folder, 0)
         generator.publish(1, folder.checkpoint_dir(0))
         slow = asyncio.run(generator.start_group())
@@ -128,12 +128,12 @@ def test_an_adapter_a_running_group_samples_keeps_its_checkpoint(
 def test_a_checkpoint_being_published_in_the_background_is_not_pruned(
     fake_vllm: FakePolicy, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    from rollflow.tasks.async_generator import open_generator
+    from rollflow.tasks.async_generator import open_async_generator
     from rollflow.tasks.collect import Publisher
 
     config = _config(tiny_model_dir, lora=False, weight_sync_type="background_publish")
     folder = RunFolder(tmp_path / "run")
-    with open_generator(config, folder, 0) as generator:
+    with open_async_generator(config, folder, 0) as generator:
         publisher = Publisher(generator, deferred=True)
         _commit(folder, 0)
         fake_vllm.reload_may_finish.clear()  # the swap takes a while
@@ -162,7 +162,7 @@ def test_a_merged_lora_generator_keeps_only_the_served_merged_folder(
     merged folder nor the served version's checkpoint is kept for it."""
     import shutil
 
-    from rollflow.tasks.async_generator import open_generator
+    from rollflow.tasks.async_generator import open_async_generator
     from rollflow.tasks.vllm_generator import SERVING_DIR
 
     config = _config(tiny_model_dir, lora=True)  # lora_serving = "merged", the default
@@ -177,7 +177,7 @@ def test_a_merged_lora_generator_keeps_only_the_served_merged_folder(
         folder.commit_checkpoint(tmp, step)
 
     serving = folder.root / SERVING_DIR
-    with open_generator(config, folder, 0) as generator:
+    with open_async_generator(config, folder, 0) as generator:
         spec = FakeServer.specs[-1]
         assert not spec.enable_lora and spec.model_dir.endswith("-untied"), "merged: a plain, untied server"
         for step in range(3):

@@ -1,7 +1,7 @@
 """The vLLM policy against a real vLLM server (``.venv-vllm``, ``make vllm-setup``).
 
-One managed server for the whole session, started through ``rollflow.tasks.policy_io``
-exactly as a training run starts it, on a tiny random Llama with the real SmolLM2
+One managed server for the whole session, started by ``open_generator`` exactly as a
+training run starts it and lent to the flows the tests run (``vllm_generator.lend``), on a tiny random Llama with the real SmolLM2
 tokenizer (2 heads of 32: vLLM's CPU attention needs a head size of at least 32). Its
 end-of-turn token gets a large embedding so that actions end by ``stop`` often enough to
 test. Every claim is checked against a Hugging Face forward pass of the same weights: the
@@ -33,7 +33,9 @@ from rollflow.policy.vllm_backend import VLLMPolicy, VLLMPolicyError, adapter_na
 from rollflow.policy.vllm_server import VLLMServer, VLLMServerError, VLLMServerSpec, free_port
 from rollflow.policy.vllm_weights import write_lm_head_shard
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks import policy_io
+from rollflow.tasks.generator import open_generator, run_adapter_prefix
+from rollflow.tasks.policy_io import step_policy
+from rollflow.tasks.vllm_generator import VLLMGenerator, lend
 from rollflow.tasks.config import ModelConfig, RolloutConfig, RunConfig, TrainConfig
 from tiny_run import build_vllm_tiny_model
 
@@ -77,16 +79,21 @@ def run_config(model_dir: Path) -> RunConfig:
 
 
 @pytest.fixture(scope="session")
-def server(run_config: RunConfig) -> Iterator[VLLMServer]:
-    """The session's one server, started by the rollout's own code path (step 0: base model)."""
-    try:
-        policy_io.load_vllm_policy(run_config, None, 0)
-        managed = policy_io._GENERATOR[0].server
-        assert managed is not None and managed.running
-        print(f"vLLM server healthy after {managed.startup_s:.1f} s")
-        yield managed
-    finally:
-        policy_io.stop_vllm_generator()
+def generator(run_config: RunConfig) -> Iterator[VLLMGenerator]:
+    """The session's one generator, opened by the run's own code path and lent to the flows
+    the tests start (step 0: base model)."""
+    with open_generator(run_config, None, versions_in_flight=1) as opened, lend(opened) as lent:
+        assert isinstance(lent, VLLMGenerator)
+        step_policy(lent, None, 0)
+        yield lent
+
+
+@pytest.fixture(scope="session")
+def server(generator: VLLMGenerator) -> VLLMServer:
+    managed = generator.server
+    assert managed is not None and managed.running
+    print(f"vLLM server healthy after {managed.startup_s:.1f} s")
+    return managed
 
 
 def _policy(server: VLLMServer, tokenizer: PreTrainedTokenizerBase, **settings: float) -> VLLMPolicy:
@@ -303,7 +310,7 @@ def _with_adapter(model_dir: Path, adapter: Path) -> PreTrainedModel:
 
 
 def test_each_step_samples_with_its_checkpoints_adapter_and_is_stamped_with_its_version(
-    server: VLLMServer, run_config: RunConfig, model_dir: Path, hf_model: PreTrainedModel,
+    generator: VLLMGenerator, server: VLLMServer, run_config: RunConfig, model_dir: Path, hf_model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase, tmp_path: Path,
 ) -> None:  # fmt: skip
     folder = RunFolder(tmp_path / "run")
@@ -311,10 +318,11 @@ def test_each_step_samples_with_its_checkpoints_adapter_and_is_stamped_with_its_
     try:
         for step, adapter in enumerate(adapters, start=1):
             _commit_checkpoint(folder, step - 1, adapter, version=step)
-            policy = policy_io.load_vllm_policy(run_config, folder, step)
+            with open_generator(run_config, folder, versions_in_flight=1) as bound:  # the lent one, bound to the run
+                assert bound is generator and generator.server is server, "the step used the lent server"
+                policy = step_policy(bound, folder, step)
             assert isinstance(policy, VLLMPolicy)
-            assert policy_io._GENERATOR[0].server is server, "the step reused the running server"
-            name = adapter_name(policy_io.run_adapter_prefix(folder), step)  # policy-run-<hash>-v1
+            name = adapter_name(run_adapter_prefix(folder), step)  # policy-run-<hash>-v1
             assert policy.version == step and policy.request_model == name
             actions = _act_all(policy, _conversations())
             sampled = [key for key in policy.stats.sampled_by if key.version == step]
@@ -325,7 +333,7 @@ def test_each_step_samples_with_its_checkpoints_adapter_and_is_stamped_with_its_
             served = {m["id"] for m in httpx.get(f"{server.base_url}/models").json()["data"]}
             assert served == {"policy", name}, "the previous version was unloaded"
     finally:
-        policy_io.load_vllm_policy(run_config, None, 0)  # base again: adapter unloaded
+        step_policy(generator, None, 0)  # base again: adapter unloaded
     base_actions = _act_all(_policy(server, tokenizer), _conversations())
     _assert_exact(hf_model, base_actions, 1.0)
 
@@ -341,7 +349,7 @@ def test_an_adapter_above_the_servers_rank_limit_is_refused(
 
 
 def test_rollflow_train_on_the_vllm_server_stamps_each_step_with_the_version_that_sampled_it(
-    server: VLLMServer, run_config: RunConfig, model_dir: Path, prefect_harness: object, tmp_path: Path
+    generator: VLLMGenerator, server: VLLMServer, run_config: RunConfig, model_dir: Path, prefect_harness: object, tmp_path: Path
 ) -> None:
     """Two GRPO steps through the real flow; step 1's tokens are scored against step 0's adapter."""
     from rollflow.flows.train import train_flow
@@ -356,14 +364,15 @@ def test_rollflow_train_on_the_vllm_server_stamps_each_step_with_the_version_tha
         validation=ValidationConfig(validation_interval=0),
         tracking=replace(run_config.tracking, enabled=False),
         storage=replace(run_config.storage, runs_dir=str(tmp_path / "runs")),
-    )  # the session server's spec: the flow reuses it
+    )  # the session server's spec: the flow uses the lent generator
     config_path = tmp_path / "vllm.toml"
     config_path.write_text(config_to_toml(config))
     try:
         run_dir = Path(train_flow(config_path=str(config_path), run_dir=str(tmp_path / "run")))
-        assert policy_io._GENERATOR[0].server is server, "the flow reused the running server"
+        assert generator.server is server and server.running, "the flow used the lent server and left it running"
+        assert server.restarts == 0
     finally:
-        policy_io.load_vllm_policy(run_config, None, 0)  # base again: adapter unloaded
+        step_policy(generator, None, 0)  # base again: adapter unloaded
     folder = RunFolder(run_dir)
     for step in (0, 1):
         episodes = table_to_episode_records(folder.read_stage(step, "episodes"))
@@ -382,7 +391,7 @@ def test_rollflow_train_on_the_vllm_server_stamps_each_step_with_the_version_tha
 
 
 def test_full_weights_are_swapped_into_the_running_server_in_place(
-    server: VLLMServer, run_config: RunConfig, model_dir: Path, hf_model: PreTrainedModel,
+    generator: VLLMGenerator, server: VLLMServer, run_config: RunConfig, model_dir: Path, hf_model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase, tmp_path: Path,
 ) -> None:
     """Last: it replaces the session's server (one at a time) with one without LoRA, then
@@ -401,24 +410,27 @@ def test_full_weights_are_swapped_into_the_running_server_in_place(
     (tmp / "version.json").write_text(json.dumps({"policy_version": 1, "step": 0, "use_lora": False}))
     folder.commit_checkpoint(tmp, 0)
     full = replace(run_config, train=replace(run_config.train, use_lora=False))
-    with pytest.raises(VLLMPolicyError, match="tied input and output embeddings"):
-        policy_io.load_vllm_policy(full, folder, 1)  # no lm_head shard: refused, not served stale
-    write_lm_head_shard(folder.checkpoint_dir(0), model.get_input_embeddings().weight)  # as save_checkpoint does
+    generator.close()  # one server at a time: the session's is done
+    with open_generator(full, folder, versions_in_flight=1) as in_place:
+        running = in_place.server
+        assert running is not None and running is not server, "a LoRA-less spec is another server"
+        with pytest.raises(VLLMPolicyError, match="tied input and output embeddings"):
+            step_policy(in_place, folder, 1)  # no lm_head shard: refused, not served stale
+        write_lm_head_shard(folder.checkpoint_dir(0), model.get_input_embeddings().weight)  # as save_checkpoint does
 
-    base_policy = policy_io.load_vllm_policy(full, folder, 0)
-    running = policy_io._GENERATOR[0].server
-    assert running is not None and running is not server, "a LoRA-less spec is another server"
-    _assert_exact(hf_model, _act_all(base_policy, _conversations()), 1.0)  # primes the prefix cache
+        base_policy = step_policy(in_place, folder, 0)
+        _assert_exact(hf_model, _act_all(base_policy, _conversations()), 1.0)  # primes the prefix cache
 
-    started = time.monotonic()
-    policy = policy_io.load_vllm_policy(full, folder, 1)
-    swap_s = time.monotonic() - started
-    print(f"full-weight sync in place: {swap_s:.2f} s (a restart took {running.startup_s:.1f} s)")
-    assert policy_io._GENERATOR[0].server is running and running.running, "no restart"
-    assert isinstance(policy, VLLMPolicy) and policy.version == 1 and policy.adapter_name is None
-    new_weights = AutoModelForCausalLM.from_pretrained(str(folder.checkpoint_dir(0))).eval()
-    _assert_exact(new_weights, _act_all(policy, _conversations()), 1.0)
+        started = time.monotonic()
+        policy = step_policy(in_place, folder, 1)
+        swap_s = time.monotonic() - started
+        print(f"full-weight sync in place: {swap_s:.2f} s (a restart took {running.startup_s:.1f} s)")
+        assert in_place.server is running and running.running, "no restart"
+        assert isinstance(policy, VLLMPolicy) and policy.version == 1 and policy.adapter_name is None
+        new_weights = AutoModelForCausalLM.from_pretrained(str(folder.checkpoint_dir(0))).eval()
+        _assert_exact(new_weights, _act_all(policy, _conversations()), 1.0)
 
-    back = policy_io.load_vllm_policy(full, folder, 0)  # the base model's own weights again
-    assert policy_io._GENERATOR[0].server is running and back.version == 0
-    _assert_exact(hf_model, _act_all(back, _conversations()), 1.0)
+        back = step_policy(in_place, folder, 0)  # the base model's own weights again
+        assert in_place.server is running and back.version == 0
+        _assert_exact(hf_model, _act_all(back, _conversations()), 1.0)
+    assert not running.running, "the generator's own server stopped with it"

@@ -41,7 +41,8 @@ from rollflow.policy.models import ModelRef, hf_model_folder
 from rollflow.policy.sampling import sampling_logprobs
 from rollflow.policy.vllm_backend import VLLMPolicy
 from rollflow.policy.vllm_weights import untied_serving_folder
-from rollflow.tasks import policy_io
+from rollflow.tasks.generator import open_generator
+from rollflow.tasks.policy_io import step_policy
 from rollflow.tasks.config import RolloutConfig, RunConfig, TrainConfig
 
 pytestmark = pytest.mark.slow
@@ -65,18 +66,16 @@ def config() -> RunConfig:
 
 @pytest.fixture(scope="module")
 def policy(config: RunConfig) -> Iterator[VLLMPolicy]:
-    try:
-        acting = policy_io.load_vllm_policy(config, None, 0)
+    with open_generator(config, None, versions_in_flight=1) as generator:
+        acting = step_policy(generator, None, 0)
         assert isinstance(acting, VLLMPolicy)
-        server = policy_io._GENERATOR[0].server
+        server = generator.server
         # full weights: the untied copy of the bundled (tied) model, so that new versions can be
         # swapped in place; the tests below check it samples exactly what HF's tied model gives
         untied = untied_serving_folder(hf_model_folder(ModelRef()))
         assert server is not None and server.spec.model_dir == str(untied) != str(hf_model_folder(ModelRef()))
         print(f"vLLM server on the bundled model healthy after {server.startup_s:.1f} s")
         yield acting
-    finally:
-        policy_io.stop_vllm_generator()
 
 
 @pytest.fixture(scope="module")

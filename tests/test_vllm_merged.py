@@ -31,7 +31,8 @@ from transformers import AutoModelForCausalLM
 from rollflow.policy.vllm_backend import VLLMPolicy
 from rollflow.storage.async_groups import finished_groups, read_group
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks import policy_io
+from rollflow.tasks.generator import open_generator
+from rollflow.tasks.policy_io import step_policy
 from rollflow.tasks.vllm_generator import SERVING_DIR, VLLM_LOG
 
 pytestmark = pytest.mark.slow
@@ -53,12 +54,12 @@ def test_a_lora_run_served_merged_samples_each_versions_peft_logprobs_on_a_plain
     assert config.train.use_lora and config.rollout.lora_serving == "merged"
     folder = RunFolder(tmp_path / "run")
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    try:
+    with open_generator(config, folder, versions_in_flight=1) as generator:
         for step in (1, 2):
             adapter = _adapter(model_dir, tmp_path / f"adapter-{step}", seed=step)
             _commit_checkpoint(folder, step - 1, adapter, version=step)
             started = time.perf_counter()
-            policy = policy_io.load_vllm_policy(config, folder, step)
+            policy = step_policy(generator, folder, step)
             print(f"version {step}: merged and reloaded in {time.perf_counter() - started:.1f} s", file=sys.__stderr__)
             assert isinstance(policy, VLLMPolicy) and policy.version == step
             assert policy.request_model == "policy", "the served model itself, no adapter"
@@ -71,13 +72,12 @@ def test_a_lora_run_served_merged_samples_each_versions_peft_logprobs_on_a_plain
             assert moved > 100 * TOLERANCE, "the check cannot tell the version from the base model"
             kept = [p.name for p in (folder.root / SERVING_DIR).iterdir() if not p.name.startswith(".")]
             assert kept == [f"policy-v{step}-merged"], "only the served version's merged folder is kept"
-        server = policy_io._GENERATOR[0].server
+        server = generator.server
         assert server is not None and not server.spec.enable_lora
         assert "--enable-lora" not in server._command
         log = (folder.root / VLLM_LOG).read_text()
         assert log.count("Application startup complete") == 1, "the versions moved without a restart"
-    finally:
-        policy_io.stop_vllm_generator()
+    assert not server.running and not (folder.root / SERVING_DIR).exists(), "closed: server stopped, cache gone"
 
 
 def _worst(model: torch.nn.Module, action: object) -> float:
@@ -90,14 +90,14 @@ def _worst(model: torch.nn.Module, action: object) -> float:
 def test_an_async_collection_restarts_a_killed_managed_server_and_plays_the_lost_groups_again(
     model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from rollflow.tasks.async_generator import open_generator
+    from rollflow.tasks.async_generator import open_async_generator
     from rollflow.tasks.collect import RolloutWorkers
 
     config = async_config(model_dir, tmp_path, groups_in_flight=2)  # LoRA merged, version 0: the base
     folder = RunFolder(tmp_path / "run")
     folder.root.mkdir(parents=True)
     wanted = 4  # what admission control lets start before the trainer takes any (limit 1, batch 2)
-    with open_generator(config, folder, 0) as generator:
+    with open_async_generator(config, folder, 0) as generator:
         server = generator.generator.server
         assert server is not None and server._process is not None
         workers = RolloutWorkers(config, folder, generator, 0).start()

@@ -6,8 +6,9 @@ ones run the rollout stage against a real vLLM server on the tiny model of
 tests/test_vllm_backend.py (2 heads of 32, its helpers reused) and SIGKILL the server's
 whole process group from a thread once the rollout has had some actions served (counted by
 the policy's own stats), which is what an OOM kill or a crashed engine does. At most one
-server runs at a time; the managed one is shared through ``policy_io`` as in a training
-process, and the tests are ordered so that it starts as few times as possible (~40 s each).
+server runs at a time; the managed one is opened once for the module and lent to the
+stages the tests run (``vllm_generator.lend``), and the tests are ordered so that it starts
+as few times as possible (~40 s each).
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ from rollflow.policy.vllm_server import PYTHON_ENV, VLLMServer, VLLMServerError,
 from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_episode_records
-from rollflow.tasks import generator, policy_io
+from rollflow.tasks import generator
+from rollflow.tasks.generator import open_generator
 from rollflow.tasks.config import EnvConfig, ModelConfig, RolloutConfig, RunConfig, TrainConfig
-from rollflow.tasks.policy_io import GeneratorError
+from rollflow.tasks.policy_io import VLLM_LOG, GeneratorError
 from rollflow.tasks.rollout import rollout_stage
+from rollflow.tasks.vllm_generator import VLLMGenerator, lend
 
 MAX_LEN = 1024
 LORA_RANK = 8
@@ -180,10 +183,13 @@ def run_config(model_dir: Path) -> RunConfig:
 
 
 @pytest.fixture(scope="module")
-def managed(run_config: RunConfig) -> Iterator[None]:
-    """Whatever managed server the module's tests leave is stopped at its end."""
-    yield
-    policy_io.stop_vllm_generator()
+def managed(run_config: RunConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMGenerator]:
+    """The module's managed generator, lent to the rollout stages the tests run (they open
+    it as a run does, bound to their own run folder), stopped at the module's end."""
+    first = RunFolder(tmp_path_factory.mktemp("managed") / "run")  # its first log: never a temporary one
+    with open_generator(run_config, first, versions_in_flight=1) as opened, lend(opened) as lent:
+        assert isinstance(lent, VLLMGenerator)
+        yield lent
 
 
 class _Killer(threading.Thread):
@@ -209,15 +215,18 @@ class _Killer(threading.Thread):
         self.killed_at = time.monotonic()
 
 
-def _served() -> int:
-    """Actions the kept generator's servers have answered (its stats survive restarts)."""
-    return sum(policy_io._GENERATOR[0].policy.stats.sampled_by.values()) if policy_io._GENERATOR else 0
+def _served(generator: VLLMGenerator) -> Callable[[], int]:
+    """Actions ``generator``'s servers have answered so far (its stats survive restarts)."""
+    return lambda: sum(generator.policy.stats.sampled_by.values())
 
 
-def _managed_group() -> int:
-    server = policy_io._GENERATOR[0].server
-    assert server is not None and server._process is not None
-    return server._process.pid
+def _managed_group(generator: VLLMGenerator) -> Callable[[], int]:
+    def group() -> int:
+        server = generator.server
+        assert server is not None and server._process is not None
+        return server._process.pid
+
+    return group
 
 
 def _episodes(folder: RunFolder, step: int) -> list[EpisodeRecord]:
@@ -226,7 +235,7 @@ def _episodes(folder: RunFolder, step: int) -> list[EpisodeRecord]:
 
 @pytest.mark.slow
 def test_a_managed_server_killed_mid_rollout_is_restarted_and_the_chunk_replayed(
-    run_config: RunConfig, model_dir: Path, managed: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    run_config: RunConfig, model_dir: Path, managed: VLLMGenerator, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Step 1 acts with an adapter: the restarted server must serve that same version."""
     adapter = _adapter(model_dir, tmp_path / "adapter", seed=1)
@@ -235,18 +244,18 @@ def test_a_managed_server_killed_mid_rollout_is_restarted_and_the_chunk_replayed
         _commit_checkpoint(folder, 0, adapter, version=1)
 
     started = time.monotonic()
-    rollout_stage(run_config, runs["clean"].step_paths(1).episodes, 1)  # starts the server: what a replay must equal
-    print(f"clean stage (server start included): {time.monotonic() - started:.1f} s", file=sys.__stderr__)
-    first_server = policy_io._GENERATOR[0].server
+    rollout_stage(run_config, runs["clean"].step_paths(1).episodes, 1)  # what a replay must equal
+    print(f"clean stage: {time.monotonic() - started:.1f} s", file=sys.__stderr__)
+    first_server = managed.server
     assert first_server is not None and first_server.restarts == 0
-    killer = _Killer(lambda: bool(runs["killed"].part_paths(1, "episodes")), _served, _managed_group)
+    killer = _Killer(lambda: bool(runs["killed"].part_paths(1, "episodes")), _served(managed), _managed_group(managed))
     killer.start()
     started = time.monotonic()
     rollout_stage(run_config, runs["killed"].step_paths(1).episodes, 1)
     killed_s = time.monotonic() - started
     killer.join(timeout=1)
     assert killer.killed_at is not None, "the killer never fired"
-    server = policy_io._GENERATOR[0].server
+    server = managed.server
     assert server is first_server and server.restarts == 1 and server.running
     print(f"killed stage: {killed_s:.1f} s, the restarted server healthy after {server.startup_s:.1f} s",
           file=sys.__stderr__)  # fmt: skip
@@ -254,7 +263,7 @@ def test_a_managed_server_killed_mid_rollout_is_restarted_and_the_chunk_replayed
     err = capsys.readouterr().err
     lost = re.search(r"chunk 2/2: (\d+) of 4 episodes errored and were not written; restart 1/2", err)
     assert lost and int(lost.group(1)) > 0, f"the kill did not land mid-chunk:\n{err}"
-    log = (runs["killed"].root / policy_io.VLLM_LOG).read_text()
+    log = (runs["killed"].root / VLLM_LOG).read_text()
     assert re.search(r"rollflow: restarting the vLLM server: http://127\.0\.0\.1:\d+/v1 was killed by SIGKILL", log)
 
     episodes = _episodes(runs["killed"], 1)
@@ -280,13 +289,13 @@ def test_a_managed_server_killed_mid_rollout_is_restarted_and_the_chunk_replayed
 
 @pytest.mark.slow
 def test_a_server_that_keeps_dying_fails_the_stage_with_its_exit_and_log(
-    run_config: RunConfig, managed: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    run_config: RunConfig, managed: VLLMGenerator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Restarts capped at 0: the first death is one too many (the cap's error, without 3 kills)."""
     monkeypatch.setattr(generator, "MAX_GENERATOR_RESTARTS", 0)
     folder = RunFolder(tmp_path / "run")
-    policy_io.load_vllm_policy(run_config, folder, 0)  # the previous test's server, or a new one
-    killer = _Killer(lambda: True, _served, _managed_group)
+    assert managed.server is not None and managed.server.running  # the previous test's server, restarted
+    killer = _Killer(lambda: True, _served(managed), _managed_group(managed))
     killer.start()
     with pytest.raises(GeneratorError) as caught:
         rollout_stage(run_config, folder.step_paths(0).episodes, 0)
@@ -302,10 +311,10 @@ def test_a_server_that_keeps_dying_fails_the_stage_with_its_exit_and_log(
 
 @pytest.mark.slow
 def test_an_external_server_that_dies_fails_the_stage_naming_its_url(
-    run_config: RunConfig, model_dir: Path, managed: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    run_config: RunConfig, model_dir: Path, managed: VLLMGenerator, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Before: its episodes were written with "all 2 attempts at an action failed" errors."""
-    policy_io.stop_vllm_generator()  # one server at a time
+    managed.close()  # one server at a time: the module's is done
     spec = VLLMServerSpec(str(model_dir), max_model_len=MAX_LEN, kvcache_space_gib=1)
     server = VLLMServer(spec).start()  # no run folder: a temporary log
     log = server.log_path
@@ -314,17 +323,18 @@ def test_an_external_server_that_dies_fails_the_stage_naming_its_url(
     config = replace(run_config, rollout=replace(run_config.rollout, base_urls=(server.base_url,)))
     folder = RunFolder(tmp_path / "run")
     try:
-        killer = _Killer(lambda: bool(policy_io._GENERATOR), _served, lambda: group)
-        killer.start()
-        with pytest.raises(GeneratorError) as caught:
-            rollout_stage(config, folder.step_paths(0).episodes, 0)
+        with open_generator(config, folder, versions_in_flight=1) as external:
+            assert isinstance(external, VLLMGenerator) and external.server is None
+            killer = _Killer(lambda: True, _served(external), lambda: group)
+            killer.start()
+            with pytest.raises(GeneratorError) as caught:
+                rollout_stage(config, folder.step_paths(0).episodes, 0, source=external)
         message = str(caught.value)
         assert f"the vLLM server {server.base_url} stopped answering" in message
         assert "cannot restart a server it does not manage ([rollout].base_urls)" in message
         assert "resume the run" in message and "chunk 1/2" in message
         assert not list(folder.root.rglob("*.parquet"))
     finally:
-        policy_io.stop_vllm_generator()
         server.stop()
     assert log.is_file() and f"vLLM server log kept: {log}" in capsys.readouterr().err
     log.unlink()
@@ -332,13 +342,13 @@ def test_an_external_server_that_dies_fails_the_stage_naming_its_url(
 
 @pytest.mark.slow
 def test_a_real_engine_that_dies_at_its_first_request_fails_the_stage_at_once_with_its_fatal_line(
-    run_config: RunConfig, managed: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    run_config: RunConfig, managed: VLLMGenerator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """head_dim 16 with the pre-check off: vLLM starts, then dies at the first request.
 
     Before: restarted twice into the same crash, then "it died after 2 restarts ... look at
     its log", whose tail is nanobind's leak report."""
-    policy_io.stop_vllm_generator()  # one server at a time
+    managed.close()  # one server at a time
     monkeypatch.setattr(vllm_server, "cpu_attention_problem", lambda model_dir: None)
     head_dim_16 = build_tiny_model(tmp_path / "head-dim-16", hidden_size=64, num_heads=4)
     config = replace(run_config, model=ModelConfig(path=str(head_dim_16)))
@@ -348,7 +358,7 @@ def test_a_real_engine_that_dies_at_its_first_request_fails_the_stage_at_once_wi
     assert caught.value.deterministic, str(caught.value)
     assert caught.value.fatal_line is not None
     assert "Unsupported CPU attention configuration: head_dim=16" in caught.value.fatal_line
-    log = (folder.root / policy_io.VLLM_LOG).read_text()
+    log = (folder.root / VLLM_LOG).read_text()
     assert "rollflow: restarting the vLLM server" not in log and log.count("non-default args") == 1
     assert not list(folder.root.rglob("*.parquet"))
 
