@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,6 +45,7 @@ from rollflow.policy.vllm_weights import untied_serving_folder
 from rollflow.tasks.generator import open_generator
 from rollflow.tasks.policy_io import step_policy
 from rollflow.tasks.config import RolloutConfig, RunConfig, TrainConfig
+from rollflow.tasks.vllm_generator import VLLMGenerator
 
 pytestmark = pytest.mark.slow
 
@@ -65,17 +67,23 @@ def config() -> RunConfig:
 
 
 @pytest.fixture(scope="module")
-def policy(config: RunConfig) -> Iterator[VLLMPolicy]:
-    with open_generator(config, None, versions_in_flight=1) as generator:
-        acting = step_policy(generator, None, 0)
-        assert isinstance(acting, VLLMPolicy)
-        server = generator.server
-        # full weights: the untied copy of the bundled (tied) model, so that new versions can be
-        # swapped in place; the tests below check it samples exactly what HF's tied model gives
-        untied = untied_serving_folder(hf_model_folder(ModelRef()))
-        assert server is not None and server.spec.model_dir == str(untied) != str(hf_model_folder(ModelRef()))
-        print(f"vLLM server on the bundled model healthy after {server.startup_s:.1f} s")
-        yield acting
+def generator(config: RunConfig) -> Iterator[VLLMGenerator]:
+    with open_generator(config, None, versions_in_flight=1) as opened:
+        assert isinstance(opened, VLLMGenerator)
+        yield opened
+
+
+@pytest.fixture(scope="module")
+def policy(generator: VLLMGenerator) -> VLLMPolicy:
+    acting = step_policy(generator, None, 0)
+    assert isinstance(acting, VLLMPolicy)
+    server = generator.server
+    # full weights: the untied copy of the bundled (tied) model, so that new versions can be
+    # swapped in place; the tests below check it samples exactly what HF's tied model gives
+    untied = untied_serving_folder(hf_model_folder(ModelRef()))
+    assert server is not None and server.spec.model_dir == str(untied) != str(hf_model_folder(ModelRef()))
+    print(f"vLLM server on the bundled model healthy after {server.startup_s:.1f} s")
+    return acting
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +147,43 @@ def _off_argmax(logprobs_TV: torch.Tensor, token_ids: Sequence[int]) -> list[tup
     best_T = logprobs_TV.max(dim=-1).values
     gaps = [float(best_T[t] - logprobs_TV[t, token]) for t, token in enumerate(token_ids)]
     return [(t, gap) for t, gap in enumerate(gaps) if gap > TOLERANCE]
+
+
+def test_a_lora_version_served_merged_samples_its_peft_models_logprobs(
+    config: RunConfig, generator: VLLMGenerator, policy: VLLMPolicy, hf_model: PreTrainedModel, tmp_path: Path
+) -> None:
+    """Last: a rank-16 adapter on q/k/v/o, merged into the bundled model in float32 and
+    reloaded in place (``lora_serving = "merged"``: a LoRA run's server is this one, the
+    untied copy without ``--enable-lora``), samples what the peft model of that version
+    gives; then the base model's own weights again."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    folder = hf_model_folder(ModelRef())
+    torch.manual_seed(5)
+    trainer = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32),
+        LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                   init_lora_weights=False),
+    )  # fmt: skip
+    with torch.no_grad():  # a trained adapter's size of change, not a random one's
+        for name, weight in trainer.named_parameters():
+            if "lora_B" in name:
+                weight.mul_(0.05)
+    adapter = tmp_path / "adapter"
+    trainer.save_pretrained(str(adapter))
+    peft_model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32), str(adapter)
+    ).eval()
+    try:
+        merged = generator.policy_for(1, adapter)
+        assert merged is policy and merged.version == 1 and merged.request_model == "policy"
+        merged.settings = replace(merged.settings, temperature=1.0, top_p=1.0)
+        merged.reseed(11)
+        actions = _first_actions(config, merged)
+        worst = max(_worst_gap(a, _hf_logprobs_TV(peft_model, a, 1.0, 1.0)) for a in actions)
+        moved = max(_worst_gap(a, _hf_logprobs_TV(hf_model, a, 1.0, 1.0)) for a in actions)
+        print(f"merged LoRA on the bundled model: worst gap to its peft model {worst:.2e}, to the base {moved:.3f}")
+        assert worst < TOLERANCE
+        assert moved > 100 * TOLERANCE, "the check cannot tell the adapter from the base model"
+    finally:
+        generator.policy_for(0, None)  # the base model's own weights again
