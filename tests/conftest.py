@@ -73,3 +73,18 @@ def tiny_config_path(tiny_model_dir: Path, tmp_path: Path) -> Path:
     from tiny_run import tiny_config_at
 
     return tiny_config_at(tmp_path, tiny_model_dir)
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    """A recording server and policy (tests/fake_vllm.py) in place of the real vLLM ones;
+    yields the policy every managed generator gets."""
+    from fake_vllm import FakePolicy, FakeServer
+
+    from rollflow.tasks import vllm_generator
+
+    policy = FakePolicy()
+    FakeServer.specs = []
+    monkeypatch.setattr(vllm_generator, "VLLMServer", FakeServer)
+    monkeypatch.setattr(vllm_generator, "managed_policy", lambda *args: policy)
+    yield policy

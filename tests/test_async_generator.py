@@ -12,82 +12,23 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from rollflow.policy.vllm_server import VLLMServerSpec
 from rollflow.policy.vllm_weights import LM_HEAD_SHARD
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks import vllm_generator
 from rollflow.tasks.async_generator import AsyncGenerator, open_async_generator
 from rollflow.tasks.generator import run_adapter_prefix
 from rollflow.tasks.vllm_generator import VLLMGenerator
 from rollflow.tasks.collect import RolloutWorkers
 from rollflow.tasks.config import ModelConfig, RolloutConfig, RunConfig, TrainConfig, ValidationConfig
+from fake_vllm import DEAD_URL, FakePolicy, FakeServer
 
 TESTS = Path(__file__).parent
-DEAD_URL = "http://127.0.0.1:9/v1"  # the discard port: nothing listens, connections are refused
 JOIN_S = 5.0  # "does not hang": generous, not a speed claim
-
-
-class FakeServer:
-    """Stands in for ``VLLMServer``: records the specs it was started with."""
-
-    specs: list[VLLMServerSpec] = []
-
-    def __init__(self, spec: VLLMServerSpec, log_path: Path | None = None, startup_timeout_s: float = 0.0) -> None:
-        self.spec, self.log_path = spec, log_path
-        self.running = True
-        self.base_url = DEAD_URL
-
-    def start(self) -> FakeServer:
-        FakeServer.specs.append(self.spec)
-        return self
-
-    def stop(self) -> None:
-        self.running = False
-
-
-class FakePolicy:
-    """Stands in for ``VLLMPolicy``: records adapter loads and weight reloads."""
-
-    def __init__(self) -> None:
-        self.version = 0
-        self.settings = None
-        self.base_urls = (DEAD_URL,)
-        self.calls: list[tuple[object, ...]] = []
-        self.reload_started = threading.Event()
-        self.reload_may_finish = threading.Event()
-        self.reload_may_finish.set()
-
-    def add_adapter(self, adapter_dir: Path, name: str) -> None:
-        self.calls.append(("add", name, Path(adapter_dir)))
-
-    def remove_adapter(self, name: str) -> None:
-        self.calls.append(("remove", name))
-
-    def reload_weights(self, model_dir: Path, version: int) -> float:
-        self.calls.append(("reload", Path(model_dir), version))
-        self.reload_started.set()
-        self.reload_may_finish.wait()
-        self.version = version
-        return 0.0
-
-    def pinned(self, version: int, *, adapter: str | None, seed: int) -> FakePolicy:
-        return self
-
-
-@pytest.fixture
-def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakePolicy]:
-    policy = FakePolicy()
-    FakeServer.specs = []
-    monkeypatch.setattr(vllm_generator, "VLLMServer", FakeServer)
-    monkeypatch.setattr(vllm_generator, "managed_policy", lambda *args: policy)
-    yield policy
 
 
 def _on_fake_server(

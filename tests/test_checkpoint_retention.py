@@ -17,7 +17,8 @@ from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.checkpoints import prune_checkpoints
 from rollflow.tasks import vllm_generator
 from rollflow.tasks.config import parse_config
-from test_async_generator import FakePolicy, FakeServer, _config, _random_adapter, fake_vllm  # noqa: F401 - the fixture
+from fake_vllm import FakePolicy, FakeServer
+from test_async_generator import _config, _random_adapter
 
 JOIN_S = 5.0
 

@@ -2,7 +2,7 @@
 and it is closed when the run ends, also when the run fails; a vLLM generator lent by the
 caller (``vllm_generator.lend``) is used and left running.
 
-The vLLM cases stand a recording server in for ``VLLMServer`` (tests/test_async_generator.py's):
+The vLLM cases stand a recording server in for ``VLLMServer`` (tests/fake_vllm.py):
 what is checked is who starts and stops it, not what it samples.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from test_async_generator import FakePolicy, FakeServer
+from fake_vllm import FakePolicy, FakeServer
 
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks import generator as generator_module

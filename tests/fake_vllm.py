@@ -1,0 +1,59 @@
+"""Stand-ins for a managed vLLM server and its policy, for tests of the generator's
+bookkeeping: they record what was started, loaded and reloaded, and sample nothing. The
+``fake_vllm`` fixture (tests/conftest.py) puts them in place of the real ones."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from rollflow.policy.vllm_server import VLLMServerSpec
+
+DEAD_URL = "http://127.0.0.1:9/v1"  # the discard port: nothing listens, connections are refused
+
+
+class FakeServer:
+    """Stands in for ``VLLMServer``: records the specs it was started with."""
+
+    specs: list[VLLMServerSpec] = []
+
+    def __init__(self, spec: VLLMServerSpec, log_path: Path | None = None, startup_timeout_s: float = 0.0) -> None:
+        self.spec, self.log_path = spec, log_path
+        self.running = True
+        self.base_url = DEAD_URL
+
+    def start(self) -> FakeServer:
+        FakeServer.specs.append(self.spec)
+        return self
+
+    def stop(self) -> None:
+        self.running = False
+
+
+class FakePolicy:
+    """Stands in for ``VLLMPolicy``: records adapter loads and weight reloads."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.settings = None
+        self.base_urls = (DEAD_URL,)
+        self.calls: list[tuple[object, ...]] = []
+        self.reload_started = threading.Event()
+        self.reload_may_finish = threading.Event()
+        self.reload_may_finish.set()
+
+    def add_adapter(self, adapter_dir: Path, name: str) -> None:
+        self.calls.append(("add", name, Path(adapter_dir)))
+
+    def remove_adapter(self, name: str) -> None:
+        self.calls.append(("remove", name))
+
+    def reload_weights(self, model_dir: Path, version: int) -> float:
+        self.calls.append(("reload", Path(model_dir), version))
+        self.reload_started.set()
+        self.reload_may_finish.wait()
+        self.version = version
+        return 0.0
+
+    def pinned(self, version: int, *, adapter: str | None, seed: int) -> FakePolicy:
+        return self
