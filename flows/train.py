@@ -50,6 +50,7 @@ from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.async_generator import open_async_generator
 from rollflow.tasks.collect import Publisher, RolloutWorkers, write_collector_report
 from rollflow.tasks.config import RunConfig
+from rollflow.tasks.cpu_split import async_cpu_split, trainer_threads
 from rollflow.tasks.generator import Generator, open_generator
 from rollflow.tasks.metrics import finish_tracking, start_tracking, step_outcome
 from rollflow.tasks.policy_io import ActingPolicy
@@ -141,7 +142,10 @@ def run_async_training(handle: RunHandle) -> None:
             validate(config, root, last)  # what is done is not run again; no workers needed
         return
     started = time.perf_counter()
-    with open_async_generator(config, folder, first) as generator:
+    split = async_cpu_split(config)  # the server's cores and the trainer's, apart (tasks/cpu_split.py)
+    if split is not None:
+        handle.report(f"CPUs: the vLLM server on {list(split[0])}, the trainer's threads {len(split[1])}")
+    with open_async_generator(config, folder, first) as generator, trainer_threads(split and len(split[1])):
         workers = RolloutWorkers(config, folder, generator, first).start()
         publisher = Publisher(generator, deferred=config.rollout.weight_sync_type != "synchronous")
         try:

@@ -43,9 +43,9 @@ The command (``VLLMServerSpec.command``)::
 Environment: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache; the server's RSS is about
 3 GB plus this), ``HF_HUB_OFFLINE=1`` (never reach for the Hub), with LoRA
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (enables ``/v1/load_lora_adapter``), and
-``VLLM_CPU_OMP_THREADS_BIND`` = every CPU this process may use (vLLM's default binds its
-worker to one core) with the OpenMP variables that follow from it; a value already in the
-environment wins.
+``VLLM_CPU_OMP_THREADS_BIND`` = the spec's ``cpus``, else every CPU this process may use
+(vLLM's default binds its worker to one core), with the OpenMP variables that follow from
+it; a value already in the environment wins.
 
 Lifetime: the server runs in its own session (``start_new_session=True``), so a Ctrl-C in
 the terminal reaches only rollflow, which then stops it; its output goes to a log file (the
@@ -149,6 +149,7 @@ class VLLMServerSpec:
     max_loras: int = 1
     kvcache_space_gib: int = 2
     python: str | None = None  # None: $ROLLFLOW_VLLM_PYTHON, then the repo's .venv-vllm
+    cpus: tuple[int, ...] = ()  # the cores its threads are bound to; empty: every core this process may use
 
     def __post_init__(self) -> None:
         if not (Path(self.model_dir) / "config.json").is_file():
@@ -186,7 +187,7 @@ class VLLMServerSpec:
         env = dict(base)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kvcache_space_gib)
         env["HF_HUB_OFFLINE"] = "1"
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list(os.sched_getaffinity(0)))
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list(set(self.cpus) or os.sched_getaffinity(0)))
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         # The model in the engine process (see the module docstring), with the OpenMP
         # settings vLLM's multiprocess executor would give its worker. "1" in the

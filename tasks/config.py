@@ -141,6 +141,10 @@ class RolloutConfig:
     # in place (the base model's speed), or "adapter" (vLLM's LoRA kernels: many adapters on
     # one server, large models); the user's base_urls always get adapters. tasks/generator.py
     lora_serving: LoraServing = "merged"
+    # Async with a managed vLLM server on the CPU: the server's threads bound to the first half
+    # of the cores, the trainer's threads as many as the other half, so that the two do not
+    # oversubscribe them (tasks/cpu_split.py); false: both use every core
+    split_cpus: bool = True
 
     def __post_init__(self) -> None:
         check_types(self, "rollout")

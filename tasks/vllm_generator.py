@@ -24,6 +24,7 @@ from rollflow.policy.vllm_backend import VLLMPolicy, adapter_name, discover_serv
 from rollflow.policy.vllm_server import VLLMServer, VLLMServerSpec, lora_rank_limit
 from rollflow.policy.vllm_weights import merge_adapter, untied_serving_folder
 from rollflow.storage.runfolder import RunFolder
+from rollflow.tasks.cpu_split import async_cpu_split
 from rollflow.tasks.config import ConfigError, RunConfig
 from rollflow.tasks.generator import (
     UNMANAGED_SERVER,
@@ -216,6 +217,7 @@ def server_spec(config: RunConfig, *, versions_in_flight: int) -> VLLMServerSpec
         max_loras=max(1, versions_in_flight) if lora else 1,
         kvcache_space_gib=config.rollout.vllm_kvcache_space_gib,
         python=config.rollout.vllm_python,
+        cpus=split[0] if (split := async_cpu_split(config)) else (),
     )
 
 
