@@ -15,6 +15,9 @@ Two schedules call it, and differ only in where a step's episodes come from:
   episodes), and the new version is published as soon as it is trained (inline or on a
   thread, ``weight_sync_type``).
 
+The run holds one generator for all its steps (``open_generator``; async:
+``open_async_generator``), closed when the run ends or fails.
+
 Resume is the same call again on the same run folder. A stage whose output exists is
 finished and is not run again; a half-written temporary left by a crash is discarded
 before anything runs (``flows/runs.py``); training continues from the newest committed
@@ -103,7 +106,12 @@ def train_flow(config_path: str | None = None, run_dir: str | None = None) -> st
 
 def run_training(handle: RunHandle) -> None:
     check_teacher(handle.config)  # a teacher with another tokenizer is refused before any rollout
-    if handle.config.rollout.max_steps_off_policy is not None:
+    config, last = handle.config, handle.config.train.num_steps
+    if handle.next_step() == last:  # trained: at most the last validation is left
+        if validation_due(config, last):
+            validate(config, handle.root, last)  # what is done is not run again; no generator opened
+        return
+    if config.rollout.max_steps_off_policy is not None:
         run_async_training(handle)
     else:
         run_lockstep_training(handle)
@@ -111,10 +119,6 @@ def run_training(handle: RunHandle) -> None:
 
 def run_lockstep_training(handle: RunHandle) -> None:
     config, root, last = handle.config, handle.root, handle.config.train.num_steps
-    if handle.next_step() == last:  # trained: at most the last validation is left
-        if validation_due(config, last):
-            validate(config, root, last)  # what is done is not run again; no server started
-        return
     with open_generator(config, handle.folder, versions_in_flight=1) as generator:
         for step in range(last):
             if handle.step_finished(step):
@@ -137,10 +141,6 @@ def run_async_training(handle: RunHandle) -> None:
     flattens, trains and publishes (``tasks/collect.py`` has the rules)."""
     config, root, folder = handle.config, handle.root, handle.folder
     first, last = handle.next_step(), config.train.num_steps
-    if first == last:  # trained: at most the last validation is left
-        if validation_due(config, last):
-            validate(config, root, last)  # what is done is not run again; no workers needed
-        return
     started = time.perf_counter()
     split = async_cpu_split(config)  # the server's cores and the trainer's, apart (tasks/cpu_split.py)
     if split is not None:
