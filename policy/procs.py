@@ -4,7 +4,7 @@ A run (``rollflow train``, ``resume``, ``pipeline``, ``eval``, ``sft``) has chil
 die with it: the managed vLLM server (in a session of its own, so that a Ctrl-C reaches only
 rollflow) with its engine process, and Prefect's temporary API server. Their normal stop is
 the run's own (``atexit`` in ``policy/vllm_server.py`` and in Prefect), which a SIGKILLed or
-OOM-killed run never reaches: each such death left them all running (~5 GB with vLLM).
+OOM-killed run never reaches, so it would leave them all running (~5 GB with vLLM).
 
 ``start_watchdog()`` (``rollflow.flows.cli.main`` calls it for those commands) starts this
 file as a separate process, in a session of its own, that

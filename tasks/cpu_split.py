@@ -2,9 +2,8 @@
 
 In an async run the managed vLLM server samples while the trainer trains, in one machine's
 cores. Left alone, both run one OpenMP thread per core, and their threads (which spin while
-they wait) take the cores from each other: measured on 2 cores (an async LoRA run of the
-bundled game, 4 steps of 4 x 4 episodes), the train stage took 71-77 s beside the sampling
-server against 18-23 s split, and the run 5 min 0 s against 2 min 8 s.
+they wait) take the cores from each other: the train stage runs several times slower
+beside the sampling server than split (README, "splits the cores").
 
 ``async_cpu_split(config)`` gives the server the first half of the cores this process may
 use (its threads bound there: ``VLLMServerSpec.cpus``) and the trainer as many threads as

@@ -47,7 +47,7 @@ server raises ``GeneratorError`` naming its URL.
 Who holds it: the training flow, for the whole run (``flows/train.py``), and the
 evaluation flow; a stage given none opens one for itself (``open_policy``). A caller that
 runs several flows or stages in a row can lend them one vLLM generator
-(``rollflow.tasks.vllm_generator.lend``): a server holds gigabytes and takes 20-100 s to
+(``rollflow.tasks.vllm_generator.lend``): a server holds gigabytes and is slow to
 start, so a test module or a notebook starts it once.
 """
 

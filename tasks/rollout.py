@@ -31,9 +31,8 @@ server's process group is gone or ``GET /health`` fails, checked after every chu
   ``GeneratorError`` naming the server, how it ended and its log's tail;
 - an external server (``[rollout].base_urls``) cannot be restarted by us: the stage fails
   with ``GeneratorError`` naming the URL, and a resumed run replays only the missing
-  chunks. (Before, its episodes were written with the policy's "all attempts failed"
-  error and the step trained on the rest.) A chunk with no errored episode is still
-  written (the other replicas served it) and a warning names the silent URL.
+  chunks, so no step trains on what a dead server left. A chunk with no errored episode
+  is still written (the other replicas served it) and a warning names the silent URL.
 The stage does its own replay: Prefect ``retries=`` would restart the whole stage, and the
 stage resumes from its parts anyway.
 """

@@ -41,8 +41,8 @@ Then, per episode:
    at the budget. A ``context_overflow`` episode spent the budget by definition: ``-f``.
    ``B = overlong_buffer_tokens``, by default ``L_max // 5``, about DAPO's setting (a
    4,096-token buffer for 20,480-token responses): only an episode that came close to the
-   budget pays. A buffer of the whole budget (this stage's old default) makes every
-   ``max_turns`` episode pay ``f * L / L_max``, half the factor at half the budget, which
+   budget pays. A buffer of the whole budget makes every ``max_turns`` episode pay
+   ``f * L / L_max``, half the factor at half the budget, which
    swamps reward terms of a few tenths: the policy learns to be short, not to be right.
 3. **passed** is the environment's verdict, not the shaped reward's: its reward ``>=`` its
    threshold (no threshold: ``> 0``), where the table says an ending can pass at all. So

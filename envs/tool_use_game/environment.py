@@ -6,15 +6,11 @@ come back as ``tool`` messages and the episode goes on) or answers (the episode 
 reply is the scored text). The tools read the example's own facts, so the environment
 holds no episode state and any number of episodes of one example can run at once.
 
-The worked example is on by default. On the bundled SmolLM2-135M the machine notes
-measured 0 of 160 valid zero-shot tool calls and about one in six with a worked example
-in the history. On this game's own prompt (tools described by ``describe_tools``,
-temperature 1, 64 new tokens, 32 first actions each) we measured: without the example, 32
-plain answers and no call; with it, 2 well-formed calls (each hit a tool_error), 1
-parse failure, 29 answers. Weak, but the only source of tool-call variance GRPO gets
-before training; the reward's small ``tool_call_ok`` credit is sized for it. The tool
-descriptions are not in the system prompt: ``tool_specs`` returns them and the policy's
-chat codec renders them (``rollflow.envs.protocol.describe_tools``).
+The worked example is on by default: without it the bundled SmolLM2-135M makes no tool
+call at all, and the few it makes with it are the only tool-call variance GRPO gets
+before training (figures in docs/results.md); the reward's small ``tool_call_ok`` credit
+is sized for it. The tool descriptions are not in the system prompt: ``tool_specs``
+returns them and the policy's chat codec renders them (``rollflow.envs.protocol.describe_tools``).
 
 The expert (``expert_transcript``) lists the keys, looks up every needed fact in one
 action, computes with the calculator, then answers: four actions. It is what

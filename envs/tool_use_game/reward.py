@@ -10,10 +10,9 @@ Four components, each in [0, 1] and each reported:
 - ``calculator`` (0.05): at least one well-formed ``calculator`` call whose expression
   evaluates.
 - ``tool_call_ok`` (0.05): at least one tool call ran without a ``tool_error`` (a known
-  tool, arguments that fit its schema). The first rung: measured on this game's prompt,
-  the bundled SmolLM2-135M wrote 2 well-formed calls in 32 first actions even with the
-  worked example, and both hit a tool_error; this credit makes such a call worth more
-  than prose, so a group has reward variance before any answer is right.
+  tool, arguments that fit its schema). The first rung: the untouched model's rare calls
+  hit a tool_error (docs/results.md); this credit makes such a call worth more than
+  prose, so a group has reward variance before any answer is right.
 
 The score is the weighted sum; the threshold is the ``correct`` weight, so an episode
 passes exactly when its answer is right. The tool credits are small on purpose: a
