@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import importlib
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import sample_records_to_table
 from rollflow.tasks.checkpoints import latest_checkpoint, seed_everything
 from rollflow.tasks.config import RunConfig, parse_config
+from rollflow.tasks.grpo_update import chosen_logprobs
 from rollflow.tasks.flatten import flatten_episode_to_samples
 from rollflow.tasks.models import load_policy_for_training, policy_model_ref
 from rollflow.tasks.train import (
@@ -330,6 +332,73 @@ def test_logprobs_of_wanted_tokens_only_match_the_full_computation(tiny_model_di
         sparse = token_logprobs(model, ids, mask, 0.7, wanted)
     assert torch.allclose(sparse[wanted], full[wanted], atol=1e-5)
     assert torch.all(sparse[~wanted] == 0)
+
+
+def _logprobs_by_log_softmax(model: LlamaForCausalLM, ids: torch.Tensor, mask: torch.Tensor,
+                             temperature: float) -> torch.Tensor:
+    """The reference: the whole log-softmax over the vocabulary, then the chosen token's entry."""
+    logits_BTV = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1].float()
+    logprobs_BTV = torch.log_softmax(logits_BTV / temperature, dim=-1)
+    return logprobs_BTV.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+def test_token_logprobs_and_their_gradients_are_log_softmax_and_gather(
+    monkeypatch: pytest.MonkeyPatch, sparse: bool
+) -> None:
+    # 3 rows of logits per chunk, so the 7 wanted rows (and the 14 of the full path) end mid-chunk
+    monkeypatch.setattr(importlib.import_module("rollflow.tasks.grpo_update"), "_HEAD_CHUNK_BYTES", 4 * VOCAB * 3)
+    model = micro_model(seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)  # peaked distributions: chosen logprobs from -5 to -21
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9, 10, 11], [1, 12, 13, 14, 15, 0, 0, 0]])
+    mask = torch.tensor([[1] * 8, [1, 1, 1, 1, 1, 0, 0, 0]])
+    wanted = torch.tensor([[False, True, True, False, True, True, False],
+                           [True, False, True, True, False, False, False]])
+    used = wanted if sparse else torch.ones_like(wanted)
+    weights = torch.randn(wanted.shape, generator=torch.Generator().manual_seed(0))  # uneven per-token weights
+    params = [p for p in model.parameters()]
+
+    def values_and_grads(logprobs: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        grads = torch.autograd.grad((logprobs * weights * used).sum(), params)
+        return logprobs.detach(), list(grads)
+
+    mine, mine_grads = values_and_grads(token_logprobs(model, ids, mask, 0.7, wanted if sparse else None))
+    ref, ref_grads = values_and_grads(_logprobs_by_log_softmax(model, ids, mask, 0.7))
+    assert mine.dtype == torch.float32 and mine.shape == ref.shape
+    assert ref[used].max() - ref[used].min() > 5  # far from the uniform -log(40) everywhere
+    assert torch.allclose(mine[used], ref[used], atol=1e-5, rtol=0)
+    assert torch.all(mine[~used] == 0)
+    assert any(g.abs().max() > 1e-2 for g in ref_grads)
+    for p, g_mine, g_ref in zip(params, mine_grads, ref_grads, strict=True):
+        assert torch.allclose(g_mine, g_ref, atol=1e-5, rtol=1e-5), (p.shape, (g_mine - g_ref).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_chosen_logprobs_is_the_plain_float32_expression_bit_for_bit(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """The chunked head against what ``token_logprobs`` computed before it: the same values and
+    the same gradient, in the logits' dtype, to the last bit."""
+    monkeypatch.setattr(importlib.import_module("rollflow.tasks.grpo_update"), "_HEAD_CHUNK_BYTES", 4 * 1000 * 4)
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(11, 1000, generator=gen) * 4).to(dtype).requires_grad_(True)
+    targets = torch.randint(0, 1000, (11,), generator=gen)
+    weights = torch.randn(11, generator=gen)
+
+    def plain(x_NV: torch.Tensor) -> torch.Tensor:
+        x_NV = x_NV.float() / 0.7
+        return x_NV.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x_NV, dim=-1)
+
+    expected = plain(logits)
+    (expected_grad,) = torch.autograd.grad((expected * weights).sum(), logits)
+    got = chosen_logprobs(logits, targets, 0.7)
+    (got_grad,) = torch.autograd.grad((got * weights).sum(), logits)
+    with torch.no_grad():
+        got_no_grad = chosen_logprobs(logits, targets, 0.7)
+    assert got.dtype == torch.float32 and got_grad.dtype == dtype
+    assert torch.equal(got, expected) and torch.equal(got_no_grad, expected)
+    assert torch.equal(got_grad, expected_grad)
 
 
 @pytest.mark.parametrize("use_lora", [True, False])
