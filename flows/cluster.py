@@ -181,9 +181,11 @@ class ExistingRayCluster:
         self.stop()
 
 
-def open_cluster(config: ClusterConfig) -> LocalRayCluster | ExistingRayCluster | None:
+def open_cluster(
+    config: ClusterConfig, env: dict[str, str] | None = None
+) -> LocalRayCluster | ExistingRayCluster | None:
     """The cluster ``[cluster]`` names, not yet started (use it as a context manager);
-    None for mode "none"."""
+    None for mode "none". ``env``: more environment for a local cluster's nodes."""
     if config.mode == "none":
         return None
     if config.mode == "address":
@@ -197,6 +199,7 @@ def open_cluster(config: ClusterConfig) -> LocalRayCluster | ExistingRayCluster 
         object_store_bytes_per_node=config.object_store_mib_per_node * 2**20,
         pin_cores=config.pin_cores,
         startup_timeout_s=config.startup_timeout_s,
+        env=env,
     )
 
 
@@ -325,6 +328,15 @@ class LocalRayCluster:
         procs._wait_until(lambda: not any(procs.is_alive(proc) for proc in members), STOP_WAIT_S)
         if not procs._wait_until(lambda: name not in ray_nodes(), wait_dead_s):
             raise ClusterError(f"Ray still reports node {name!r} alive {wait_dead_s:.0f} s after its processes died")
+
+    def restart_node(self, name: str) -> None:
+        """Start worker node ``name`` again after ``kill_node`` (a machine back from a crash):
+        same CPU budget and resource name, a new Ray node id."""
+        specs = {spec.name: spec for spec in self.specs[1:]}
+        if name not in specs or name in ray_nodes():
+            raise ValueError(f"restart_node takes a dead worker node ({sorted(specs)}); got {name!r}")
+        self._launch(specs[name], [f"--address={self.address}"])
+        self._wait_for({name})
 
     def processes(self) -> dict[int, procs.Proc]:
         """Every live process of this cluster: in a node's session, or carrying its mark."""

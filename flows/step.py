@@ -38,7 +38,7 @@ from rollflow.tasks.flatten import flatten_stage
 from rollflow.tasks.generator import Generator
 from rollflow.tasks.metrics import metrics_stage, validation_metrics_stage
 from rollflow.tasks.policy_io import ActingPolicy
-from rollflow.tasks.rollout import rollout_stage
+from rollflow.tasks.rollout import ChunkFanOut, rollout_stage
 from rollflow.tasks.scoring import score_stage
 from rollflow.tasks.teacher import teacher_stage
 from rollflow.tasks.train import train_stage
@@ -50,9 +50,9 @@ _STAGE = dict(cache_policy=NO_CACHE, persist_result=False)
 @task(name="rollout", task_run_name="rollout step {step} ({split})", **_STAGE)
 def rollout(
     config: RunConfig, out: Path, step: int, split: str = "train",
-    source: Generator | Policy | ActingPolicy | None = None,
+    source: Generator | Policy | ActingPolicy | None = None, fan_out: ChunkFanOut | None = None,
 ) -> Path:
-    return rollout_stage(config, out, step, split, source)
+    return rollout_stage(config, out, step, split, source, fan_out)
 
 
 @task(name="admit", task_run_name="admit step {step}", **_STAGE)
@@ -141,11 +141,12 @@ def grpo_step(
 
 
 def rollout_from(
-    config: RunConfig, source: Generator | Policy | ActingPolicy | None = None
+    config: RunConfig, source: Generator | Policy | ActingPolicy | None = None, fan_out: ChunkFanOut | None = None
 ) -> Callable[[StepPaths], Path]:
     """Lockstep's ``episodes_from``: play the step's episodes with ``source``: the run's
-    generator (asked for the step's version), a fixed policy, or None (the stage opens one)."""
-    return lambda p: rollout(config, p.episodes, p.step, p.split, quote(source))
+    generator (asked for the step's version), a fixed policy, or None (the stage opens one);
+    on a Ray cluster's nodes where ``fan_out`` is given (``flows/ray_rollout.py``)."""
+    return lambda p: rollout(config, p.episodes, p.step, p.split, quote(source), quote(fan_out))
 
 
 def admitted_from(config: RunConfig, workers: RolloutWorkers) -> Callable[[StepPaths], Path]:

@@ -31,6 +31,8 @@ and once more after the last step, on the validation tasks, without training on 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -57,17 +59,20 @@ from rollflow.tasks.cpu_split import async_cpu_split, trainer_threads
 from rollflow.tasks.generator import Generator, open_generator
 from rollflow.tasks.metrics import finish_tracking, start_tracking, step_outcome
 from rollflow.tasks.policy_io import ActingPolicy
+from rollflow.tasks.rollout import ChunkFanOut
 from rollflow.tasks.teacher import check_teacher
 
 
 def validate(
-    config: RunConfig, run_dir: Path, step: int, policy: Generator | Policy | ActingPolicy | None = None
+    config: RunConfig, run_dir: Path, step: int, policy: Generator | Policy | ActingPolicy | None = None,
+    fan_out: ChunkFanOut | None = None,
 ) -> None:
     """Validation before ``step``, acting with ``policy``: the run's generator (lockstep),
     a policy pinned to the version (async: ``pinned_for_validation``), or None (the stage
-    opens a generator for itself)."""
+    opens a generator for itself); on a Ray cluster where ``fan_out`` is given."""
     p = RunFolder(run_dir).step_paths(step, "validation")
-    episodes = run_once(p.episodes, partial(rollout, config, p.episodes, step, "validation", quote(policy)))
+    play = partial(rollout, config, p.episodes, step, "validation", quote(policy), quote(fan_out))
+    episodes = run_once(p.episodes, play)
     run_once(p.scores, partial(scoring, config, episodes, p.scores, step, "validation"))
     run_once(p.metrics_json, partial(validation_metrics, config, run_dir, step))
 
@@ -119,13 +124,13 @@ def run_training(handle: RunHandle) -> None:
 
 def run_lockstep_training(handle: RunHandle) -> None:
     config, root, last = handle.config, handle.root, handle.config.train.num_steps
-    with open_generator(config, handle.folder, versions_in_flight=1) as generator:
+    with open_generator(config, handle.folder, versions_in_flight=1) as generator, rollout_cluster(config) as fan_out:
         for step in range(last):
             if handle.step_finished(step):
                 continue
             if validation_due(config, step):
-                validate(config, root, step, generator)
-            grpo_step(handle, step, rollout_from(config, generator))
+                validate(config, root, step, generator, fan_out)
+            grpo_step(handle, step, rollout_from(config, generator, fan_out))
             seconds = handle.folder.stage_seconds(step)
             handle.report(
                 f"step {step + 1}/{last} done in {sum(seconds.values()):.1f}s: "
@@ -133,7 +138,20 @@ def run_lockstep_training(handle: RunHandle) -> None:
                 + " ".join(f"{k}={v:.1f}s" for k, v in seconds.items()) + ")"
             )
         if validation_due(config, last):
-            validate(config, root, last, generator)
+            validate(config, root, last, generator, fan_out)
+
+
+@contextmanager
+def rollout_cluster(config: RunConfig) -> Iterator[ChunkFanOut | None]:
+    """The run's Ray cluster as the rollout stage's fan-out (``flows/ray_rollout.py``), for
+    ``[cluster].mode`` "local" or "address"; None (and no Ray imported) for "none"."""
+    if config.cluster.mode == "none":
+        yield None
+        return
+    from rollflow.flows.ray_rollout import rollout_cluster as open_rollout_cluster
+
+    with open_rollout_cluster(config) as fan_out:
+        yield fan_out
 
 
 def run_async_training(handle: RunHandle) -> None:

@@ -40,7 +40,15 @@ from rollflow.storage.errors import (
     StorageError,
 )
 from rollflow.storage.records import SCHEMA_VERSION
-from rollflow.storage.schemas import KIND_KEY, SCHEMAS, VERSION_KEY, RecordKind, schema_difference
+from rollflow.storage.schemas import (
+    KIND_KEY,
+    SCHEMAS,
+    VERSION_KEY,
+    RecordKind,
+    fill_optional_columns,
+    readable_difference,
+    schema_difference,
+)
 
 __all__ = [
     "COMPLETE_MARKER",
@@ -223,7 +231,7 @@ def _check_schema(path: Path, schema: pa.Schema, kind: RecordKind | None) -> Rec
         raise SchemaVersionError(
             path, f"schema version {version}; this rollflow reads version {SCHEMA_VERSION}"
         )
-    problem = schema_difference(schema, SCHEMAS[found])
+    problem = readable_difference(schema, found)  # a file older than an optional column reads
     if problem is not None:
         raise SchemaMismatchError(path, f"{found.value} columns differ from the schema: {problem}")
     return found
@@ -232,9 +240,12 @@ def _check_schema(path: Path, schema: pa.Schema, kind: RecordKind | None) -> Rec
 def _read_file(path: Path, kind: RecordKind | None) -> pa.Table:
     check_file(path, kind)
     try:
-        return pq.ParquetFile(path, page_checksum_verification=True).read()
+        table = pq.ParquetFile(path, page_checksum_verification=True).read()
     except (pa.ArrowException, OSError) as exc:
         raise CorruptFileError(path, str(exc)) from exc
+    found = _record_kind(table.schema)
+    assert found is not None  # check_file
+    return fill_optional_columns(table, found)  # older parts concatenate with newer ones
 
 
 def read_table(path_or_folder: Path | str, kind: RecordKind | None = None) -> pa.Table:

@@ -29,6 +29,10 @@ class EpisodeRecord:
     episode_id: str  # deterministic: f"{group_id}/{index_in_group}"
     index_in_group: int
     rollout: EpisodeRollout
+    # Where it was played: the Ray node's name ("head", "worker-1", ...; a node rollflow did
+    # not start: its Ray node id) when the rollout ran on a cluster; None without one.
+    # Added after SCHEMA_VERSION 2 without a bump: files without the column read it as None.
+    node: str | None = None
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,11 @@ key-value metadata (what readers check before trusting a file) and as a
 - ``actions`` keeps each action's exact token ids and sampled logprobs. The context
   before an action is only its *delta*, so storage stays linear in episode length.
 - ``step_metadata`` is JSON text (its shape is each environment's own).
+- ``node`` is where the episode was played: the Ray node's name when the rollout ran on a
+  cluster (``[cluster]``, ``flows/ray_rollout.py``), null without one. It came after
+  ``SCHEMA_VERSION`` 2 as an *optional column* (``OPTIONAL_COLUMNS``): files written before
+  it lack it and still read, the column filled with nulls (``fill_optional_columns``);
+  every new file has it.
 - ``num_actions`` and the token counts are derived on write, for SQL only; reading
   ignores them. Where the chat template re-rendered the prompt (an action with ``reset``)
   the context restarts, so the counts are: ``context_tokens``, the length of the final
@@ -122,6 +127,7 @@ EPISODE_SCHEMA = _schema(
         ("completion_tokens", pa.int64()),
         ("context_tokens", pa.int64()),
         ("total_tokens", pa.int64()),
+        ("node", pa.string()),  # optional (OPTIONAL_COLUMNS): null without a cluster
     ],
 )
 SCORE_SCHEMA = _schema(
@@ -202,6 +208,32 @@ SCHEMAS: dict[RecordKind, pa.Schema] = {
 }
 
 
+# Columns added after SCHEMA_VERSION 2 without a bump, always last: a file written before
+# one lacks it and reads it as nulls; a file that has it must have it with its type.
+OPTIONAL_COLUMNS: dict[RecordKind, tuple[str, ...]] = {RecordKind.EPISODES: ("node",)}
+
+
+def readable_difference(actual: pa.Schema, kind: RecordKind) -> str | None:
+    """``schema_difference`` for a file being read: the trailing optional columns of
+    ``kind`` may be missing (older files), nothing else may differ."""
+    expected = SCHEMAS[kind]
+    for name in reversed(OPTIONAL_COLUMNS.get(kind, ())):
+        if name not in actual.names and expected.names[-1] == name:
+            expected = expected.remove(len(expected.names) - 1)
+    return schema_difference(actual, expected)
+
+
+def fill_optional_columns(table: pa.Table, kind: RecordKind) -> pa.Table:
+    """``table`` with the optional columns it lacks appended as nulls, in schema order, and
+    ``kind``'s schema metadata (an older file read as a current one)."""
+    expected = SCHEMAS[kind]
+    missing = [name for name in OPTIONAL_COLUMNS.get(kind, ()) if name not in table.schema.names]
+    for name in missing:
+        field = expected.field(name)
+        table = table.append_column(field, pa.nulls(table.num_rows, type=field.type))
+    return table.replace_schema_metadata(expected.metadata) if missing else table
+
+
 def schema_difference(actual: pa.Schema, expected: pa.Schema) -> str | None:
     """A one-line description of how ``actual`` differs from ``expected``; None if equal."""
     if actual.equals(expected, check_metadata=False):
@@ -269,6 +301,7 @@ def _episode_row(record: EpisodeRecord) -> dict[str, Any]:
         "completion_tokens": sum(len(a.token_ids) for a in rollout.actions),
         "context_tokens": rollout.context_tokens,
         "total_tokens": rollout.total_tokens,
+        "node": record.node,
     }
 
 
@@ -308,10 +341,12 @@ def _row_to_episode(row: Mapping[str, Any]) -> EpisodeRecord:
         episode_id=row["episode_id"],
         index_in_group=row["index_in_group"],
         rollout=rollout,
+        node=row.get("node"),
     )
 
 
 def table_to_episode_records(table: pa.Table) -> list[EpisodeRecord]:
+    table = fill_optional_columns(table, RecordKind.EPISODES)  # a table read before ``node``
     _check_table(table, RecordKind.EPISODES)
     return [_row_to_episode(row) for row in table.to_pylist()]
 

@@ -15,6 +15,10 @@ column, which ``RunFolder`` checks against the ``step=`` folder on every write. 
 views do not use DuckDB's hive-partition parsing: it would turn any ``key=value`` folder
 above the run (a user's own path) into extra columns.
 
+A file older than an optional column (``storage/schemas.py``'s ``OPTIONAL_COLUMNS``, e.g.
+``episodes.node``) shows it as null: a group none of whose files has it selects a typed
+NULL, a group where some have it reads by name (``union_by_name``).
+
 Every file's footer is checked before a view is built, so a corrupt or foreign file
 fails here with its path, not later in the middle of a query.
 """
@@ -28,13 +32,14 @@ from pathlib import Path
 
 import duckdb
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from rollflow.storage.derived import DERIVED_SCHEMAS, derived_files
 from rollflow.storage.errors import SchemaMismatchError, StorageError
 from rollflow.storage.parquet import check_file
 from rollflow.storage.runfolder import OPTIONAL_STAGES, SPLIT_DIRS, STAGES, RunFolder, parse_step_dirname
 from rollflow.storage.runs import looks_like_run
-from rollflow.storage.schemas import SCHEMAS, TRAIN_RESULT_SCHEMA, RecordKind
+from rollflow.storage.schemas import OPTIONAL_COLUMNS, SCHEMAS, TRAIN_RESULT_SCHEMA, RecordKind
 
 VIEW_KINDS = {
     "episodes": RecordKind.EPISODES,
@@ -118,19 +123,37 @@ def _json_columns() -> str:
     return "{" + ", ".join(pairs) + "}"
 
 
+_DUCKDB_TYPES = {pa.string(): "VARCHAR"}  # of the optional columns
+
+
+def _optional_presence(view: str, files: ViewFiles) -> dict[str, int]:
+    """How many of the group's files have each optional column of the view."""
+    optional = OPTIONAL_COLUMNS.get(VIEW_KINDS[view], ()) if view != "steps" else ()
+    if not optional:
+        return {}
+    names = [set(pq.read_schema(path).names) for path in files.paths]
+    return {column: sum(column in found for found in names) for column in optional}
+
+
 def _select_one(view: str, files: ViewFiles) -> str:
+    presence = _optional_presence(view, files)
+    schema = view_schema(view)
     columns = []
-    for name in view_schema(view).names:
+    for name in schema.names:
         if name == "run_id":
             columns.append(f"{_literal(files.run_id)} AS run_id")
         elif name == "split":
             columns.append(f"{_literal(files.split)} AS split")
+        elif presence.get(name, len(files.paths)) == 0:
+            columns.append(f'CAST(NULL AS {_DUCKDB_TYPES[schema.field(name).type]}) AS "{name}"')
         else:
             columns.append(f'"{name}"')
+    mixed = any(0 < count < len(files.paths) for count in presence.values())
     if view == "steps":
         source = f"read_json({_paths_literal(files.paths)}, columns = {_json_columns()}, hive_partitioning = false)"
     else:
-        source = f"read_parquet({_paths_literal(files.paths)}, hive_partitioning = false)"
+        by_name = ", union_by_name = true" if mixed else ""
+        source = f"read_parquet({_paths_literal(files.paths)}, hive_partitioning = false{by_name})"
     return f"SELECT {', '.join(columns)} FROM {source}"
 
 

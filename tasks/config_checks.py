@@ -21,6 +21,7 @@ def check_run_config(config: RunConfig) -> None:
     check_training_sampling(config)
     check_training_backend(config)
     check_async(config)
+    check_cluster(config)
 
 
 def check_training_sampling(config: RunConfig) -> None:
@@ -83,4 +84,29 @@ def check_async(config: RunConfig) -> None:
         raise ConfigError(
             "[rollout].max_steps_off_policy with base_urls needs [train].use_lora = true: new "
             "full weights reach only a managed server (leave base_urls empty)"
+        )
+
+
+def check_cluster(config: RunConfig) -> None:
+    """What runs on a Ray cluster today: lockstep rollouts on a vLLM generator
+    (``flows/ray_rollout.py``). Anything else is refused rather than run on one machine
+    while ``[cluster]`` says otherwise."""
+    mode = config.cluster.mode
+    if mode == "none":
+        return
+    supported = (
+        "on a cluster rollflow runs lockstep rollouts on a vLLM generator: each chunk a Ray task "
+        "sampling the generator's servers over HTTP (docs/cluster.md)"
+    )
+    if config.rollout.backend != "vllm":
+        raise ConfigError(
+            f"[cluster].mode = {mode!r} with [rollout].backend = {config.rollout.backend!r} is not "
+            f"supported: {supported}. Use backend = 'vllm', or [cluster].mode = 'none' (the "
+            f"'{config.rollout.backend}' backend samples in the trainer's process)"
+        )
+    if config.rollout.max_steps_off_policy is not None:
+        raise ConfigError(
+            f"[cluster].mode = {mode!r} with async collection ([rollout].max_steps_off_policy) is not "
+            f"supported yet: {supported}. Drop max_steps_off_policy (lockstep), or use "
+            "[cluster].mode = 'none' for async on one machine"
         )

@@ -35,17 +35,27 @@ server's process group is gone or ``GET /health`` fails, checked after every chu
   is still written (the other replicas served it) and a warning names the silent URL.
 The stage does its own replay: Prefect ``retries=`` would restart the whole stage, and the
 stage resumes from its parts anyway.
+
+On a Ray cluster (``[cluster]``, lockstep, vLLM; ``flows/ray_rollout.py``'s ``RayFanOut``
+as ``fan_out``) the missing chunks are played on the cluster's nodes instead of one after
+another here: each worker recomputes this stage's plan (``stage_plan``), plays its chunk
+with the chunk's seed and writes the part (``play_chunk_to_part``, the same records, with
+the node that played them); this process keeps the generator and its restarts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from rollflow.envs.agent import Policy
 from rollflow.envs.episode import EpisodeRollout
@@ -60,7 +70,8 @@ from rollflow.envs.runner import (
 )
 from rollflow.envs.tracebacks import keeping_tracebacks
 from rollflow.envs.types import Split
-from rollflow.storage.parquet import part_index
+from rollflow.storage.errors import StageExistsError
+from rollflow.storage.parquet import part_index, part_path
 from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import episode_records_to_table
@@ -68,7 +79,7 @@ from rollflow.storage.stage_outputs import locate_output
 from rollflow.tasks.config import ConfigError, RunConfig
 from rollflow.tasks.generator import Generator, RestartBudget
 from rollflow.tasks.policy_io import ActingPolicy, open_policy
-from rollflow.tasks.step_health import episode_errors, keep_episode_errors
+from rollflow.tasks.step_health import episode_errors, errors_path, keep_episode_errors
 
 PROGRESS_EVERY_S = 15.0
 
@@ -114,16 +125,23 @@ def episode_limits(config: RunConfig, split: str, style: Style) -> EpisodeLimits
     return EpisodeLimits(max_turns=max_turns)
 
 
-def rollout_stage(
-    config: RunConfig, out: Path, step: int, split: str = "train",
-    source: Generator | Policy | ActingPolicy | None = None,
-) -> Path:
-    """Play step ``step``'s ``split`` episodes into ``out`` (the step's episodes folder, part by
-    part); returns it sealed. ``source`` is what acts: a generator (asked for the step's
-    version), a policy, or None (a generator opened for the stage; ``open_policy``)."""
-    folder = locate_output(out).folder
-    if Path(out).absolute() != folder.parts_dir(step, "episodes", split):
-        raise ValueError(f"{out} is not the episodes folder of {split} step {step}")
+@dataclass(frozen=True)
+class StagePlan:
+    """What a rollout stage plays: the same on the driver and on a cluster's worker, which
+    recomputes it from the config (so nothing but the chunk's index travels)."""
+
+    handle: EnvironmentHandle
+    chunks: list[list[TaskItem]]
+    group_size: int
+    concurrency: int
+    groups_per_chunk: int
+    limits: EpisodeLimits
+
+    def label(self, split: str, step: int, index: int) -> str:
+        return f"rollout {split} step {step} chunk {index + 1}/{len(self.chunks)}"
+
+
+def stage_plan(config: RunConfig, step: int, split: str) -> StagePlan:
     handle = load_environment_handle(config.env.name, config.env.kwargs)
     if split == "train":
         items = select_train_tasks(handle.tasks("train"), step, config.rollout.batch_size, config.train.seed)
@@ -135,17 +153,43 @@ def rollout_stage(
     limits = episode_limits(config, split, handle.style)
     groups_per_chunk = max(1, concurrency // group_size)
     chunks = [items[i : i + groups_per_chunk] for i in range(0, len(items), groups_per_chunk)]
+    return StagePlan(handle, chunks, group_size, concurrency, groups_per_chunk, limits)
+
+
+def chunk_seed(config: RunConfig, split: str, step: int, index: int) -> int:
+    return derive_seed(config.train.seed, split, step, index)
+
+
+def rollout_stage(
+    config: RunConfig, out: Path, step: int, split: str = "train",
+    source: Generator | Policy | ActingPolicy | None = None, fan_out: ChunkFanOut | None = None,
+) -> Path:
+    """Play step ``step``'s ``split`` episodes into ``out`` (the step's episodes folder, part by
+    part); returns it sealed. ``source`` is what acts: a generator (asked for the step's
+    version), a policy, or None (a generator opened for the stage; ``open_policy``).
+    ``fan_out`` (a Ray cluster's, ``flows/ray_rollout.py``) plays the missing chunks on the
+    cluster's nodes instead of in this process; None: here, one chunk after another."""
+    folder = locate_output(out).folder
+    if Path(out).absolute() != folder.parts_dir(step, "episodes", split):
+        raise ValueError(f"{out} is not the episodes folder of {split} step {step}")
+    plan = stage_plan(config, step, split)
+    chunks, group_size, concurrency = plan.chunks, plan.group_size, plan.concurrency
+    handle, limits, groups_per_chunk = plan.handle, plan.limits, plan.groups_per_chunk
     written = {part_index(p) for p in folder.part_paths(step, "episodes", split)}
     started = time.perf_counter()
     restarts = _Restarts()
     with open_policy(config, folder, step, source) as acting:
+        if fan_out is not None:
+            missing = [index for index in range(len(chunks)) if index not in written]
+            fan_out.play_chunks(config, folder, step, split, plan, missing, acting, restarts.budget)
+            return folder.seal_stage(step, "episodes", split)
         for index, chunk in enumerate(chunks):
             if index in written:
                 continue
             first_group = index * groups_per_chunk
-            label = f"rollout {split} step {step} chunk {index + 1}/{len(chunks)}"
+            label = plan.label(split, step, index)
             while True:  # replayed after a generator restart: same seed, same chunk
-                acting.reseed(derive_seed(config.train.seed, split, step, index))
+                acting.reseed(chunk_seed(config, split, step, index))
                 with keeping_tracebacks() as tracebacks:
                     rollouts_GE = asyncio.run(
                         play_with_progress(handle, chunk, group_size, acting.policy, limits, concurrency, label)
@@ -161,6 +205,84 @@ def rollout_stage(
             folder.write_stage_part(episode_records_to_table(records), step, "episodes", index, split)
             _progress(split, step, index + 1, len(chunks), started)
     return folder.seal_stage(step, "episodes", split)
+
+
+class ChunkFanOut(Protocol):
+    """Plays a rollout stage's missing chunks elsewhere (``flows/ray_rollout.RayFanOut``):
+    each chunk's part written, or an error naming the chunk."""
+
+    def play_chunks(
+        self, config: RunConfig, folder: RunFolder, step: int, split: str, plan: StagePlan,
+        missing: list[int], acting: ActingPolicy, budget: RestartBudget,
+    ) -> None: ...
+
+
+@dataclass(frozen=True)
+class ChunkOutcome:
+    """What a chunk played away from the driver returns: small, no episode data."""
+
+    index: int
+    path: str | None  # its part file; None: not written (errored on a server that stopped answering)
+    errored: int
+    total: int
+    node: str | None
+    problem: str | None = None  # why it was not written
+
+
+def play_chunk_to_part(
+    config: RunConfig, folder: RunFolder, step: int, split: str, index: int, policy: Policy,
+    node: str | None, server_problem: Callable[[], str | None],
+) -> ChunkOutcome:
+    """Play chunk ``index`` with ``policy`` (reseeded with the chunk's seed) and write its part
+    file, its errored episodes' tracebacks first (``errors.jsonl``, under a lock: chunks on
+    several nodes share it). An errored chunk is not written when ``server_problem()`` names
+    one (the generator stopped answering: the driver restarts it and replays the chunk). A
+    part already there (an attempt on a node that died after writing it) is returned as is."""
+    part = part_path(folder.parts_dir(step, "episodes", split), index)
+    plan = stage_plan(config, step, split)
+    chunk, label = plan.chunks[index], plan.label(split, step, index)
+    total = len(chunk) * plan.group_size
+    if part.exists():
+        return ChunkOutcome(index, str(part), 0, total, node)
+    reseed = getattr(policy, "reseed", None)
+    if callable(reseed):
+        reseed(chunk_seed(config, split, step, index))
+    with keeping_tracebacks() as tracebacks:
+        rollouts_GE = asyncio.run(
+            play_with_progress(plan.handle, chunk, plan.group_size, policy, plan.limits, plan.concurrency, label)
+        )
+    errored = sum(r.error is not None for rollouts_E in rollouts_GE for r in rollouts_E)
+    problem = server_problem() if errored else None
+    if problem is not None:
+        return ChunkOutcome(index, None, errored, total, node, problem)
+    first_group = index * plan.groups_per_chunk
+    records = [
+        _record(folder.run_id, step, split, first_group + g, item, e, rollout, node)
+        for g, (item, rollouts_E) in enumerate(zip(chunk, rollouts_GE, strict=True))
+        for e, rollout in enumerate(rollouts_E)
+    ]
+    with _errors_lock(folder, step, split):
+        _keep_errors(folder, step, split, records, tracebacks)
+    try:
+        folder.write_stage_part(episode_records_to_table(records), step, "episodes", index, split)
+    except StageExistsError:
+        if not part.exists():  # sealed, or a single file: not a twin attempt's part
+            raise
+    return ChunkOutcome(index, str(part), errored, total, node)
+
+
+@contextmanager
+def _errors_lock(folder: RunFolder, step: int, split: str) -> Iterator[None]:
+    """An exclusive lock on the step's ``errors.jsonl`` (read, changed, rewritten): chunks
+    on several nodes of a cluster write it (a shared filesystem needs working ``flock``)."""
+    lock = errors_path(folder, step, split).with_name(".errors.jsonl.lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _keep_errors(
@@ -232,7 +354,8 @@ async def play_with_progress(
 
 
 def _record(
-    run_id: str, step: int, split: str, group: int, item: TaskItem, index: int, rollout: EpisodeRollout
+    run_id: str, step: int, split: str, group: int, item: TaskItem, index: int, rollout: EpisodeRollout,
+    node: str | None = None,
 ) -> EpisodeRecord:
     group_id = f"{split}/{step}/{group}"
     return EpisodeRecord(
@@ -244,6 +367,7 @@ def _record(
         episode_id=f"{group_id}/{index}",
         index_in_group=index,
         rollout=rollout,
+        node=node,
     )
 
 

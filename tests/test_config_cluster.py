@@ -32,3 +32,21 @@ def test_no_cluster_is_the_default_and_a_local_one_round_trips_through_toml() ->
 def test_a_wrong_cluster_setting_names_itself(table: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_config({"cluster": table})
+
+
+@pytest.mark.parametrize(
+    ("rollout", "message"),
+    [
+        ({"backend": "transformers"}, r"\[rollout\].backend = 'transformers' is not supported: on a cluster"),
+        ({"backend": "vllm", "max_steps_off_policy": 1}, r"async collection .* is not supported yet: on a cluster"),
+    ],
+)
+def test_a_training_run_refuses_what_a_cluster_does_not_run(rollout: dict[str, object], message: str) -> None:
+    """Before: [cluster] was read and nothing acted on it, so these ran on one machine silently."""
+    from rollflow.tasks.config_checks import check_run_config
+
+    for mode in ({"mode": "local"}, {"mode": "address", "address": "10.0.0.5:6379"}):
+        with pytest.raises(ConfigError, match=message):
+            check_run_config(parse_config({"cluster": mode, "rollout": rollout}))
+    check_run_config(parse_config({"rollout": rollout}))  # without a cluster: fine
+    check_run_config(parse_config({"cluster": {"mode": "local"}, "rollout": {"backend": "vllm"}}))

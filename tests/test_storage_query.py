@@ -360,3 +360,37 @@ def test_bad_sql_is_a_query_error(run: RunFolder) -> None:
         run_query(con, "  ")
     with pytest.raises(QueryError, match="nope"):
         run_query(con, "SELECT nope FROM episodes")
+
+
+def _written_before_the_node_column(table):  # noqa: ANN001, ANN202 - a pyarrow table
+    """``table`` as a rollflow that had no ``episodes.node`` column wrote it."""
+    return table.drop_columns(["node"]).replace_schema_metadata(table.schema.metadata)
+
+
+def test_episode_files_from_before_the_node_column_still_read(tmp_path: Path) -> None:
+    """``node`` (where a cluster played an episode) is an optional column: an old run's
+    files lack it; they read with nulls, beside new parts that have it, in Python and SQL."""
+    from rollflow.storage.parquet import read_table
+    from rollflow.storage.schemas import table_to_episode_records
+
+    old_run, mixed_run = RunFolder(tmp_path / "old"), RunFolder(tmp_path / "mixed")
+    records = [synthetic_episode(folder.run_id, 0, t, 0) for folder in (old_run, mixed_run) for t in range(2)]
+    old_records, mixed_records = records[:2], records[2:]
+    placed = dataclasses.replace(mixed_records[1], node="worker-1")
+    for folder, parts in ((old_run, [old_records[:1], old_records[1:]]), (mixed_run, [mixed_records[:1], [placed]])):
+        out = folder.parts_dir(0, "episodes")
+        out.mkdir(parents=True)
+        for index, part in enumerate(parts):
+            table = episode_records_to_table(part)
+            if folder is old_run or index == 0:
+                table = _written_before_the_node_column(table)
+            pq.write_table(table, out / f"part-{index:05d}.parquet")
+        folder.seal_stage(0, "episodes")
+    assert "node" not in pq.read_schema(old_run.parts_dir(0, "episodes") / "part-00000.parquet").names
+
+    assert table_to_episode_records(read_table(old_run.parts_dir(0, "episodes"))) == old_records
+    assert [r.node for r in table_to_episode_records(read_table(mixed_run.parts_dir(0, "episodes")))] == [None, "worker-1"]
+    for folder, nodes in ((old_run, [None, None]), (mixed_run, [None, "worker-1"])):
+        con = open_run_sql(folder.root)
+        assert run_query(con, "SELECT node FROM episodes ORDER BY episode_id")[1] == [(n,) for n in nodes]
+        assert ("node", "VARCHAR") in describe_views(con)["episodes"]

