@@ -11,9 +11,10 @@
 # Every stage is resumable: run the script again and finished work is skipped (the eval
 # and SFT folders are reused as they are; the GRPO run resumes from its last step).
 #
-#   scripts/learn.sh                   about 3 h 50 min on 2 cores (measured: baseline
-#                                      1 min, SFT 12 min, GRPO 3 h 6 min for 30 steps and
-#                                      4 validation passes, the two evals 14 min each)
+#   scripts/learn.sh                   hours on 2 cores. With the settings of 2026-11-29
+#                                      (commit c9cdcab): 3 h 50 min. With these (measured
+#                                      2026-12-02 on a CPU without AMX, docs/results.md):
+#                                      SFT 52 min, GRPO steps of 5-7 min (about 3 h for 30)
 #   OUT=runs/learn2 scripts/learn.sh   into other folders (the GRPO config is rewritten to
 #                                      read that folder's SFT adapter)
 set -euo pipefail
