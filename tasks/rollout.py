@@ -196,11 +196,7 @@ def rollout_stage(
                     )
                 if restarts.chunk_is_good(acting, rollouts_GE, label):
                     break
-            records = [
-                _record(folder.run_id, step, split, first_group + g, item, e, rollout)
-                for g, (item, rollouts_E) in enumerate(zip(chunk, rollouts_GE, strict=True))
-                for e, rollout in enumerate(rollouts_E)
-            ]
+            records = _chunk_records(folder.run_id, step, split, first_group, chunk, rollouts_GE)
             _keep_errors(folder, step, split, records, tracebacks)
             folder.write_stage_part(episode_records_to_table(records), step, "episodes", index, split)
             _progress(split, step, index + 1, len(chunks), started)
@@ -256,11 +252,7 @@ def play_chunk_to_part(
     if problem is not None:
         return ChunkOutcome(index, None, errored, total, node, problem)
     first_group = index * plan.groups_per_chunk
-    records = [
-        _record(folder.run_id, step, split, first_group + g, item, e, rollout, node)
-        for g, (item, rollouts_E) in enumerate(zip(chunk, rollouts_GE, strict=True))
-        for e, rollout in enumerate(rollouts_E)
-    ]
+    records = _chunk_records(folder.run_id, step, split, first_group, chunk, rollouts_GE, node)
     with _errors_lock(folder, step, split):
         _keep_errors(folder, step, split, records, tracebacks)
     try:
@@ -351,6 +343,18 @@ async def play_with_progress(
         return await play_groups(counting, items, group_size, policy, limits, concurrency)
     finally:
         ticker.cancel()
+
+
+def _chunk_records(
+    run_id: str, step: int, split: str, first_group: int, chunk: Sequence[TaskItem],
+    rollouts_GE: Sequence[Sequence[EpisodeRollout]], node: str | None = None,
+) -> list[EpisodeRecord]:
+    """A chunk's episodes as records, group by group (groups numbered from ``first_group``)."""
+    return [
+        _record(run_id, step, split, first_group + g, item, e, rollout, node)
+        for g, (item, rollouts_E) in enumerate(zip(chunk, rollouts_GE, strict=True))
+        for e, rollout in enumerate(rollouts_E)
+    ]
 
 
 def _record(

@@ -17,6 +17,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -58,13 +59,15 @@ def session_of(pid: int) -> int | None:
         return None
 
 
-@pytest.fixture(scope="module")
-def cluster(prefect_harness: object) -> Iterator[LocalRayCluster]:
+@contextmanager
+def two_node_cluster(import_paths: list[str]) -> Iterator[LocalRayCluster]:
+    """A head and one worker node, one CPU each, small object stores, with ``import_paths``
+    on their PYTHONPATH; stopped at the end, and no process of it may outlive the stop."""
     started = time.monotonic()
     local = LocalRayCluster(
         num_worker_nodes=1, head_cpus=1, cpus_per_node=1,
         memory_bytes_per_node=2**30, object_store_bytes_per_node=100 * 2**20,
-        env={"PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))},
+        env={"PYTHONPATH": os.pathsep.join(filter(None, import_paths))},
     )  # fmt: skip
     try:
         local.start()
@@ -76,6 +79,12 @@ def cluster(prefect_harness: object) -> Iterator[LocalRayCluster]:
         local.stop()
         print(f"cluster stopped in {time.monotonic() - stopping:.1f} s")
         assert cluster_processes(mark) == [], "Ray processes of the cluster outlived stop()"
+
+
+@pytest.fixture(scope="module")
+def cluster(prefect_harness: object) -> Iterator[LocalRayCluster]:
+    with two_node_cluster([str(TESTS), os.environ.get("PYTHONPATH", "")]) as local:
+        yield local
 
 
 # ---------------------------------------------------------------- what runs on the nodes

@@ -31,7 +31,7 @@ import pytest
 
 pytest.importorskip("prefect_ray")
 
-from test_ray_cluster import cluster_processes, session_of
+from test_ray_cluster import cluster_processes, session_of, two_node_cluster
 from tiny_run import REPO, build_vllm_tiny_model
 
 from rollflow.flows import cluster as cluster_module
@@ -54,21 +54,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def cluster(prefect_harness: object) -> Iterator[LocalRayCluster]:
-    started = time.monotonic()
-    paths = [str(TESTS), node_import_env()["PYTHONPATH"]]  # the test's modules, this rollflow
-    local = LocalRayCluster(
-        num_worker_nodes=1, head_cpus=1, cpus_per_node=1,
-        memory_bytes_per_node=2**30, object_store_bytes_per_node=100 * 2**20,
-        env={"PYTHONPATH": os.pathsep.join(paths)},
-    )  # fmt: skip
-    try:
-        local.start()
-        print(f"cluster up in {time.monotonic() - started:.1f} s")
+    # the test's modules, and this rollflow (what a run's own cluster gets)
+    with two_node_cluster([str(TESTS), node_import_env()["PYTHONPATH"]]) as local:
         yield local
-    finally:
-        mark = str(local.temp_dir)
-        local.stop()
-        assert cluster_processes(mark) == [], "Ray processes of the cluster outlived stop()"
 
 
 @pytest.fixture(scope="module")
