@@ -178,7 +178,12 @@ class RolloutConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     num_steps: int = 10  # a CPU run that finishes in minutes
-    learning_rate: float = 2e-5  # the reference example's value; constant, no schedule
+    learning_rate: float = 2e-5  # the reference example's value; constant after any warm-up
+    # Linear warm-up over the run's first N optimizer steps (step k uses
+    # learning_rate * (k + 1) / N), then constant; 0: constant from the first step. Adam's
+    # first steps move every parameter by about the learning rate whatever the gradient's
+    # size, so a warm-up keeps the first noisy batches from undoing a fragile warm start.
+    lr_warmup_steps: int = 0
     use_lora: bool = True  # reference default; full weights double the CPU memory
     lora_rank: int = 16
     lora_alpha: float = 32.0
@@ -236,6 +241,7 @@ class TrainConfig:
                     "keep_checkpoints", "overlong_buffer_tokens"):
             at_least(self, "train", key, 1)
         at_least(self, "train", "seed", 0)
+        at_least(self, "train", "lr_warmup_steps", 0)
         in_range(self, "train", "learning_rate", 0.0, None, low_open=True)
         in_range(self, "train", "lora_alpha", 0.0, None, low_open=True)
         in_range(self, "train", "lora_dropout", 0.0, 1.0)

@@ -50,6 +50,7 @@ FIELD_HOMES: dict[str, tuple[str, str]] = {
     "weight_sync_type": ("rollout", "weight_sync_type"),
     "num_steps": ("train", "num_steps"),
     "learning_rate": ("train", "learning_rate"),
+    "lr_warmup_steps": ("train", "lr_warmup_steps"),
     "use_lora": ("train", "use_lora"),
     "lora_rank": ("train", "lora_rank"),
     "loss": ("train", "loss"),
@@ -88,6 +89,7 @@ class GRPOConfig:
     temperature: float = RolloutConfig.temperature
     top_p: float = RolloutConfig.top_p
     learning_rate: float = TrainConfig.learning_rate
+    lr_warmup_steps: int = TrainConfig.lr_warmup_steps
     sequential_validation: bool = ValidationConfig.sequential_validation
     max_sampling_attempts: int = RolloutConfig.max_sampling_attempts
     failed_parse_reward: float = TrainConfig.failed_parse_reward

@@ -15,7 +15,8 @@ a truncated distribution the trainer does not rebuild, so a training run refuses
 One optimizer step per batch by default; ``[train].minibatches = K`` splits the batch into
 K minibatches with a step each (PPO-style: more learning per rolled-out episode, for the
 same forward and backward compute). Simplified on purpose: no PPO epochs over the same data,
-AdamW with a constant learning rate and no weight decay, no sequence packing inside a row.
+AdamW with no weight decay and a constant learning rate after an optional linear warm-up
+(``warmup_learning_rate``), no sequence packing inside a row.
 On CPU with a fixed seed the same inputs give bit-identical weights.
 
 Off-policy correction (``[train].off_policy_correction``, the formulas in
@@ -65,6 +66,8 @@ class UpdateSettings:
     normaliser: float = 2048.0  # dr_grpo's constant: max_model_length
     pad_token_id: int = 0
     minibatches: int = 1  # optimizer steps per batch
+    learning_rate: float = 2e-5  # the warm-up's target (unused without a warm-up)
+    lr_warmup_steps: int = 0  # linear warm-up over the run's first N optimizer steps
 
     @classmethod
     def from_config(cls, config: RunConfig, pad_token_id: int) -> UpdateSettings:
@@ -78,6 +81,8 @@ class UpdateSettings:
             normaliser=float(config.rollout.max_model_length),
             pad_token_id=pad_token_id,
             minibatches=train.minibatches,
+            learning_rate=train.learning_rate,
+            lr_warmup_steps=train.lr_warmup_steps,
         )
 
 
@@ -96,6 +101,7 @@ class UpdateStats:
     mismatch_kl: float | None = None  # mean k3 KL(sampler || trainer at step start); None: no token computed
     is_weight_mean: float | None = None  # mean behaviour weight; None under correction "none"
     corrected_fraction: float | None = None  # share of tokens truncated (tis) or masked (mask)
+    learning_rate: float | None = None  # the last optimizer step's (None: no step taken)
 
     @property
     def tokens_per_s(self) -> float:
@@ -334,6 +340,7 @@ def grpo_update(
         mismatch_kl=stats.mismatch_kl_mean if stats.action_tokens else None,
         is_weight_mean=stats.is_weight_mean if corrected else None,
         corrected_fraction=stats.corrected_fraction if corrected else None,
+        learning_rate=float(optimizer.param_groups[0]["lr"]),
     )
 
 
@@ -418,9 +425,30 @@ def _optimizer_step(
         stats = stats + batch_stats
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
+    if settings.lr_warmup_steps > 0:  # else the optimizer's own rate, untouched
+        learning_rate = warmup_learning_rate(
+            settings.learning_rate, settings.lr_warmup_steps, optimizer_steps_taken(optimizer)
+        )
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss_total, float(grad_norm), stats, len(batches)
+
+
+def warmup_learning_rate(learning_rate: float, warmup_steps: int, steps_taken: int) -> float:
+    """The rate of the run's optimizer step number ``steps_taken`` (0-based): linear warm-up."""
+    if warmup_steps <= 0 or steps_taken >= warmup_steps:
+        return learning_rate
+    return learning_rate * (steps_taken + 1) / warmup_steps
+
+
+def optimizer_steps_taken(optimizer: torch.optim.Optimizer) -> int:
+    """Steps this optimizer (restored from the previous checkpoint) has taken in the run."""
+    for state in optimizer.state.values():
+        if "step" in state:
+            return int(state["step"])
+    return 0
 
 
 def make_optimizer(model: PreTrainedModel, learning_rate: float) -> torch.optim.Optimizer:

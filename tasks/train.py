@@ -194,7 +194,8 @@ def _train_result(
         run_id=run_id, step=step, policy_version=version, loss=stats.loss, kl=stats.kl,
         clip_fraction=stats.clip_fraction, grad_norm=stats.grad_norm,
         num_samples=stats.num_samples, num_tokens=stats.num_tokens,
-        num_action_tokens=stats.num_action_tokens, learning_rate=config.train.learning_rate,
+        num_action_tokens=stats.num_action_tokens,
+        learning_rate=config.train.learning_rate if stats.learning_rate is None else stats.learning_rate,
         tokens_per_s=stats.tokens_per_s, timings=dict(timings), mismatch_kl=stats.mismatch_kl,
         is_weight_mean=stats.is_weight_mean, corrected_fraction=stats.corrected_fraction,
     )

@@ -67,6 +67,8 @@ def test_alias_and_canonical_name_disagreeing_is_an_error() -> None:
         ({"rollout": {"batch_size": True}}, r"\[rollout\]\.batch_size must be an integer"),
         ({"rollout": {"batch_size": 0}}, r"\[rollout\]\.batch_size must be at least 1"),
         ({"train": {"minibatches": 0}}, r"\[train\]\.minibatches must be at least 1"),
+        ({"train": {"lr_warmup_steps": -1}}, r"\[train\]\.lr_warmup_steps must be at least 0"),
+        ({"train": {"lr_warmup_steps": 2.5}}, r"\[train\]\.lr_warmup_steps must be an integer"),
         ({"rollout": {"top_p": 1.5}}, r"\[rollout\]\.top_p must be in \(0.0, 1.0\]"),
         ({"rollout": {"temperature": 0}}, r"\[rollout\]\.temperature must be in \(0.0, inf\)"),
         ({"train": {"lora_target_modules": "q_proj"}}, r"lora_target_modules must be a list"),

@@ -36,6 +36,7 @@ from rollflow.tasks.train import (
     token_logprobs,
     train_stage,
 )
+from rollflow.tasks.grpo_update import warmup_learning_rate
 
 VOCAB = 40
 
@@ -136,6 +137,37 @@ def test_minibatches_take_one_step_each_on_a_share_of_every_group() -> None:
     assert not torch.equal(results[1][2], results[2][2])
     # The second step scores actions the first one moved: the ratio is no longer exactly 1.
     assert results[2][0].ratio_mean != pytest.approx(1.0, abs=1e-7)
+
+
+def test_learning_rate_warms_up_linearly_over_the_runs_optimizer_steps() -> None:
+    assert [warmup_learning_rate(0.3, 3, k) for k in range(5)] == pytest.approx([0.1, 0.2, 0.3, 0.3, 0.3])
+    assert warmup_learning_rate(0.3, 0, 0) == 0.3  # no warm-up: the rate from the first step
+
+    base = micro_model()
+    samples = batch(base)
+    settings = UpdateSettings(minibatches=2, learning_rate=1e-2, lr_warmup_steps=4)
+    flat = lambda m: torch.cat([p.detach().flatten() for p in m.parameters()])  # noqa: E731
+    moves = {}
+    for warmup in (0, 4):
+        model = copy.deepcopy(base)
+        optimizer = make_optimizer(model, 1e-2)
+        one = grpo_update(model, None, optimizer, samples[:1], dataclasses.replace(settings, minibatches=1,
+                                                                                  lr_warmup_steps=warmup))
+        moves[warmup] = (flat(model) - flat(base)).abs().max().item()
+        if warmup:
+            assert one.learning_rate == pytest.approx(2.5e-3)
+            # Two more optimizer steps (steps 1 and 2 of the run); then a fresh optimizer
+            # restored from this one's state (as the next train stage restores its
+            # checkpoint's) takes steps 3 and 4 at the full rate.
+            assert grpo_update(model, None, optimizer, samples, settings).learning_rate == pytest.approx(7.5e-3)
+            restored = make_optimizer(model, 1e-2)
+            restored.load_state_dict(optimizer.state_dict())
+            last = grpo_update(model, None, restored, samples, settings)
+            assert last.learning_rate == pytest.approx(1e-2)
+            assert {int(state["step"]) for state in restored.state.values()} == {5}
+    # Adam's first step moves a parameter by about the rate whatever its gradient: a quarter.
+    assert moves[0] == pytest.approx(1e-2, rel=0.05)
+    assert moves[4] == pytest.approx(2.5e-3, rel=0.05)
 
 
 def test_minibatches_still_raise_positive_and_lower_negative_actions() -> None:
