@@ -14,7 +14,8 @@
 #   scripts/learn.sh                   hours on 2 cores. With the settings of 2026-11-29
 #                                      (commit c9cdcab): 3 h 50 min. With these (measured
 #                                      2026-12-02 on a CPU without AMX, docs/results.md):
-#                                      SFT 52 min, GRPO steps of 5-7 min (about 3 h for 30)
+#                                      SFT 52 min, GRPO steps of 3-5.5 min and validation
+#                                      passes of 4 min (about 2 h 45 min for 30 steps)
 #   OUT=runs/learn2 scripts/learn.sh   into other folders (the GRPO config is rewritten to
 #                                      read that folder's SFT adapter)
 set -euo pipefail
