@@ -108,6 +108,25 @@ def test_targets_are_the_values_of_their_questions() -> None:
         assert example.output == eval(expression)  # noqa: S307 - our own generated digits and + - * ( )
 
 
+
+def test_the_loader_keywords_choose_an_easier_mix_and_bad_ones_are_named() -> None:
+    env = load_environment(min_operand=1, max_operand=9, operand_counts=[2], operators="+-", num_train=80)
+    examples = env.examples("train")
+    seen_operators = set()
+    for example in examples:
+        left, operator, right = example.metadata["expression"].split(" ")
+        assert 1 <= int(left) <= 9 and 1 <= int(right) <= 9
+        seen_operators.add(operator)
+        assert example.output == eval(example.metadata["expression"])  # noqa: S307 - our own digits
+    assert seen_operators == {"+", "-"}
+    three = load_environment(operand_counts=[3], operators="*", num_train=20).examples("train")
+    assert all(e.metadata["expression"].replace("(", "").replace(")", "").count("*") == 2 for e in three)
+    for bad, named in (({"max_operand": 1}, "max_operand"), ({"operand_counts": [4]}, "operand_counts"),
+                       ({"operand_counts": "2"}, "operand_counts"), ({"operators": "/"}, "operators"),
+                       ({"operators": ""}, "operators"), ({"min_operand": -1}, "min_operand")):
+        with pytest.raises(ValueError, match=named):
+            load_environment(**bad)
+
 class AsyncQuiz(EnvironmentSingleTurn):
     """An ``async def`` scorer and a plain dataset list, as a user might write one."""
 
