@@ -60,6 +60,7 @@ from rollflow.tasks.generator import Generator, open_generator
 from rollflow.tasks.metrics import finish_tracking, start_tracking, step_outcome
 from rollflow.tasks.policy_io import ActingPolicy
 from rollflow.tasks.rollout import ChunkFanOut
+from rollflow.tasks.run_summary import learning_summary
 from rollflow.tasks.teacher import check_teacher
 
 
@@ -104,6 +105,8 @@ def train_flow(config_path: str | None = None, run_dir: str | None = None) -> st
                 handle.report(f"could not close the MLflow run: {tracking_error}")
             raise
         finish_tracking(handle.config, handle.root, succeeded=True)
+        for line in learning_summary(handle.config, handle.folder):
+            handle.report(line)
         return str(handle.root)
     finally:
         handle.close()

@@ -115,7 +115,7 @@ class RunTracker:
     ) -> RunTracker:
         """Continue the run folder's MLflow run, or create one and record it there."""
         folder = run_dir if isinstance(run_dir, RunFolder) else RunFolder(run_dir)
-        stored = _read_ref(folder)
+        stored = read_ref(folder)
         if stored is not None:
             if tracking_uri is not None and tracking_uri != stored.tracking_uri:
                 raise StorageError(
@@ -243,7 +243,7 @@ def _last_steps(run: Run) -> dict[str, int]:
     return {metric.key: int(metric.step) for metric in run.data.to_proto().metrics}
 
 
-def _read_ref(folder: RunFolder) -> TrackingRef | None:
+def read_ref(folder: RunFolder) -> TrackingRef | None:
     if not (folder.root / TRACKING_FILE).exists():
         return None
     data = folder.read_json(TRACKING_FILE)

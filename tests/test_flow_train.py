@@ -25,6 +25,7 @@ from rollflow.storage.schemas import table_to_episode_records
 from rollflow.storage.stage_outputs import locate_output
 from rollflow.storage.tracking import RunTracker
 from rollflow.tasks.config import ConfigError, load_config
+from rollflow.tasks.run_summary import CURVE_SQL
 from tiny_run import kill_group, tiny_config_at
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -151,6 +152,11 @@ def test_a_failed_run_names_the_resume_command_and_the_resume_says_where_it_cont
     assert ("found 1 of 2 steps trained, the checkpoint of step 0; continuing at step 1 from its "
             "train stage (episodes, scores, samples kept)") in err, err
     assert "rollflow resume" not in err  # it finished: no hint
+    # and it ends saying what validation found (first vs last pass, paired) and where the curve is
+    assert "validation pass rate " in err and " at step 0 -> " in err and " at step 2: " in err, err
+    assert f"the curve: rollflow sql {run_dir} \"{CURVE_SQL}\"" in err, err
+    columns, rows = run_query(open_run_sql(run_dir), CURVE_SQL)  # the printed query runs
+    assert columns == ["step", "pass_rate", "episodes"] and [row[0] for row in rows] == [0, 2]
 
 
 def test_a_stop_request_mid_rollout_records_no_episode_and_the_rollout_replays(

@@ -1,0 +1,67 @@
+"""What a finished training run learned, in the lines ``rollflow train`` ends with.
+
+The first and the last validation pass of the run, compared paired by task (each task's
+pass rate after minus before; the same statistics as the pipeline's gate,
+``tasks/gate.py``), with a two-sided sign-flip p that says whether the change clears the
+noise of the validation itself; then where to see the whole curve.
+"""
+
+from __future__ import annotations
+
+import shlex
+import statistics
+
+from rollflow.storage.runfolder import RunFolder
+from rollflow.tasks.config import RunConfig
+from rollflow.tasks.gate import GateError, episodes_by_task, paired_change, per_task
+from rollflow.tasks.metrics import REWARD_CURVE
+
+NOISE_P = 0.05  # a two-sided p below this: the change is beyond the validation's own noise
+CURVE_SQL = ("SELECT step, avg(passed::INT) AS pass_rate, count(*) AS episodes FROM scores "
+             "WHERE split = 'validation' GROUP BY step ORDER BY step")
+
+
+def validation_change(folder: RunFolder) -> str | None:
+    """The first and last scored validation passes' pass rates and their paired change;
+    None when the run has fewer than two, or they validated different tasks."""
+    scored = [step for step in folder.steps("validation") if folder.is_complete(step, "scores", "validation")]
+    if len(scored) < 2:
+        return None
+    first, last = scored[0], scored[-1]
+    before, after = (
+        per_task(episodes_by_task([folder.step_paths(step, "validation").scores], ("passed",)), "passed")
+        for step in (first, last)
+    )
+    try:
+        change = paired_change(before, after)
+    except GateError:  # different task sets, or a single task: no paired error to give
+        return None
+    verdict = "beyond" if change.p_value < NOISE_P else "within"
+    return (
+        f"validation pass rate {statistics.fmean(before.values()):.3f} at step {first} -> "
+        f"{statistics.fmean(after.values()):.3f} at step {last}: {change.mean:+.3f} +- {change.se:.3f} "
+        f"paired over {change.tasks} tasks ({change.gained} up, {change.lost} down), two-sided p "
+        f"{change.p_value:.2g}, {verdict} the validation's noise"
+    )
+
+
+def learning_summary(config: RunConfig, folder: RunFolder) -> list[str]:
+    """The lines a finished run ends with: what validation says it learned, where the curve is."""
+    lines = []
+    change = validation_change(folder)
+    if change is not None:
+        lines.append(change)
+    lines.append(f"the curve: rollflow sql {shlex.quote(str(folder.root))} \"{CURVE_SQL}\"")
+    drawn = [folder.root / name for name in (REWARD_CURVE, "val_" + REWARD_CURVE) if (folder.root / name).is_file()]
+    if drawn:
+        lines.append("  drawn: " + ", ".join(map(str, drawn)))
+    if config.tracking.enabled:
+        from rollflow.storage.tracking import read_ref
+
+        ref = read_ref(folder)  # where this run's MLflow run really is
+        if ref is not None:
+            lines.append(
+                f"  in MLflow (experiment {config.tracking.experiment!r}, run {ref.mlflow_run_id}): "
+                f"mlflow ui --backend-store-uri {shlex.quote(ref.tracking_uri)}"
+            )
+    return lines
