@@ -1,5 +1,5 @@
 # The two commands of the README:
-#   make demo   set up, then train the bundled tool-use game on the bundled SmolLM2 (CPU)
+#   make demo   set up, then a GRPO run on the bundled SmolLM2 that visibly learns (CPU, ~10 min)
 #   make test   set up, then run the test suite (what CI runs)
 # Everything lives under the checkout: .venv/, runs/, .rollflow/ (Prefect home, MLflow store).
 
@@ -19,7 +19,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 # Prefect's local server can take longer than its default 20 s to start on a busy 2-core box.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
-.PHONY: setup vllm-setup browser demo quick test test-fast clean
+.PHONY: setup vllm-setup browser demo game-demo quick test test-fast clean
 
 setup: $(STAMP)
 
@@ -52,7 +52,13 @@ browser:
 	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium >/dev/null; }
 
+# configs/demo.toml says why an easy arithmetic task, not the tool-use game (configs/default.toml,
+# `make game-demo`: the whole multi-turn pipeline, on a model that has not learnt the format yet).
 demo: setup vllm-setup
+	mkdir -p $(PREFECT_HOME)
+	$(BIN)/rollflow train configs/demo.toml
+
+game-demo: setup
 	mkdir -p $(PREFECT_HOME)
 	$(BIN)/rollflow train configs/default.toml
 
