@@ -105,7 +105,11 @@ def train_flow(config_path: str | None = None, run_dir: str | None = None) -> st
                 handle.report(f"could not close the MLflow run: {tracking_error}")
             raise
         finish_tracking(handle.config, handle.root, succeeded=True)
-        for line in learning_summary(handle.config, handle.folder):
+        try:  # a summary that cannot be made must not fail a finished run
+            summary = learning_summary(handle.config, handle.folder)
+        except Exception as summary_error:  # noqa: BLE001 - reported; the run itself succeeded
+            summary = [f"could not summarise the run's validation: {summary_error}"]
+        for line in summary:
             handle.report(line)
         return str(handle.root)
     finally:

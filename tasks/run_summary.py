@@ -24,15 +24,13 @@ CURVE_SQL = ("SELECT step, avg(passed::INT) AS pass_rate, count(*) AS episodes F
 def validation_change(folder: RunFolder) -> str | None:
     """The first and last scored validation passes' pass rates and their paired change;
     None when the run has fewer than two, or they validated different tasks."""
-    scored = [step for step in folder.steps("validation") if folder.is_complete(step, "scores", "validation")]
+    scored = [(step, path) for step in folder.steps("validation")
+              if (path := folder.stage_output(step, "scores", "validation")) is not None]
     if len(scored) < 2:
         return None
-    first, last = scored[0], scored[-1]
-    before, after = (
-        per_task(episodes_by_task([folder.step_paths(step, "validation").scores], ("passed",)), "passed")
-        for step in (first, last)
-    )
+    (first, first_scores), (last, last_scores) = scored[0], scored[-1]
     try:
+        before, after = (per_task(episodes_by_task([path], ("passed",)), "passed") for path in (first_scores, last_scores))
         change = paired_change(before, after)
     except GateError:  # different task sets, or a single task: no paired error to give
         return None
