@@ -38,7 +38,8 @@ def user_folder(tmp_path: Path) -> Path:
 
 
 def user_env(folder: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # default: the folder's
+    # MLflow's default: the folder's; the outer pytest's PYTEST_ADDOPTS (e.g. -q) would change the inner summary
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "PYTEST_ADDOPTS")}
     env["PREFECT_HOME"] = str(folder / ".prefect")
     env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     env.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")

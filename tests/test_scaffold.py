@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import os
 import re
 import subprocess
 import sys
@@ -58,6 +59,7 @@ def test_the_written_tests_pass_under_pytest(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "hooked", "asynced", "single"],
         cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},  # the outer run's options (-q) hide the count
         capture_output=True,
         text=True,
         timeout=120,
