@@ -26,6 +26,8 @@ the admissions already written and the groups already collected.
 
 Validation runs before every ``validation_interval``-th step (step 0 gives the baseline)
 and once more after the last step, on the validation tasks, without training on them.
+A finished run ends by printing the first and last validation's paired change and where
+the curve is (``tasks/run_summary.py``).
 """
 
 from __future__ import annotations
