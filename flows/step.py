@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Protocol
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -75,11 +76,22 @@ def teacher_scores(config: RunConfig, samples: Path, out: Path, step: int) -> Pa
     return teacher_stage(config, samples, out)
 
 
+class RemoteTrainer(Protocol):
+    """Runs a train stage elsewhere (``flows/ray_trainer.py``: a node of a Ray cluster)."""
+
+    def train(
+        self, config: RunConfig, samples: Path, teacher: Path | None, previous: Path | None,
+        out_checkpoint: Path, out_result: Path, step: int,
+    ) -> Path: ...  # fmt: skip
+
+
 @task(name="train", task_run_name="train step {step}", **_STAGE)
 def train(
     config: RunConfig, samples: Path, teacher: Path | None, previous: Path | None,
-    out_checkpoint: Path, out_result: Path, step: int,
+    out_checkpoint: Path, out_result: Path, step: int, on: RemoteTrainer | None = None,
 ) -> Path:
+    if on is not None:
+        return on.train(config, samples, teacher, previous, out_checkpoint, out_result, step)
     return train_stage(config, samples, teacher, previous, out_checkpoint, out_result)
 
 
@@ -114,13 +126,15 @@ def run_stage(folder: RunFolder, step: int, name: str, out: Path, run: Callable[
 
 def grpo_step(
     handle: RunHandle, step: int, episodes_from: Callable[[StepPaths], Path],
-    publish: Callable[[int, Path], None] | None = None,
+    publish: Callable[[int, Path], None] | None = None, trainer: RemoteTrainer | None = None,
 ) -> StepPaths:
     """Run (or finish) training step ``step``; returns its paths.
 
     ``episodes_from(p)`` writes the step's episodes and returns where (``p.episodes`` or
     ``p.admitted``). ``publish(version, checkpoint)``, where given (async), sends the new
     policy version to the generator as soon as it is trained, before the metrics.
+    ``trainer``, where given, runs the train stage (a node of the run's Ray cluster); else
+    it runs in this process.
     """
     config, folder = handle.config, handle.folder
     p = folder.step_paths(step)
@@ -133,7 +147,7 @@ def grpo_step(
         teacher = stage("teacher", p.teacher, partial(teacher_scores, config, samples, p.teacher, step))
     previous = folder.checkpoint_before(step)
     stage("train", p.train_json,
-          partial(train, config, samples, teacher, previous, p.checkpoint, p.train_json, step))  # fmt: skip
+          partial(train, config, samples, teacher, previous, p.checkpoint, p.train_json, step, quote(trainer)))  # fmt: skip
     if publish is not None:
         publish(step + 1, p.checkpoint)
     run_once(p.metrics_json, partial(metrics, config, folder.root, step))

@@ -16,7 +16,9 @@ Two schedules call it, and differ only in where a step's episodes come from:
   thread, ``weight_sync_type``).
 
 The run holds one generator for all its steps (``open_generator``; async:
-``open_async_generator``), closed when the run ends or fails.
+``open_async_generator``), closed when the run ends or fails. On a Ray cluster
+(``[cluster]``, lockstep) the rollout chunks run on its nodes, and the train stage too where
+``[cluster]`` places the trainer (``run_cluster``).
 
 Resume is the same call again on the same run folder. A stage whose output exists is
 finished and is not run again; a half-written temporary left by a crash is discarded
@@ -45,6 +47,7 @@ from rollflow.envs.agent import Policy
 from rollflow.flows.concurrency import one_training_at_a_time
 from rollflow.flows.runs import RunHandle, open_run
 from rollflow.flows.step import (
+    RemoteTrainer,
     admitted_from,
     grpo_step,
     rollout,
@@ -133,13 +136,13 @@ def run_training(handle: RunHandle) -> None:
 
 def run_lockstep_training(handle: RunHandle) -> None:
     config, root, last = handle.config, handle.root, handle.config.train.num_steps
-    with open_generator(config, handle.folder, versions_in_flight=1) as generator, rollout_cluster(config) as fan_out:
+    with open_generator(config, handle.folder, versions_in_flight=1) as generator, run_cluster(config) as (fan_out, trainer):
         for step in range(last):
             if handle.step_finished(step):
                 continue
             if validation_due(config, step):
                 validate(config, root, step, generator, fan_out)
-            grpo_step(handle, step, rollout_from(config, generator, fan_out))
+            grpo_step(handle, step, rollout_from(config, generator, fan_out), trainer=trainer)
             seconds = handle.folder.stage_seconds(step)
             handle.report(
                 f"step {step + 1}/{last} done in {sum(seconds.values()):.1f}s: "
@@ -151,16 +154,20 @@ def run_lockstep_training(handle: RunHandle) -> None:
 
 
 @contextmanager
-def rollout_cluster(config: RunConfig) -> Iterator[ChunkFanOut | None]:
-    """The run's Ray cluster as the rollout stage's fan-out (``flows/ray_rollout.py``), for
-    ``[cluster].mode`` "local" or "address"; None (and no Ray imported) for "none"."""
+def run_cluster(config: RunConfig) -> Iterator[tuple[ChunkFanOut | None, RemoteTrainer | None]]:
+    """The run's Ray cluster, for ``[cluster].mode`` "local" or "address": the rollout
+    stage's fan-out (``flows/ray_rollout.py``) and, where ``[cluster]`` places the trainer
+    on it, the train stage's (``flows/ray_trainer.py``); (None, None), and no Ray imported,
+    for "none"."""
     if config.cluster.mode == "none":
-        yield None
+        yield None, None
         return
-    from rollflow.flows.ray_rollout import rollout_cluster as open_rollout_cluster
+    from rollflow.flows.ray_rollout import rollout_cluster
+    from rollflow.flows.ray_trainer import cluster_trainer
 
-    with open_rollout_cluster(config) as fan_out:
-        yield fan_out
+    with rollout_cluster(config) as fan_out:
+        assert fan_out is not None
+        yield fan_out, cluster_trainer(config, fan_out.address)
 
 
 def run_async_training(handle: RunHandle) -> None:

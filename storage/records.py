@@ -125,3 +125,6 @@ class TrainResult:
     mismatch_kl: float | None = None
     is_weight_mean: float | None = None
     corrected_fraction: float | None = None
+    # The Ray node that trained ("worker-1", ...; ``[cluster].trainer_node``); None where the
+    # run's own process trained, and in a train.json written before it existed.
+    node: str | None = None

@@ -197,6 +197,7 @@ TRAIN_RESULT_SCHEMA = _schema(
         ("mismatch_kl", pa.float64()),
         ("is_weight_mean", pa.float64()),
         ("corrected_fraction", pa.float64()),
+        ("node", pa.string()),
     ],
 )
 SCHEMAS: dict[RecordKind, pa.Schema] = {
@@ -427,7 +428,7 @@ def table_to_teacher_records(table: pa.Table) -> list[TeacherRecord]:
 
 _TRAIN_FIELDS = [n for n in TRAIN_RESULT_SCHEMA.names if n != "schema_version"]
 # Added after SCHEMA_VERSION 2 without a bump: a train.json without them reads them as None.
-_OPTIONAL_TRAIN_FIELDS = ("mismatch_kl", "is_weight_mean", "corrected_fraction")
+_OPTIONAL_TRAIN_FIELDS = ("mismatch_kl", "is_weight_mean", "corrected_fraction", "node")
 
 
 def train_result_to_json(result: TrainResult) -> dict[str, Any]:

@@ -89,14 +89,16 @@ def check_async(config: RunConfig) -> None:
 
 def check_cluster(config: RunConfig) -> None:
     """What runs on a Ray cluster today: lockstep rollouts on a vLLM generator
-    (``flows/ray_rollout.py``). Anything else is refused rather than run on one machine
+    (``flows/ray_rollout.py``) and the train stage placed by ``[cluster]``
+    (``flows/ray_trainer.py``). Anything else is refused rather than run on one machine
     while ``[cluster]`` says otherwise."""
     mode = config.cluster.mode
     if mode == "none":
         return
     supported = (
         "on a cluster rollflow runs lockstep rollouts on a vLLM generator: each chunk a Ray task "
-        "sampling the generator's servers over HTTP (docs/cluster.md)"
+        "sampling the generator's servers over HTTP, and the train stage where [cluster] places it "
+        "(docs/cluster.md)"
     )
     if config.rollout.backend != "vllm":
         raise ConfigError(

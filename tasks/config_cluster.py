@@ -13,6 +13,12 @@ and a trainer: ``object_store_mib_per_node`` caps each node's object store (shar
 tasks pass file paths, so little goes through it), ``memory_gib_per_node`` is the memory
 Ray may schedule on a node (a logical resource for placement, not an OS limit).
 
+The trainer runs in the run's own process unless ``trainer_node`` or ``trainer_gpus`` places
+it on the cluster (``flows/ray_trainer.py``): ``trainer_node`` names a node rollflow named
+("head", "worker-1", ... of a local cluster; on an existing cluster, a node started with the
+resource ``rollflow_node_<name>``), ``trainer_gpus`` the GPUs the training task asks for
+(any node with them), ``trainer_cpus`` its CPUs and torch threads.
+
 Simplified on purpose: Ray Client addresses (``ray://HOST:10001``) are refused. Through
 Ray Client every result and log goes through one proxy connection, which drops long runs
 (prefect-ray's own docs and issues say so); run rollflow on a node of the cluster instead
@@ -45,6 +51,15 @@ class ClusterConfig:
     # num_worker_nodes * cpus_per_node cores free to this process.
     pin_cores: bool = False
     startup_timeout_s: float = 120.0  # every node must have joined within this
+    # Where the train stage runs: None and 0 GPUs, the run's own process (the default);
+    # else a Ray task on the named node, or on any node with trainer_gpus GPUs.
+    trainer_node: str | None = None
+    trainer_gpus: float = 0.0
+    trainer_cpus: int = 1  # the training task's CPUs on the cluster, and its torch threads
+
+    @property
+    def trains_on_cluster(self) -> bool:
+        return self.mode != "none" and (self.trainer_node is not None or self.trainer_gpus > 0)
 
     def __post_init__(self) -> None:
         check_types(self, "cluster")
@@ -54,12 +69,48 @@ class ClusterConfig:
         at_least(self, "cluster", "object_store_mib_per_node", RAY_MIN_OBJECT_STORE_MIB)
         in_range(self, "cluster", "memory_gib_per_node", 0.0, None, low_open=True)
         in_range(self, "cluster", "startup_timeout_s", 0.0, None, low_open=True)
+        at_least(self, "cluster", "trainer_cpus", 1)
+        in_range(self, "cluster", "trainer_gpus", 0.0, None)
+        self._check_trainer()
         if self.mode == "address":
             self._check_address()
         elif self.address is not None:
             raise ConfigError(
                 f"[cluster].address is for mode = 'address'; got mode = {self.mode!r} "
                 "(set mode = 'address' to join that cluster, or drop address)"
+            )
+
+    def local_node_cpus(self) -> dict[str, int]:
+        """A local cluster's nodes by name, with their CPU budgets."""
+        workers = {f"worker-{i}": self.cpus_per_node for i in range(1, self.num_worker_nodes + 1)}
+        return {"head": self.head_cpus, **workers}
+
+    def _check_trainer(self) -> None:
+        placed = self.trainer_node is not None or self.trainer_gpus > 0
+        if placed and self.mode == "none":
+            raise ConfigError(
+                "[cluster].trainer_node / trainer_gpus place the trainer on a Ray cluster, and "
+                "[cluster].mode is 'none': set mode = 'local' or 'address', or drop them (the trainer "
+                "then runs in the run's own process)"
+            )
+        if self.mode != "local" or self.trainer_node is None:
+            return
+        nodes = self.local_node_cpus()
+        if self.trainer_node not in nodes:
+            raise ConfigError(
+                f"[cluster].trainer_node {self.trainer_node!r} is not a node of the local cluster; "
+                f"its nodes are {sorted(nodes)} (num_worker_nodes = {self.num_worker_nodes})"
+            )
+        if self.trainer_cpus > nodes[self.trainer_node]:
+            raise ConfigError(
+                f"[cluster].trainer_cpus = {self.trainer_cpus} is more than node {self.trainer_node!r} has "
+                f"({nodes[self.trainer_node]}: head_cpus / cpus_per_node); the training task could never start"
+            )
+        if self.trainer_gpus > 0:
+            raise ConfigError(
+                f"[cluster].trainer_gpus = {self.trainer_gpus} on a local cluster: its nodes have no GPUs "
+                "(mode = 'local' starts CPU-only nodes); drop trainer_gpus, or join a cluster with GPUs "
+                "(mode = 'address')"
             )
 
     def _check_address(self) -> None:

@@ -117,10 +117,11 @@ def frozen_model_reference(reference_model: PreTrainedModel, temperature: float)
 
 def train_stage(
     config: RunConfig, samples: Path, teacher: Path | None, previous: Path | None,
-    out_checkpoint: Path, out_result: Path,
+    out_checkpoint: Path, out_result: Path, *, node: str | None = None,
 ) -> Path:
     """Train on ``samples`` from checkpoint ``previous``; commits ``out_checkpoint``, then
-    writes ``out_result`` (``train.json``) and returns its path.
+    writes ``out_result`` (``train.json``) and returns its path. ``node``: the Ray node this
+    runs on (``flows/ray_trainer.py``), recorded in the result.
 
     A checkpoint committed before a crash kept ``train.json`` from being written is not
     trained again: ``train.json`` is rewritten from it. Every step makes a new policy
@@ -151,7 +152,7 @@ def train_stage(
     stats = grpo_update(model, reference, optimizer, records, UpdateSettings.from_config(config, pad_id))
     timings["update_s"] = stats.seconds
     version = (start.policy_version if start else 0) + 1
-    result = _train_result(folder.run_id, step, version, config, stats, timings)
+    result = _train_result(folder.run_id, step, version, config, stats, timings, node)
     save_checkpoint(folder, model, tokenizer, optimizer, result, config.train.use_lora)
     path = folder.write_train_result(result)
     prune_checkpoints(folder, config.train.keep_checkpoints)
@@ -188,7 +189,7 @@ def _lap(since: float) -> float:
 
 def _train_result(
     run_id: str, step: int, version: int, config: RunConfig, stats: UpdateStats,
-    timings: dict[str, float],
+    timings: dict[str, float], node: str | None = None,
 ) -> TrainResult:
     return TrainResult(
         run_id=run_id, step=step, policy_version=version, loss=stats.loss, kl=stats.kl,
@@ -197,5 +198,5 @@ def _train_result(
         num_action_tokens=stats.num_action_tokens,
         learning_rate=config.train.learning_rate if stats.learning_rate is None else stats.learning_rate,
         tokens_per_s=stats.tokens_per_s, timings=dict(timings), mismatch_kl=stats.mismatch_kl,
-        is_weight_mean=stats.is_weight_mean, corrected_fraction=stats.corrected_fraction,
+        is_weight_mean=stats.is_weight_mean, corrected_fraction=stats.corrected_fraction, node=node,
     )

@@ -13,6 +13,13 @@ def test_no_cluster_is_the_default_and_a_local_one_round_trips_through_toml() ->
     assert parse_config({}).cluster.mode == "none"
     config = parse_config({"cluster": {"mode": "local", "num_worker_nodes": 2, "pin_cores": True}})
     assert parse_config(tomllib.loads(config_to_toml(config))) == config
+    assert not config.cluster.trains_on_cluster, "the trainer stays in the run's process unless placed"
+    placed = parse_config({"cluster": {"mode": "local", "num_worker_nodes": 2, "trainer_node": "worker-2", "cpus_per_node": 2,
+                                       "trainer_cpus": 2}})  # fmt: skip
+    assert placed.cluster.trains_on_cluster
+    assert parse_config(tomllib.loads(config_to_toml(placed))) == placed
+    gpus = parse_config({"cluster": {"mode": "address", "address": "10.0.0.5:6379", "trainer_gpus": 1}})
+    assert gpus.cluster.trains_on_cluster and gpus.cluster.trainer_gpus == 1.0
 
 
 @pytest.mark.parametrize(
@@ -27,6 +34,13 @@ def test_no_cluster_is_the_default_and_a_local_one_round_trips_through_toml() ->
         ({"object_store_mib_per_node": 10}, r"object_store_mib_per_node must be at least 75"),
         ({"cpus_per_node": 0}, r"cpus_per_node must be at least 1"),
         ({"memory_gib_per_node": 0}, r"memory_gib_per_node must be in \(0.0"),
+        ({"trainer_node": "worker-1"}, r"place the trainer on a Ray cluster, and \[cluster\].mode is 'none'"),
+        ({"trainer_gpus": 1}, r"place the trainer on a Ray cluster, and \[cluster\].mode is 'none'"),
+        ({"mode": "local", "trainer_node": "worker-2"}, r"'worker-2' is not a node of the local cluster; "
+         r"its nodes are \['head', 'worker-1'\]"),
+        ({"mode": "local", "trainer_node": "worker-1", "trainer_cpus": 2}, r"trainer_cpus = 2 is more than node 'worker-1' has \(1"),
+        ({"mode": "local", "trainer_node": "head", "trainer_gpus": 1}, r"trainer_gpus = 1.0 on a local cluster: its nodes have no GPUs"),
+        ({"trainer_cpus": 0}, r"trainer_cpus must be at least 1"),
     ],
 )
 def test_a_wrong_cluster_setting_names_itself(table: dict[str, object], message: str) -> None:

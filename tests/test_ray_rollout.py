@@ -11,7 +11,10 @@ chunks per training rollout so that round robin puts one on each node:
 - the worker node killed while it plays a chunk: Ray redoes the chunk on the head, the run
   completes, every episode once;
 - Ray allowed no retry (``NODE_DEATH_RETRIES`` = 0) and the worker killed again (restarted
-  first): the stage fails naming the chunk, and the resumed run replays only that chunk.
+  first): the stage fails naming the chunk, and the resumed run replays only that chunk;
+- the trainer placed on the worker node (``[cluster].trainer_node``): it trains there, and
+  killed there mid-training the stage fails naming the node; the resume (node restarted)
+  trains only that step, every rollout file kept.
 
 The teardown checks that no process of the cluster is left, also when a test fails.
 """
@@ -123,11 +126,12 @@ def _assert_every_episode_once(folder: RunFolder) -> dict[tuple[str, int], list[
 
 class _ChunkKiller(threading.Thread):
     """Kills the worker node as soon as one of its Ray workers runs a rollout chunk (its
-    process title is ``ray::rollout-chunk``)."""
+    process title is ``ray::rollout-chunk``), or the task named by ``title``."""
 
-    def __init__(self, cluster: LocalRayCluster) -> None:
+    def __init__(self, cluster: LocalRayCluster, title: str = "ray::rollout-chunk") -> None:
         super().__init__(daemon=True)
         self.cluster = cluster
+        self.title = title
         self.killed_while: str | None = None
         self.error: BaseException | None = None
 
@@ -138,7 +142,7 @@ class _ChunkKiller(threading.Thread):
             while time.monotonic() < deadline:
                 for proc in self.cluster.processes().values():
                     title = _cmdline(proc.pid)
-                    if session_of(proc.pid) == session and title.startswith("ray::rollout-chunk"):
+                    if session_of(proc.pid) == session and title.startswith(self.title):
                         self.cluster.kill_node("worker-1")
                         self.killed_while = title
                         return
@@ -170,6 +174,55 @@ def test_a_run_plays_its_rollouts_on_both_nodes_and_each_episode_records_its_nod
     assert sorted(cluster.nodes()) == ["head", "worker-1"]
 
 
+def _on_worker(config: RunConfig) -> RunConfig:
+    return replace(config, cluster=replace(config.cluster, trainer_node="worker-1"))
+
+
+def test_a_trainer_placed_on_the_worker_node_trains_there_and_the_next_version_is_served_from_its_checkpoint(
+    base_config: RunConfig, managed: VLLMGenerator, cluster: LocalRayCluster, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """``[cluster].trainer_node = "worker-1"``: the train stage is a Ray task on that node;
+    validation after the step samples version 1, which the driver's server loaded from the
+    checkpoint the worker committed in the run folder."""
+    folder = RunFolder(_train(_on_worker(base_config), tmp_path))
+    assert folder.read_train_result(0).node == "worker-1"
+    assert "train step 0: on node 'worker-1', 1 CPU(s)" in capsys.readouterr().err
+    _assert_every_episode_once(folder)  # validation step 1 acted with version 1
+    assert folder.checkpoint_dir(0).is_dir()
+    assert not [p for p in cluster.processes().values() if _cmdline(p.pid).startswith("ray::train-on-node")], (
+        "no training task is left running after its stage"
+    )
+
+
+def test_a_trainer_node_killed_while_it_trains_fails_the_stage_by_name_and_the_resume_trains_only_that(
+    base_config: RunConfig, managed: VLLMGenerator, cluster: LocalRayCluster, tmp_path: Path
+) -> None:
+    if "worker-1" not in cluster.nodes():
+        cluster.restart_node("worker-1")
+    config = _on_worker(base_config)
+    killer = _ChunkKiller(cluster, title="ray::train-on-node")
+    killer.start()
+    with pytest.raises(Exception) as caught:  # noqa: PT011 - the flow re-raises the stage's error
+        _train(config, tmp_path)
+    killer.join(timeout=5)
+    assert killer.killed_while is not None, "the worker node was never killed while it trained"
+    message = str(caught.value)
+    assert type(caught.value).__name__ == "TrainerLostError", message
+    assert "train step 0 on node 'worker-1', 1 CPU(s) was lost: the trainer's node 'worker-1' is not alive" in message
+    folder = RunFolder(tmp_path / "run")
+    assert not folder.checkpoint_dir(0).exists() and not folder.step_paths(0).train_json.exists()
+    kept = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in folder.root.rglob("*.parquet")}
+    assert len(kept) >= 4, sorted(kept)  # validation's and training's episodes, scores, samples
+
+    cluster.restart_node("worker-1")
+    _train(config, tmp_path, run_dir=folder.root)
+    _assert_every_episode_once(folder)
+    assert folder.read_train_result(0).node == "worker-1"
+    for part, identity in kept.items():
+        assert (part.stat().st_ino, part.stat().st_mtime_ns) == identity, f"{part} was written again"
+
+
 def test_a_vllm_server_killed_while_chunks_run_on_the_nodes_is_restarted_by_the_driver(
     base_config: RunConfig, managed: VLLMGenerator, cluster: LocalRayCluster, tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
@@ -177,6 +230,8 @@ def test_a_vllm_server_killed_while_chunks_run_on_the_nodes_is_restarted_by_the_
     """The generator stays on the driver: the server SIGKILLed once the worker's chunk has a
     completion served; the chunks that met the dead server come back unwritten, the driver
     restarts the server and replays them on the new URL."""
+    if "worker-1" not in cluster.nodes():  # a test before killed it
+        cluster.restart_node("worker-1")
     server = managed.server
     assert server is not None and server.log_path is not None
     restarts = server.restarts
