@@ -124,7 +124,7 @@ def _assert_every_episode_once(folder: RunFolder) -> dict[tuple[str, int], list[
     return stages
 
 
-class _ChunkKiller(threading.Thread):
+class _NodeKiller(threading.Thread):
     """Kills the worker node as soon as one of its Ray workers runs a rollout chunk (its
     process title is ``ray::rollout-chunk``), or the task named by ``title``."""
 
@@ -149,6 +149,21 @@ class _ChunkKiller(threading.Thread):
                 time.sleep(0.02)
         except BaseException as error:  # noqa: BLE001 - the test reports it
             self.error = error
+
+
+def _run_with_the_worker_killed(cluster: LocalRayCluster, config: RunConfig, tmp_path: Path, title: str) -> BaseException:
+    """A run that must fail: ``worker-1`` (restarted first if a test before killed it) is
+    killed once one of its Ray workers runs the task titled ``title``; returns the error."""
+    if "worker-1" not in cluster.nodes():
+        cluster.restart_node("worker-1")
+    killer = _NodeKiller(cluster, title=title)
+    killer.start()
+    with pytest.raises(Exception) as caught:  # noqa: PT011 - the flow re-raises the stage's error
+        _train(config, tmp_path)
+    killer.join(timeout=5)
+    assert killer.error is None, killer.error
+    assert killer.killed_while is not None, f"the worker node was never killed while it ran {title}"
+    return caught.value
 
 
 def _cmdline(pid: int) -> str:
@@ -198,17 +213,10 @@ def test_a_trainer_placed_on_the_worker_node_trains_there_and_the_next_version_i
 def test_a_trainer_node_killed_while_it_trains_fails_the_stage_by_name_and_the_resume_trains_only_that(
     base_config: RunConfig, managed: VLLMGenerator, cluster: LocalRayCluster, tmp_path: Path
 ) -> None:
-    if "worker-1" not in cluster.nodes():
-        cluster.restart_node("worker-1")
     config = _on_worker(base_config)
-    killer = _ChunkKiller(cluster, title="ray::train-on-node")
-    killer.start()
-    with pytest.raises(Exception) as caught:  # noqa: PT011 - the flow re-raises the stage's error
-        _train(config, tmp_path)
-    killer.join(timeout=5)
-    assert killer.killed_while is not None, "the worker node was never killed while it trained"
-    message = str(caught.value)
-    assert type(caught.value).__name__ == "TrainerLostError", message
+    error = _run_with_the_worker_killed(cluster, config, tmp_path, "ray::train-on-node")
+    message = str(error)
+    assert type(error).__name__ == "TrainerLostError", message
     assert "train step 0 on node 'worker-1', 1 CPU(s) was lost: the trainer's node 'worker-1' is not alive" in message
     folder = RunFolder(tmp_path / "run")
     assert not folder.checkpoint_dir(0).exists() and not folder.step_paths(0).train_json.exists()
@@ -274,7 +282,7 @@ def test_a_worker_node_killed_mid_rollout_loses_nothing_and_doubles_nothing(
 ) -> None:
     """Train step 0's first chunk goes to the worker (validation's one chunk took the head):
     it is killed there and redone on the head by Ray (max_retries = 1)."""
-    killer = _ChunkKiller(cluster)
+    killer = _NodeKiller(cluster)
     killer.start()
     folder = RunFolder(_train(base_config, tmp_path))
     killer.join(timeout=5)
@@ -292,17 +300,10 @@ def test_a_chunk_ray_gives_up_on_fails_the_stage_by_name_and_the_resume_replays_
     base_config: RunConfig, managed: VLLMGenerator, cluster: LocalRayCluster, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    if "worker-1" not in cluster.nodes():  # the previous test killed it
-        cluster.restart_node("worker-1")
     monkeypatch.setattr(cluster_module, "NODE_DEATH_RETRIES", 0)
-    killer = _ChunkKiller(cluster)
-    killer.start()
-    with pytest.raises(Exception) as caught:  # noqa: PT011 - the flow re-raises the stage's error
-        _train(base_config, tmp_path)
-    killer.join(timeout=5)
-    assert killer.killed_while is not None, "the worker node was never killed mid-chunk"
-    message = str(caught.value)
-    assert type(caught.value).__name__ == "RolloutChunkError", message
+    error = _run_with_the_worker_killed(cluster, base_config, tmp_path, "ray::rollout-chunk")
+    message = str(error)
+    assert type(error).__name__ == "RolloutChunkError", message
     assert "rollout train step 0 chunk 1/2 was lost: Ray gave up on it after 1 attempt(s)" in message
     assert "resume the run and only the missing chunks are replayed" in message
 
