@@ -72,6 +72,7 @@ from rollflow.tasks.models import base_model_ref
 from rollflow.tasks.rollout import ChunkOutcome, StagePlan, play_chunk_to_part
 
 if TYPE_CHECKING:
+    from prefect_ray import RayTaskRunner
     from transformers import PreTrainedTokenizerBase
 
     from rollflow.flows.cluster import RayNode
@@ -193,14 +194,14 @@ class RayFanOut:
         from prefect_ray.context import remote_options
 
         from rollflow.flows import cluster
-        from rollflow.flows.cluster import remote_options_on, task_runner
+        from rollflow.flows.cluster import remote_options_on
 
         pending = deque(missing)
         inflight: dict[Any, tuple[int, Any]] = {}  # Ray object ref -> (chunk index, Prefect future)
         failures: list[BaseException] = []
         replays: Counter[int] = Counter()
         done, started = len(plan.chunks) - len(missing), time.perf_counter()
-        with task_runner(self.address) as runner, _api_for_workers(), _outside_the_stage_task():
+        with stage_task_runner(self.address) as runner:
             try:
                 while pending or inflight:
                     nodes = live_nodes()
@@ -267,10 +268,21 @@ def _progress(split: str, step: int, done: int, total: int, started: float, node
 
 
 @contextmanager
+def stage_task_runner(address: str) -> Iterator[RayTaskRunner]:
+    """prefect-ray's task runner on the cluster at ``address``, for a stage (the rollout
+    chunks, the train stage) to submit its Ray tasks as the flow's task runs, reporting to
+    the flow's Prefect API."""
+    from rollflow.flows.cluster import task_runner
+
+    with task_runner(address) as runner, _api_for_workers(), _outside_the_stage_task():
+        yield runner
+
+
+@contextmanager
 def _outside_the_stage_task() -> Iterator[None]:
-    """Submit as the flow, not as the rollout stage's task run: prefect-ray ships the
-    current task run's context (its parameters: the generator, a live server handle) to
-    every worker, which cannot be pickled. The chunks are the flow run's task runs."""
+    """Submit as the flow, not as the stage's task run: prefect-ray ships the current task
+    run's context (its parameters: the generator, a live server handle) to every worker,
+    which cannot be pickled. The submitted tasks are the flow run's task runs."""
     from prefect.context import TaskRunContext
 
     token = TaskRunContext.__var__.set(None)  # type: ignore[arg-type]

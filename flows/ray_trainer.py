@@ -78,12 +78,11 @@ class RayTrainer:
         from prefect_ray.context import remote_options
 
         from rollflow.flows import cluster
-        from rollflow.flows.cluster import task_runner
-        from rollflow.flows.ray_rollout import _api_for_workers, _outside_the_stage_task
+        from rollflow.flows.ray_rollout import stage_task_runner
 
         where = placement(config)
         started = time.perf_counter()
-        with task_runner(self.address) as runner, _api_for_workers(), _outside_the_stage_task():
+        with stage_task_runner(self.address) as runner:
             with remote_options(**ray_options(config, retries=cluster.NODE_DEATH_RETRIES)):
                 future = runner.submit(train_on_node, {
                     "config": config, "samples": _abs(samples), "teacher": _abs(teacher),
@@ -95,14 +94,13 @@ class RayTrainer:
                 while not ray.wait([ref], timeout=POLL_S)[0]:
                     problem = unplaceable(config)
                     if problem is not None:
-                        ray.cancel(ref, force=True)
                         raise TrainerLostError(
                             f"train step {step} on {where} was lost: {problem}. What it committed is kept: "
                             "start the node again (or place the trainer elsewhere in [cluster]) and resume "
                             "the run; the finished stages are not run again"
                         )
                 result = future.result()
-            except BaseException:
+            except BaseException:  # lost, failed or interrupted: nothing of it keeps running
                 ray.cancel(ref, force=True)
                 raise
         print(f"  train step {step}: on {where} ({time.perf_counter() - started:.1f}s)", file=sys.stderr, flush=True)
@@ -122,18 +120,30 @@ def placement(config: RunConfig) -> str:
     return " with ".join(parts) + f", {c.trainer_cpus} CPU(s)"
 
 
-def ray_options(config: RunConfig, *, retries: int) -> dict[str, Any]:
-    """``ray.remote`` options of the training task: its resources, a fresh worker each time."""
+def trainer_resources(config: RunConfig) -> dict[str, float]:
+    """The Ray resources the training task asks for: its CPUs, its GPUs, and a small share of
+    the named node's own resource (which the node has 1 of)."""
     from rollflow.flows.cluster import NODE_RESOURCE_PREFIX
 
     c = config.cluster
-    options: dict[str, Any] = {
-        "num_cpus": c.trainer_cpus, "max_calls": 1, "max_retries": retries, "retry_exceptions": False,
-    }  # fmt: skip
+    wanted = {"CPU": float(c.trainer_cpus)}
     if c.trainer_gpus > 0:
-        options["num_gpus"] = c.trainer_gpus
-    if c.trainer_node is not None:  # a small share of the node's own resource (it has 1)
-        options["resources"] = {NODE_RESOURCE_PREFIX + c.trainer_node: 0.001}
+        wanted["GPU"] = c.trainer_gpus
+    if c.trainer_node is not None:
+        wanted[NODE_RESOURCE_PREFIX + c.trainer_node] = 0.001
+    return wanted
+
+
+def ray_options(config: RunConfig, *, retries: int) -> dict[str, Any]:
+    """``ray.remote`` options of the training task: its resources, a fresh worker each time."""
+    custom = trainer_resources(config)
+    options: dict[str, Any] = {
+        "num_cpus": custom.pop("CPU"), "max_calls": 1, "max_retries": retries, "retry_exceptions": False,
+    }  # fmt: skip
+    if "GPU" in custom:
+        options["num_gpus"] = custom.pop("GPU")
+    if custom:
+        options["resources"] = custom
     return options
 
 
@@ -143,25 +153,18 @@ def unplaceable(config: RunConfig) -> str | None:
 
     from rollflow.flows.cluster import NODE_RESOURCE_PREFIX
 
-    wanted = {k: float(v) for k, v in ray_options(config, retries=0).get("resources", {}).items()}
-    wanted["CPU"] = float(config.cluster.trainer_cpus)
-    if config.cluster.trainer_gpus > 0:
-        wanted["GPU"] = config.cluster.trainer_gpus
-    for info in ray.nodes():
-        total = info.get("Resources", {})
-        if info["Alive"] and all(total.get(k, 0.0) >= v for k, v in wanted.items()):
-            return None
-    if config.cluster.trainer_node is not None:
-        named = NODE_RESOURCE_PREFIX + config.cluster.trainer_node
-        if not any(info["Alive"] and named in info.get("Resources", {}) for info in ray.nodes()):
-            return f"the trainer's node {config.cluster.trainer_node!r} is not alive (it died, or left the cluster)"
+    wanted = trainer_resources(config)
+    alive = [info.get("Resources", {}) for info in ray.nodes() if info["Alive"]]
+    if any(all(total.get(k, 0.0) >= v for k, v in wanted.items()) for total in alive):
+        return None
+    node = config.cluster.trainer_node
+    if node is not None and not any(NODE_RESOURCE_PREFIX + node in total for total in alive):
+        return f"the trainer's node {node!r} is not alive (it died, or left the cluster)"
     asked = ", ".join(f"{k} {v:g}" for k, v in sorted(wanted.items()))
     return f"no live node has the resources the trainer asks for ({asked})"
 
 
-def cluster_trainer(config: RunConfig, address: str | None) -> RayTrainer | None:
+def cluster_trainer(config: RunConfig, address: str) -> RayTrainer | None:
     """The run's trainer on the cluster at ``address``, where ``[cluster]`` places it there;
     None: the train stage runs in this process."""
-    if address is None or not config.cluster.trains_on_cluster:
-        return None
-    return RayTrainer(address)
+    return RayTrainer(address) if config.cluster.trains_on_cluster else None

@@ -59,7 +59,8 @@ class ClusterConfig:
 
     @property
     def trains_on_cluster(self) -> bool:
-        return self.mode != "none" and (self.trainer_node is not None or self.trainer_gpus > 0)
+        """The train stage runs on the cluster (a mode other than "none" is checked)."""
+        return self.trainer_node is not None or self.trainer_gpus > 0
 
     def __post_init__(self) -> None:
         check_types(self, "cluster")
@@ -86,8 +87,7 @@ class ClusterConfig:
         return {"head": self.head_cpus, **workers}
 
     def _check_trainer(self) -> None:
-        placed = self.trainer_node is not None or self.trainer_gpus > 0
-        if placed and self.mode == "none":
+        if self.trains_on_cluster and self.mode == "none":
             raise ConfigError(
                 "[cluster].trainer_node / trainer_gpus place the trainer on a Ray cluster, and "
                 "[cluster].mode is 'none': set mode = 'local' or 'address', or drop them (the trainer "
