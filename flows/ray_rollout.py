@@ -230,7 +230,8 @@ class RayFanOut:
                             budget.keep(acting, outcome.errored, outcome.total, f"{label} on {outcome.node}")
                             pending.appendleft(index)  # replayed with the (restarted) server's URL
                             continue
-                        budget.keep(acting, 0, outcome.total, label)  # a server that died since: restarted now
+                        # every episode written, but the server may have died since: restarted now
+                        budget.keep(acting, 0, outcome.total, f"{label} on {outcome.node}")
                     except (GeneratorError, RolloutChunkError) as error:
                         failures.append(error)
                         continue

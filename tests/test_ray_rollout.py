@@ -234,7 +234,9 @@ def test_a_vllm_server_killed_while_chunks_run_on_the_nodes_is_restarted_by_the_
 ) -> None:  # fmt: skip
     """The generator stays on the driver: the server SIGKILLed once the worker's chunk has a
     completion served; the chunks that met the dead server come back unwritten, the driver
-    restarts the server and replays them on the new URL."""
+    restarts the server and replays them on the new URL. A chunk whose last completion was the
+    one served before the kill comes back whole ("0 of 2 episodes errored"): it is kept, and the
+    driver restarts the server all the same before the next chunk."""
     if "worker-1" not in cluster.nodes():  # a test before killed it
         cluster.restart_node("worker-1")
     server = managed.server
@@ -350,10 +352,19 @@ def test_a_local_cluster_of_the_run_imports_this_rollflow_and_is_stopped_also_wh
     import rollflow
 
     root = str(Path(rollflow.__file__).resolve().parent.parent)
-    child = subprocess.run(
-        [sys.executable, "-c", _LOCAL_CLUSTER_SCRIPT, root], cwd=tmp_path, capture_output=True, text=True,
-        timeout=300, env={key: value for key, value in os.environ.items() if key != "PYTHONPATH"},
-    )  # fmt: skip
+    for attempt in (1, 2):
+        child = subprocess.run(
+            [sys.executable, "-c", _LOCAL_CLUSTER_SCRIPT, root], cwd=tmp_path, capture_output=True, text=True,
+            timeout=300, env={key: value for key, value in os.environ.items() if key != "PYTHONPATH"},
+        )  # fmt: skip
+        if attempt == 1 and child.returncode != 0 and "Failed to register worker to Raylet" in child.stderr:
+            # Ray's own rare start-up race (the new raylet drops its driver's registration,
+            # and Ray ends the driver): the run dies at once, and its watchdog must still
+            # have ended the nodes; then the check is made on a second run.
+            assert "rollflow watchdog: run" in child.stderr, child.stderr[-3000:]
+            print(f"the first child hit Ray's registration race:\n{child.stderr[-1500:]}", file=sys.stderr)
+            continue
+        break
     lines = dict(line.split(" ", 1) for line in child.stdout.splitlines() if " " in line)
     assert child.returncode == 0, child.stderr[-3000:]
     assert lines["nodes"] == "['head', 'worker-1']"
