@@ -5,7 +5,7 @@ the head the trainer had before against the one it has, alone and inside a forwa
 (N, V) logits of the wanted positions (what ``token_logprobs`` did until issue 23: a float32
 copy of the bfloat16 logits, kept for the backward, and each backward op over all of it).
 ``cross_entropy``: ``-F.cross_entropy(logits.float() / temperature, targets, reduction="none")``,
-the fused log-softmax + gather the issue proposed. ``chunked``: ``rollflow.tasks.grpo_update.
+the fused log-softmax + gather the issue proposed. ``chunked``: ``rollflow.tasks.trainer_logprobs.
 chosen_logprobs``, the same float32 arithmetic a few rows at a time.
 
 Two timings each, best of ``--repeats`` after a warm-up, on one thread by default (CPU seconds
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rollflow.tasks.grpo_update import chosen_logprobs
+from rollflow.tasks.trainer_logprobs import chosen_logprobs
 
 HeadFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 

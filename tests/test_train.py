@@ -379,7 +379,7 @@ def test_token_logprobs_and_their_gradients_are_log_softmax_and_gather(
     monkeypatch: pytest.MonkeyPatch, sparse: bool
 ) -> None:
     # 3 rows of logits per chunk, so the 7 wanted rows (and the 14 of the full path) end mid-chunk
-    monkeypatch.setattr(importlib.import_module("rollflow.tasks.grpo_update"), "_HEAD_CHUNK_BYTES", 4 * VOCAB * 3)
+    monkeypatch.setattr(importlib.import_module("rollflow.tasks.trainer_logprobs"), "_HEAD_CHUNK_BYTES", 4 * VOCAB * 3)
     model = micro_model(seed=3)
     with torch.no_grad():
         model.lm_head.weight.mul_(30.0)  # peaked distributions: chosen logprobs from -5 to -21
@@ -412,7 +412,7 @@ def test_chosen_logprobs_is_the_plain_float32_expression_bit_for_bit(
 ) -> None:
     """The chunked head against what ``token_logprobs`` computed before it: the same values and
     the same gradient, in the logits' dtype, to the last bit."""
-    monkeypatch.setattr(importlib.import_module("rollflow.tasks.grpo_update"), "_HEAD_CHUNK_BYTES", 4 * 1000 * 4)
+    monkeypatch.setattr(importlib.import_module("rollflow.tasks.trainer_logprobs"), "_HEAD_CHUNK_BYTES", 4 * 1000 * 4)
     gen = torch.Generator().manual_seed(0)
     logits = (torch.randn(11, 1000, generator=gen) * 4).to(dtype).requires_grad_(True)
     targets = torch.randint(0, 1000, (11,), generator=gen)
