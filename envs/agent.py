@@ -39,6 +39,7 @@ class PolicyAction:
     finish_reason: FinishReason = "stop"
     latency_s: float = 0.0
     sampling_attempts: int = 1
+    replica: int | None = None  # which of the policy's servers sampled it (vLLM); None: no servers
 
     def __post_init__(self) -> None:
         assert len(self.token_ids) == len(self.logprobs), (

@@ -55,6 +55,10 @@ class EpisodeRollout:
     latency_s: float = 0.0  # wall time of the whole episode
     policy_version: int = 0
     sampling_attempts: int = 0  # generation attempts, retries after deadlines included
+    # The server (index into the policy's vLLM servers, ``[rollout].base_urls`` or the managed
+    # replicas) that sampled its last action; None for policies without servers. Every action
+    # of an episode goes to one server unless a failed request was retried on the next.
+    replica: int | None = None
 
     def __post_init__(self) -> None:
         endings = int(self.terminated) + int(self.truncated) + int(self.error is not None)

@@ -187,6 +187,7 @@ class EpisodeTrace:
         self.step_metadata: list[Mapping[str, Any]] = []
         self.turns = 0
         self.sampling_attempts = 0
+        self.replica: int | None = None
         self.response_text = ""
         self.stage = "start"  # the call in progress, named in the error if it raises
 
@@ -197,6 +198,8 @@ class EpisodeTrace:
         if not isinstance(action.text, str):
             raise TypeError(f"the policy's action text is a {type(action.text).__name__}, not str")
         self.sampling_attempts += action.sampling_attempts
+        if action.replica is not None:
+            self.replica = action.replica
         if action.finish_reason == "context" and not action.text and not action.token_ids:
             return
         self.turns += 1
@@ -236,6 +239,7 @@ class EpisodeTrace:
             latency_s=time.perf_counter() - self.started,
             policy_version=self.policy_version,
             sampling_attempts=self.sampling_attempts,
+            replica=self.replica,
         )
 
 

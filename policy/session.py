@@ -99,6 +99,7 @@ class Sampled:
     stopped: bool  # the last token is one of the codec's stop tokens
     cut_by_server: bool  # no stop token, and fewer tokens than allowed: the server's context limit
     attempts: int  # sampling attempts used, the successful one included
+    replica: int | None = None  # the index of the server that answered (backends with servers)
 
 
 class TokenSession(Generic[PolicyT]):
@@ -158,6 +159,7 @@ class TokenSession(Generic[PolicyT]):
             finish_reason=ending,
             latency_s=time.perf_counter() - started,
             sampling_attempts=sampled.attempts,
+            replica=sampled.replica,
         )
 
     async def close(self) -> None:

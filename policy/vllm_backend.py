@@ -39,9 +39,10 @@ up to ``max_sampling_attempts`` attempts in all; then ``act`` raises ``VLLMPolic
 runner records it on the episode). Other HTTP errors raise at once with the server's
 message.
 
-Where an action was sampled: the episode record has no column for it (its schema is
-owned elsewhere), so ``VLLMPolicy.stats.sampled_by`` counts actions per (server, model
-name, version); the version is also on every episode (``Policy.version``).
+Where an action was sampled: each action carries the index of the server that answered
+(``PolicyAction.replica``; the episode records its last action's, ``episodes.replica``), and
+``VLLMPolicy.stats.sampled_by`` counts actions per (server, model name, version); the
+version is also on every episode (``Policy.version``).
 
 Weight sync (``load_adapter``): ``POST /v1/load_lora_adapter`` on every server under the
 version's name with ``load_inplace: false``, then ``POST /v1/unload_lora_adapter`` of the
@@ -219,13 +220,18 @@ class VLLMPolicy(TokenPolicy):
 
     # ------------------------------------------------------------ several versions at once (async)
 
-    def add_adapter(self, adapter_dir: str | Path, name: str) -> None:
+    def add_adapter(self, adapter_dir: str | Path, name: str, *, only: Sequence[str] | None = None) -> None:
         """Load ``adapter_dir`` as ``name`` beside the adapters already loaded, once.
 
         Async collection keeps every version an in-flight group samples with; the server
-        needs ``--max-loras`` at least that many.
+        needs ``--max-loras`` at least that many. ``only``: load it on these servers alone
+        (a replica restarted empty; the others hold it already).
         """
         adapter = Path(adapter_dir).resolve()
+        if only is not None:
+            for url in only:
+                load_lora(api_root(url), name, adapter)
+            return
         if self._loaded.get(name) == adapter:
             return
         rank = adapter_rank(adapter)
@@ -245,7 +251,7 @@ class VLLMPolicy(TokenPolicy):
             unload_lora(url, name)
         self._loaded.pop(name, None)
 
-    def reload_weights(self, model_dir: str | Path, version: int) -> float:
+    def reload_weights(self, model_dir: str | Path, version: int, *, only: Sequence[str] | None = None) -> float:
         """Swap the servers' full weights for ``model_dir``'s in place; returns the seconds taken.
 
         ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}``
@@ -253,7 +259,8 @@ class VLLMPolicy(TokenPolicy):
         it, on loopback only), then ``POST /reset_prefix_cache``: cached prefixes hold the
         old weights' keys and values, and a hit would sample the new policy from them.
         Requests already running finish on whichever weights each forward pass meets: the
-        caller pauses new requests first when that matters.
+        caller pauses new requests first when that matters. ``only``: these servers alone (a
+        replica restarted on the base weights).
         """
         folder = Path(model_dir).resolve()
         if is_tied(folder) and not (folder / LM_HEAD_SHARD).exists():
@@ -263,7 +270,7 @@ class VLLMPolicy(TokenPolicy):
                 "checkpoints of rollflow carry it (rollflow.policy.vllm_weights.write_lm_head_shard)"
             )
         started = time.perf_counter()
-        for url in self.base_urls:
+        for url in self.base_urls if only is None else tuple(api_root(u) for u in only):
             root = url.removesuffix("/v1")
             body = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
             admin_post(f"{root}/collective_rpc", body, what=f"reloading weights from {folder}", hint=DEV_HINT)
@@ -327,7 +334,8 @@ class VLLMSession(TokenSession[VLLMPolicy]):
                 f"of our stop tokens {sorted(policy.codec.stop_token_ids)} (a stop string set on the server?)"
             )
         cut = not stopped and len(completion.token_ids) < max_new  # the server's own context limit
-        return Sampled(completion.token_ids, completion.logprobs, stopped, cut, posted.attempt)
+        replica = policy.base_urls.index(posted.url) if posted.url in policy.base_urls else None
+        return Sampled(completion.token_ids, completion.logprobs, stopped, cut, posted.attempt, replica)
 
     async def _release(self) -> None:
         if self._client is not None:

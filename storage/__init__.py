@@ -1,7 +1,8 @@
 """The run folder: Parquet records, atomic writes, DuckDB views, MLflow.
 
-- ``records``: the frozen stage records (pinned contract); ``schemas``: their Arrow
-  schemas and exact conversions (``nested`` flattens messages and actions).
+- ``records``: the frozen stage records (pinned contract); ``arrow_schemas``: their Arrow
+  schemas and optional columns; ``schemas``: the exact conversions between records and
+  tables (``nested`` flattens messages and actions).
 - ``parquet``: atomic writes, part files, checked reads; ``errors``: what they raise.
 - ``runfolder``: one run's layout, progress and resume; ``runs``: status of many runs.
 - ``views`` / ``query``: read-only DuckDB views and the metric SQL the pipeline logs;

@@ -49,7 +49,7 @@ def _schema(kind: str, fields: list[pa.Field]) -> pa.Schema:
     return pa.schema(fields, metadata={KIND_KEY: kind.encode(), VERSION_KEY: str(SCHEMA_VERSION).encode()})
 
 
-# A rescore row is a scores row (storage/schemas.py) under the new environment, plus its name.
+# A rescore row is a scores row (storage/arrow_schemas.py) under the new environment, plus its name.
 RESCORE_SCHEMA = _schema("rescores", [pa.field("rescore", pa.string()), *SCORE_SCHEMA])
 REPLAY_SCHEMA = _schema(
     "replays",

@@ -2,7 +2,7 @@
 
 Columns are the contract between stages: bump ``SCHEMA_VERSION`` whenever a column
 changes meaning or type, and readers refuse files of another version with a clear error.
-The Arrow schemas that match these dataclasses live in ``storage/schemas.py``.
+The Arrow schemas that match these dataclasses live in ``storage/arrow_schemas.py``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Every field is a pure function of the indices passed in, so a test can recompute
 record should hold without storing it. The episodes look like a small tool-use game: a
 system and user message, one tool call and its result, a final answer; how an episode
 ends cycles through every ending so each metric has something to count. Logprobs are
-float32 values (see ``storage/schemas.py``) so round trips are exact.
+float32 values (see ``storage/arrow_schemas.py``) so round trips are exact.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ column, which ``RunFolder`` checks against the ``step=`` folder on every write. 
 views do not use DuckDB's hive-partition parsing: it would turn any ``key=value`` folder
 above the run (a user's own path) into extra columns.
 
-A file older than an optional column (``storage/schemas.py``'s ``OPTIONAL_COLUMNS``, e.g.
+A file older than an optional column (``storage/arrow_schemas.py``'s ``OPTIONAL_COLUMNS``, e.g.
 ``episodes.node``) shows it as null: a group none of whose files has it selects a typed
 NULL, a group where some have it reads by name (``union_by_name``).
 
@@ -123,7 +123,7 @@ def _json_columns() -> str:
     return "{" + ", ".join(pairs) + "}"
 
 
-_DUCKDB_TYPES = {pa.string(): "VARCHAR"}  # of the optional columns
+_DUCKDB_TYPES = {pa.string(): "VARCHAR", pa.int32(): "INTEGER"}  # of the optional columns
 
 
 def _optional_presence(view: str, files: ViewFiles) -> dict[str, int]:

@@ -127,6 +127,10 @@ class RolloutConfig:
     vllm_python: str | None = None  # the Python that has vLLM; None = .venv-vllm ($ROLLFLOW_VLLM_PYTHON wins)
     vllm_kvcache_space_gib: int = 2  # a managed server's KV cache (its RSS is ~3 GB more)
     vllm_startup_timeout_s: float = 600.0  # a managed server must be healthy within this
+    # Managed vLLM servers of the run (backend "vllm", no base_urls), each its own process with
+    # its share of the generator's cores; episodes are dealt across them, every version is
+    # published to all, a dead one is restarted alone (tasks/vllm_generator.py)
+    num_generator_replicas: int = 1
     groups_in_flight: int | None = None  # None resolves to batch_size (reference)
     max_steps_off_policy: int | None = None  # None = lockstep (reference); see tasks/collect.py
     # How a new version reaches the generator: "synchronous" inline; "background_publish"
@@ -173,6 +177,13 @@ class RolloutConfig:
                 raise ConfigError(f"[rollout].base_urls entries must start with http:// or https://; got {url!r}")
         if self.base_urls and self.backend != "vllm":
             raise ConfigError("[rollout].base_urls is for backend = 'vllm' (backend 'openai' takes base_url)")
+        at_least(self, "rollout", "num_generator_replicas", 1)
+        if self.num_generator_replicas > 1 and (self.backend != "vllm" or self.base_urls):
+            raise ConfigError(
+                f"[rollout].num_generator_replicas = {self.num_generator_replicas} starts managed vLLM "
+                "servers: it needs backend = 'vllm' and no base_urls (your own servers are listed "
+                "in base_urls, as many as you run)"
+            )
 
 
 @dataclass(frozen=True)

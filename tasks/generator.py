@@ -15,7 +15,8 @@ One class per ``[rollout].backend``:
 
 - ``"vllm"``: ``VLLMGenerator``. With no ``[rollout].base_urls`` rollflow manages one
   server (``rollflow.policy.vllm_server``; its log is the run folder's
-  ``logs/vllm-server.log``). How a version reaches it:
+  ``logs/vllm-server.log``), or ``[rollout].num_generator_replicas`` of them, each version
+  published to all (``rollflow.tasks.vllm_generator``). How a version reaches it:
   - full weights: reloaded in place (``VLLMPolicy.reload_weights``) into a server started
     on an untied copy of the base model (``rollflow.policy.vllm_weights``);
   - LoRA, ``[rollout].lora_serving = "merged"`` (the default): each version's adapter is

@@ -2,14 +2,26 @@
 
 ``rollflow.tasks.generator`` says what a generator is and how a version reaches a vLLM
 server (in place, merged, or as an adapter); this module does it.
+
+Replicas: ``[rollout].num_generator_replicas`` managed servers of one spec, started together,
+each with its share of the generator's cores (``VLLMServerSpec.cpus``) and its own log
+(``logs/vllm-server.log``, then ``vllm-server-1.log``, ...). The one ``VLLMPolicy`` deals
+episodes to them round robin (every episode records the replica that sampled it); a version
+is published to every replica before the call returns, and a failed publish raises, so no
+replica serves an older version than the one the policy names. A replica that died is
+restarted alone and given what the others hold; the live ones keep serving.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import shutil
+import signal
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -20,6 +32,7 @@ from rollflow.envs.agent import Policy
 from rollflow.policy.models import ModelRef, hf_model_folder, load_tokenizer, stop_token_ids
 from rollflow.policy.procs import fault_point
 from rollflow.policy.sampling import SamplingSettings
+from rollflow.policy.stopping import exit_on_sigterm
 from rollflow.policy.vllm_backend import VLLMPolicy, adapter_name, discover_served_model
 from rollflow.policy.vllm_server import VLLMServer, VLLMServerSpec, lora_rank_limit
 from rollflow.policy.vllm_weights import merge_adapter, untied_serving_folder
@@ -54,16 +67,25 @@ class VLLMGenerator:
     """vLLM servers, managed (``server``) or the user's, and the versions they hold."""
 
     def __init__(
-        self, config: RunConfig, folder: RunFolder | None, policy: VLLMPolicy, server: VLLMServer | None,
-        tokenizer: PreTrainedTokenizerBase, *, key: tuple[object, ...],
+        self, config: RunConfig, folder: RunFolder | None, policy: VLLMPolicy,
+        servers: VLLMServer | Sequence[VLLMServer] | None, tokenizer: PreTrainedTokenizerBase,
+        *, key: tuple[object, ...],
     ) -> None:  # fmt: skip
-        self.config, self.folder, self.policy, self.server = config, folder, policy, server
+        self.config, self.folder, self.policy = config, folder, policy
+        self.servers: list[VLLMServer] = (
+            [] if servers is None else [servers] if isinstance(servers, VLLMServer) else list(servers)
+        )  # fmt: skip
         self.tokenizer, self.key = tokenizer, key
-        self.in_place = server is not None and serves_in_place(config)
+        self.in_place = bool(self.servers) and serves_in_place(config)
         self.adapters: dict[int, Path] = {}  # adapters: version -> folder, loaded on the servers
         self.weights: tuple[int, Path] | None = None  # in place: the version reloaded (None: the spec's own)
         self._scratch: Path | None = None  # merged folders of a generator without a run folder
         self.closed = False
+
+    @property
+    def server(self) -> VLLMServer | None:
+        """The first managed server (the only one without replicas); None: the user's servers."""
+        return self.servers[0] if self.servers else None
 
     def adapter(self, version: int) -> str:
         return adapter_name(run_adapter_prefix(self.folder), version)
@@ -120,33 +142,52 @@ class VLLMGenerator:
         return self.policy.pinned(version, adapter=adapter, seed=seed)
 
     def fault(self) -> GeneratorFault | None:
-        return server_fault(self.server, self.policy.base_urls)
+        if not self.servers:
+            return server_fault(None, self.policy.base_urls)
+        for server in self.servers:
+            fault = server_fault(server, (server.base_url,))
+            if fault is not None:
+                return fault
+        return None
 
     def restart(self, reason: str) -> None:
-        """The same spec on a fresh server, holding what this one held; a new policy for its
-        port (counters carried over). ``GeneratorError`` for the user's servers."""
-        server = self.server
-        if server is None:
+        """The managed servers that cannot sample (all of them when none is seen failing) on
+        fresh processes of their spec, holding what the others hold; a new policy for their
+        ports (counters carried over). ``GeneratorError`` for the user's servers."""
+        if not self.servers:
             raise GeneratorError(f"{reason}; {UNMANAGED_SERVER}")
-        print(f"  vLLM: restarting the managed server: {reason}", file=sys.stderr, flush=True)
-        server.restart(reason, log_path=self.folder.root / VLLM_LOG if self.folder is not None else None)
-        print(f"  vLLM: restarted, healthy after {server.startup_s:.1f} s", file=sys.stderr, flush=True)
+        failed = [i for i, s in enumerate(self.servers) if server_fault(s, (s.base_url,)) is not None]
+        for i in failed or range(len(self.servers)):
+            server = self.servers[i]
+            name = "the managed server" if len(self.servers) == 1 else f"replica {i}"
+            print(f"  vLLM: restarting {name}: {reason}", file=sys.stderr, flush=True)
+            server.restart(reason, log_path=self._log_path(i))
+            print(f"  vLLM: restarted, healthy after {server.startup_s:.1f} s", file=sys.stderr, flush=True)
+        fresh = [self.servers[i].base_url for i in failed or range(len(self.servers))]
         old = self.policy
-        self.policy = managed_policy(server, self.tokenizer, old.settings)
+        self.policy = managed_policy(self.servers, self.tokenizer, old.settings)
         self.policy.stats, self.policy.version = old.stats, old.version
-        # What was held, as far as its folders are left (pruned ones: the next policy_for loads anew)
+        # What was held, as far as its folders are left (pruned ones: the next policy_for loads
+        # anew); the live replicas hold it already, the fresh ones get it now
         self.adapters = {v: folder for v, folder in self.adapters.items() if folder.is_dir()}
-        for version, folder in self.adapters.items():
-            self.policy.add_adapter(folder, self.adapter(version))
+        live = {name: folder for name, folder in old._loaded.items() if folder.is_dir()}
+        self.policy._loaded, self.policy.adapter_name = dict(live), old.adapter_name if old.adapter_name in live else None
+        for name, folder in live.items():
+            self.policy.add_adapter(folder, name, only=fresh)
         if self.weights is not None and not self.weights[1].is_dir():
-            self.weights = None  # the fresh server holds its spec's own weights
+            self.weights = None  # the fresh servers hold their spec's own weights
+            if len(fresh) < len(self.servers):  # and so must the live ones
+                self.policy.reload_weights(self.servers[0].spec.model_dir, old.version)
         if self.weights is not None:
-            self.policy.reload_weights(self.weights[1], self.weights[0])
+            self.policy.reload_weights(self.weights[1], self.weights[0], only=fresh)
+
+    def _log_path(self, replica: int) -> Path | None:
+        return replica_log(self.folder.root, replica) if self.folder is not None else None
 
     def close(self) -> None:
         self.closed = True
-        if self.server is not None:
-            self.server.stop()
+        for server in self.servers:
+            server.stop()
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
         elif self.folder is not None and self.in_place:  # a cache: rebuilt from the checkpoints
@@ -168,10 +209,10 @@ class VLLMGenerator:
 
     def _reload(self, version: int, folder: Path | None) -> None:
         held = self.weights[1] if self.weights is not None else None
-        assert self.server is not None
+        assert self.servers
         if held != folder:
             fault_point("weight_publish")  # tests: a kill while the step's weights go to the server
-            seconds = self.policy.reload_weights(folder or self.server.spec.model_dir, version)
+            seconds = self.policy.reload_weights(folder or self.servers[0].spec.model_dir, version)
             print(f"  vLLM: version {version}'s weights reloaded in place in {seconds:.1f}s", file=sys.stderr, flush=True)
         self.weights = None if folder is None else (version, folder)
         self._forget_merged(keep=folder)
@@ -195,11 +236,30 @@ class VLLMGenerator:
 
     def _check_adapter(self, source: Path) -> None:
         """Only adapters reach the user's servers (a managed one serving adapters trains LoRA)."""
-        if self.server is None and not (source / "adapter_config.json").is_file():
+        if not self.servers and not (source / "adapter_config.json").is_file():
             raise ConfigError(
                 "[rollout].base_urls: full-weight checkpoints cannot reach external vLLM servers; "
                 "train with [train].use_lora = true, or leave base_urls empty for a managed server"
             )
+
+
+def server_specs(config: RunConfig, *, versions_in_flight: int) -> tuple[VLLMServerSpec, ...]:
+    """One spec per replica (``[rollout].num_generator_replicas``): ``server_spec``'s, with the
+    generator's cores dealt out (replica i gets every n-th; fewer cores than replicas: they
+    share them all)."""
+    spec = server_spec(config, versions_in_flight=versions_in_flight)
+    n = config.rollout.num_generator_replicas
+    if n == 1:
+        return (spec,)
+    cores = tuple(spec.cpus) or tuple(sorted(os.sched_getaffinity(0)))
+    if len(cores) < n:
+        return tuple(dataclasses.replace(spec, cpus=cores) for _ in range(n))
+    return tuple(dataclasses.replace(spec, cpus=cores[i::n]) for i in range(n))
+
+
+def replica_log(run_root: Path, replica: int) -> Path:
+    """``logs/vllm-server.log`` for the first replica, ``logs/vllm-server-<i>.log`` for the others."""
+    return run_root / (VLLM_LOG if replica == 0 else VLLM_LOG.with_name(f"vllm-server-{replica}.log"))
 
 
 def server_spec(config: RunConfig, *, versions_in_flight: int) -> VLLMServerSpec:
@@ -226,11 +286,11 @@ def generator_key(config: RunConfig, *, versions_in_flight: int) -> tuple[object
     rollout = config.rollout
     if rollout.base_urls:
         return ("external", rollout.base_urls, rollout.api_model)
-    return ("managed", server_spec(config, versions_in_flight=versions_in_flight))
+    return ("managed", *server_specs(config, versions_in_flight=versions_in_flight))
 
 
 def start_vllm_generator(config: RunConfig, folder: RunFolder | None, *, versions_in_flight: int) -> VLLMGenerator:
-    """Start the managed server (or connect to the user's), serving the base model."""
+    """Start the managed servers (or connect to the user's), serving the base model."""
     rollout = config.rollout
     base = base_model_ref(config)
     tokenizer = load_tokenizer(ModelRef(path=base.path, gguf_file=base.gguf_file))
@@ -243,22 +303,42 @@ def start_vllm_generator(config: RunConfig, folder: RunFolder | None, *, version
         )  # fmt: skip
         policy.connect(check_logprobs_mode=True)
         return VLLMGenerator(config, folder, policy, None, tokenizer, key=key)
-    spec = key[1]
-    assert isinstance(spec, VLLMServerSpec)
-    log = folder.root / VLLM_LOG if folder is not None else None
-    server = VLLMServer(spec, log_path=log, startup_timeout_s=rollout.vllm_startup_timeout_s).start()
+    specs = [spec for spec in key[1:] if isinstance(spec, VLLMServerSpec)]
+    servers = [
+        VLLMServer(spec, log_path=replica_log(folder.root, i) if folder is not None else None,
+                   startup_timeout_s=rollout.vllm_startup_timeout_s)
+        for i, spec in enumerate(specs)
+    ]  # fmt: skip
     try:
-        policy = managed_policy(server, tokenizer, sampling_settings(config))
+        start_together(servers)
+        policy = managed_policy(servers, tokenizer, sampling_settings(config))
     except BaseException:
-        server.stop()
+        for server in servers:
+            server.stop()
         raise
-    return VLLMGenerator(config, folder, policy, server, tokenizer, key=key)
+    return VLLMGenerator(config, folder, policy, servers, tokenizer, key=key)
 
 
-def managed_policy(server: VLLMServer, tokenizer: PreTrainedTokenizerBase, settings: SamplingSettings) -> VLLMPolicy:
-    spec = server.spec
+def start_together(servers: Sequence[VLLMServer]) -> None:
+    """Start every server, the replicas at once (each start waits on its own health check);
+    the first failure raises once every start has ended."""
+    if len(servers) == 1:
+        servers[0].start()
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        exit_on_sigterm()  # as VLLMServer.start would: a handler is set from the main thread only
+    with ThreadPoolExecutor(max_workers=len(servers), thread_name_prefix="vllm-start") as pool:
+        for started in [pool.submit(server.start) for server in servers]:
+            started.result()
+
+
+def managed_policy(
+    servers: VLLMServer | Sequence[VLLMServer], tokenizer: PreTrainedTokenizerBase, settings: SamplingSettings
+) -> VLLMPolicy:
+    servers = [servers] if isinstance(servers, VLLMServer) else list(servers)
+    spec = servers[0].spec
     policy = VLLMPolicy(
-        [server.base_url], tokenizer, settings, served_model=spec.served_model_name,
+        [server.base_url for server in servers], tokenizer, settings, served_model=spec.served_model_name,
         stop_token_ids=stop_token_ids(Path(spec.model_dir)),
         max_lora_rank=spec.max_lora_rank if spec.enable_lora else None,
     )  # fmt: skip
@@ -293,8 +373,9 @@ def lent_generator(config: RunConfig, folder: RunFolder | None, *, versions_in_f
     for lent in reversed(_LENT):
         if lent.key == key and not lent.closed:
             lent.config, lent.folder = config, folder
-            if lent.server is not None and not lent.server.running:  # died since the last use
-                lent.restart(f"{lent.server.base_url} {lent.server.describe_exit()} since its last use")
+            dead = [server for server in lent.servers if not server.running]
+            if dead:  # died since the last use
+                lent.restart(f"{dead[0].base_url} {dead[0].describe_exit()} since its last use")
             return lent
     return None
 

@@ -362,9 +362,30 @@ def test_bad_sql_is_a_query_error(run: RunFolder) -> None:
         run_query(con, "SELECT nope FROM episodes")
 
 
-def _written_before_the_node_column(table):  # noqa: ANN001, ANN202 - a pyarrow table
-    """``table`` as a rollflow that had no ``episodes.node`` column wrote it."""
-    return table.drop_columns(["node"]).replace_schema_metadata(table.schema.metadata)
+def _written_before_the_node_column(table, dropped=("node", "replica")):  # noqa: ANN001, ANN202 - a pyarrow table
+    """``table`` as a rollflow that had no ``episodes.node`` column (nor the later ``replica``) wrote it."""
+    return table.drop_columns(list(dropped)).replace_schema_metadata(table.schema.metadata)
+
+
+def test_episode_files_from_before_the_replica_column_still_read(tmp_path: Path) -> None:
+    """``replica`` came after ``node``: a file that has ``node`` but not ``replica`` reads
+    with a null replica, in Python and SQL, beside a part that has it."""
+    from rollflow.storage.parquet import read_table
+    from rollflow.storage.schemas import table_to_episode_records
+
+    folder = RunFolder(tmp_path / "run")
+    first, second = (synthetic_episode(folder.run_id, 0, t, 0) for t in range(2))
+    second = dataclasses.replace(second, rollout=dataclasses.replace(second.rollout, replica=1))
+    out = folder.parts_dir(0, "episodes")
+    out.mkdir(parents=True)
+    old = _written_before_the_node_column(episode_records_to_table([first]), dropped=("replica",))
+    pq.write_table(old, out / "part-00000.parquet")
+    pq.write_table(episode_records_to_table([second]), out / "part-00001.parquet")
+    folder.seal_stage(0, "episodes")
+    assert [r.rollout.replica for r in table_to_episode_records(read_table(out))] == [None, 1]
+    con = open_run_sql(folder.root)
+    assert run_query(con, "SELECT replica FROM episodes ORDER BY episode_id")[1] == [(None,), (1,)]
+    assert ("replica", "INTEGER") in describe_views(con)["episodes"]
 
 
 def test_episode_files_from_before_the_node_column_still_read(tmp_path: Path) -> None:
