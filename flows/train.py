@@ -17,8 +17,9 @@ Two schedules call it, and differ only in where a step's episodes come from:
 
 The run holds one generator for all its steps (``open_generator``; async:
 ``open_async_generator``), closed when the run ends or fails. On a Ray cluster
-(``[cluster]``, lockstep) the rollout chunks run on its nodes, and the train stage too where
-``[cluster]`` places the trainer (``run_cluster``).
+(``[cluster]``, lockstep) the rollout chunks run on its nodes, and the train stage and the
+managed vLLM replicas too where ``[cluster]`` places them (``run_cluster``, opened before
+the generator and closed after it; ``replica_host``).
 
 Resume is the same call again on the same run folder. A stage whose output exists is
 finished and is not run again; a half-written temporary left by a crash is discarded
@@ -45,6 +46,7 @@ from prefect.utilities.annotations import quote
 
 from rollflow.envs.agent import Policy
 from rollflow.flows.concurrency import one_training_at_a_time
+from rollflow.flows.ray_replicas import replica_host
 from rollflow.flows.runs import RunHandle, open_run
 from rollflow.flows.step import (
     RemoteTrainer,
@@ -136,7 +138,9 @@ def run_training(handle: RunHandle) -> None:
 
 def run_lockstep_training(handle: RunHandle) -> None:
     config, root, last = handle.config, handle.root, handle.config.train.num_steps
-    with open_generator(config, handle.folder, versions_in_flight=1) as generator, run_cluster(config) as (fan_out, trainer):
+    with run_cluster(config) as (fan_out, trainer), open_generator(
+        config, handle.folder, versions_in_flight=1, host=replica_host(config)
+    ) as generator:
         for step in range(last):
             if handle.step_finished(step):
                 continue

@@ -143,6 +143,9 @@ class VLLMServerSpec:
     kvcache_space_gib: int = 2
     python: str | None = None  # None: $ROLLFLOW_VLLM_PYTHON, then the repo's .venv-vllm
     cpus: tuple[int, ...] = ()  # the cores its threads are bound to; empty: every core this process may use
+    # The address it listens on: loopback, or a cluster node's own address for a replica that
+    # other machines reach (its admin endpoints too: keep such a network closed to others)
+    host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if not (Path(self.model_dir) / "config.json").is_file():
@@ -160,7 +163,7 @@ class VLLMServerSpec:
             str(python), "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model_dir,
             "--served-model-name", self.served_model_name,
-            "--host", "127.0.0.1",
+            "--host", self.host,
             "--port", str(port),
             "--max-model-len", str(self.max_model_len),
             "--dtype", "float32",
@@ -188,7 +191,8 @@ class VLLMServerSpec:
         if env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
             env.update(worker_openmp_environment(env["VLLM_CPU_OMP_THREADS_BIND"], env))
         # /collective_rpc reload_weights and /reset_prefix_cache: full-weight sync in place
-        # (VLLMPolicy.reload_weights). The server listens on loopback only.
+        # (VLLMPolicy.reload_weights). The server listens on loopback unless ``host`` says
+        # otherwise (a replica on a cluster node).
         env.setdefault("VLLM_SERVER_DEV_MODE", "1")
         if self.enable_lora:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
@@ -217,9 +221,9 @@ def resolve_python(configured: str | None) -> Path:
     return candidate
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
+        probe.bind((host, 0))
         return int(probe.getsockname()[1])
 
 
@@ -246,10 +250,10 @@ class VLLMServer:
 
     @property
     def base_url(self) -> str:
-        """``http://127.0.0.1:P/v1``: what the policy's requests go to."""
+        """``http://HOST:P/v1`` (``VLLMServerSpec.host``): what the policy's requests go to."""
         if self.port is None:
             raise VLLMServerError("the server has not been started")
-        return f"http://127.0.0.1:{self.port}/v1"
+        return f"http://{self.spec.host}:{self.port}/v1"
 
     @property
     def running(self) -> bool:
@@ -280,7 +284,7 @@ class VLLMServer:
         self._check_cpu_attention()
         if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
             exit_on_sigterm()  # else a `kill` would skip atexit and leave the server running
-        self.port = free_port()
+        self.port = free_port(self.spec.host)
         self._command = self.spec.command(self.python, self.port)
         if self.log_path is None:
             handle, name = tempfile.mkstemp(prefix="rollflow-vllm-", suffix=".log")
@@ -368,10 +372,15 @@ class VLLMServer:
         self.stop()
 
     def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
-        if self.log_path is None or not self.log_path.is_file():
+        return self.read_tail(self.log_path, chars)
+
+    @staticmethod
+    def read_tail(log_path: Path | None, chars: int = LOG_TAIL_CHARS) -> str:
+        """The last ``chars`` characters of a server log, or ``"(no log)"``."""
+        if log_path is None or not log_path.is_file():
             return "(no log)"
-        size = self.log_path.stat().st_size
-        with self.log_path.open("rb") as log:
+        size = log_path.stat().st_size
+        with log_path.open("rb") as log:
             log.seek(max(0, size - chars))
             return log.read().decode("utf-8", errors="replace")
 
@@ -413,7 +422,7 @@ class VLLMServer:
 
     def _wait_healthy(self, started: float) -> None:
         assert self._process is not None
-        url = f"http://127.0.0.1:{self.port}/health"
+        url = f"http://{self.spec.host}:{self.port}/health"
         while True:
             code = self._process.poll()
             if code is not None:

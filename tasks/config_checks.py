@@ -89,9 +89,9 @@ def check_async(config: RunConfig) -> None:
 
 def check_cluster(config: RunConfig) -> None:
     """What runs on a Ray cluster today: lockstep rollouts on a vLLM generator
-    (``flows/ray_rollout.py``) and the train stage placed by ``[cluster]``
-    (``flows/ray_trainer.py``). Anything else is refused rather than run on one machine
-    while ``[cluster]`` says otherwise."""
+    (``flows/ray_rollout.py``), its managed replicas and the train stage where ``[cluster]``
+    places them (``flows/ray_replicas.py``, ``flows/ray_trainer.py``). Anything else is
+    refused rather than run on one machine while ``[cluster]`` says otherwise."""
     mode = config.cluster.mode
     if mode == "none":
         return
@@ -111,4 +111,16 @@ def check_cluster(config: RunConfig) -> None:
             f"[cluster].mode = {mode!r} with async collection ([rollout].max_steps_off_policy) is not "
             f"supported yet: {supported}. Drop max_steps_off_policy (lockstep), or use "
             "[cluster].mode = 'none' for async on one machine"
+        )
+    cluster, rollout = config.cluster, config.rollout
+    if cluster.serves_generators and rollout.base_urls:
+        raise ConfigError(
+            "[cluster].generator_nodes / generator_gpus place managed vLLM replicas, and [rollout].base_urls "
+            "names servers of your own: drop one of them"
+        )
+    if len(cluster.generator_nodes) > rollout.num_generator_replicas:
+        raise ConfigError(
+            f"[cluster].generator_nodes names {len(cluster.generator_nodes)} nodes for "
+            f"{rollout.num_generator_replicas} replica(s) ([rollout].num_generator_replicas): a named node "
+            "would get none; raise num_generator_replicas or name fewer nodes"
         )

@@ -56,6 +56,17 @@ class ClusterConfig:
     trainer_node: str | None = None
     trainer_gpus: float = 0.0
     trainer_cpus: int = 1  # the training task's CPUs on the cluster, and its torch threads
+    # Where the managed vLLM replicas ([rollout].num_generator_replicas) run: none named and
+    # 0 GPUs, started by the run's own process (the default); else each a Ray actor, replica
+    # i on generator_nodes[i % len], or on any node with generator_gpus GPUs
+    generator_nodes: tuple[str, ...] = ()
+    generator_gpus: float = 0.0
+    generator_cpus: int = 0  # Ray CPUs each replica's actor holds (0: leaves the node's CPUs to tasks)
+
+    @property
+    def serves_generators(self) -> bool:
+        """The managed vLLM replicas run as actors on the cluster (a mode other than "none" is checked)."""
+        return bool(self.generator_nodes) or self.generator_gpus > 0
 
     @property
     def trains_on_cluster(self) -> bool:
@@ -72,7 +83,10 @@ class ClusterConfig:
         in_range(self, "cluster", "startup_timeout_s", 0.0, None, low_open=True)
         at_least(self, "cluster", "trainer_cpus", 1)
         in_range(self, "cluster", "trainer_gpus", 0.0, None)
+        at_least(self, "cluster", "generator_cpus", 0)
+        in_range(self, "cluster", "generator_gpus", 0.0, None)
         self._check_trainer()
+        self._check_generators()
         if self.mode == "address":
             self._check_address()
         elif self.address is not None:
@@ -112,6 +126,35 @@ class ClusterConfig:
                 "(mode = 'local' starts CPU-only nodes); drop trainer_gpus, or join a cluster with GPUs "
                 "(mode = 'address')"
             )
+
+    def _check_generators(self) -> None:
+        if self.serves_generators and self.mode == "none":
+            raise ConfigError(
+                "[cluster].generator_nodes / generator_gpus place the vLLM replicas on a Ray cluster, and "
+                "[cluster].mode is 'none': set mode = 'local' or 'address', or drop them (the replicas "
+                "then run beside the run's own process)"
+            )
+        if self.mode != "local":
+            return
+        nodes = self.local_node_cpus()
+        unknown = [node for node in self.generator_nodes if node not in nodes]
+        if unknown:
+            raise ConfigError(
+                f"[cluster].generator_nodes {unknown} are not nodes of the local cluster; its nodes are "
+                f"{sorted(nodes)} (num_worker_nodes = {self.num_worker_nodes})"
+            )
+        if self.generator_gpus > 0:
+            raise ConfigError(
+                f"[cluster].generator_gpus = {self.generator_gpus} on a local cluster: its nodes have no GPUs "
+                "(mode = 'local' starts CPU-only nodes); drop generator_gpus, or join a cluster with GPUs "
+                "(mode = 'address')"
+            )
+        for node in self.generator_nodes:
+            if self.generator_cpus > nodes[node]:
+                raise ConfigError(
+                    f"[cluster].generator_cpus = {self.generator_cpus} is more than node {node!r} has "
+                    f"({nodes[node]}); the replica's actor could never be placed"
+                )
 
     def _check_address(self) -> None:
         if self.address is None:

@@ -62,8 +62,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
-
+from typing import TYPE_CHECKING, Protocol
 
 from rollflow.envs.agent import Policy
 from rollflow.policy.models import load_causal_lm
@@ -72,6 +71,9 @@ from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.checkpoints import read_checkpoint
 from rollflow.tasks.config import RunConfig
 from rollflow.tasks.models import policy_model_ref, torch_device, torch_dtype
+
+if TYPE_CHECKING:
+    from rollflow.tasks.vllm_generator import ServerHost
 
 BATCH_WINDOW_S = 10.0
 MAX_GENERATOR_RESTARTS = 2  # per budget: a server that keeps dying is not a transient fault
@@ -220,9 +222,12 @@ def openai_generator(config: RunConfig) -> FixedGenerator:
 
 
 @contextmanager
-def open_generator(config: RunConfig, folder: RunFolder | None, *, versions_in_flight: int) -> Iterator[Generator]:
+def open_generator(
+    config: RunConfig, folder: RunFolder | None, *, versions_in_flight: int, host: ServerHost | None = None
+) -> Iterator[Generator]:
     """The run's generator (see the module docstring), closed afterwards, also on failure;
-    a vLLM generator lent by the caller (``vllm_generator.lend``) is used and left running."""
+    a vLLM generator lent by the caller (``vllm_generator.lend``) is used and left running.
+    ``host``: where a vLLM generator's managed servers start (None: this machine)."""
     if config.rollout.backend == "openai":
         generator: Generator = openai_generator(config)
     elif config.rollout.backend == "vllm":
@@ -232,7 +237,7 @@ def open_generator(config: RunConfig, folder: RunFolder | None, *, versions_in_f
         if lent is not None:
             yield lent
             return
-        generator = start_vllm_generator(config, folder, versions_in_flight=versions_in_flight)
+        generator = start_vllm_generator(config, folder, versions_in_flight=versions_in_flight, host=host)
     else:
         generator = LocalGenerator(config)
     try:

@@ -20,10 +20,11 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Protocol
 
 import httpx
 from transformers import PreTrainedTokenizerBase
@@ -48,6 +49,35 @@ from rollflow.tasks.generator import (
 )
 from rollflow.tasks.models import base_model_ref
 
+class ManagedServer(Protocol):
+    """What the generator asks of a managed server: ``VLLMServer``, or a replica's handle on
+    a cluster node (``flows/ray_replicas.RemoteServer``)."""
+
+    spec: VLLMServerSpec
+    log_path: Path | None
+    startup_s: float | None
+    restarts: int
+
+    @property
+    def base_url(self) -> str: ...
+
+    @property
+    def running(self) -> bool: ...
+
+    def start(self) -> Any: ...
+
+    def restart(self, reason: str, *, log_path: Path | None = None) -> Any: ...
+
+    def stop(self) -> None: ...
+
+    def describe_exit(self) -> str: ...
+
+    def log_tail(self) -> str: ...
+
+
+# Starts the managed servers of ``specs`` (their logs, the startup timeout) somewhere else
+ServerHost = Callable[[Sequence[VLLMServerSpec], Sequence["Path | None"], float], Sequence[ManagedServer]]
+
 SERVED_MODEL_NAME = "policy"
 VLLM_LOG = Path("logs") / "vllm-server.log"
 SERVING_DIR = "serving"  # <run>/serving/policy-v{N}-merged: the version a server reloaded
@@ -68,12 +98,12 @@ class VLLMGenerator:
 
     def __init__(
         self, config: RunConfig, folder: RunFolder | None, policy: VLLMPolicy,
-        servers: VLLMServer | Sequence[VLLMServer] | None, tokenizer: PreTrainedTokenizerBase,
+        servers: ManagedServer | Sequence[ManagedServer] | None, tokenizer: PreTrainedTokenizerBase,
         *, key: tuple[object, ...],
     ) -> None:  # fmt: skip
         self.config, self.folder, self.policy = config, folder, policy
-        self.servers: list[VLLMServer] = (
-            [] if servers is None else [servers] if isinstance(servers, VLLMServer) else list(servers)
+        self.servers: list[ManagedServer] = (
+            [] if servers is None else list(servers) if isinstance(servers, Sequence) else [servers]
         )  # fmt: skip
         self.tokenizer, self.key = tokenizer, key
         self.in_place = bool(self.servers) and serves_in_place(config)
@@ -83,7 +113,7 @@ class VLLMGenerator:
         self.closed = False
 
     @property
-    def server(self) -> VLLMServer | None:
+    def server(self) -> ManagedServer | None:
         """The first managed server (the only one without replicas); None: the user's servers."""
         return self.servers[0] if self.servers else None
 
@@ -246,9 +276,11 @@ class VLLMGenerator:
 def server_specs(config: RunConfig, *, versions_in_flight: int) -> tuple[VLLMServerSpec, ...]:
     """One spec per replica (``[rollout].num_generator_replicas``): ``server_spec``'s, with the
     generator's cores dealt out (replica i gets every n-th; fewer cores than replicas: they
-    share them all)."""
+    share them all); replicas on a cluster's nodes keep every core of their node."""
     spec = server_spec(config, versions_in_flight=versions_in_flight)
     n = config.rollout.num_generator_replicas
+    if config.cluster.serves_generators:  # each on its node's cores (flows/ray_replicas.py)
+        return (spec,) * n
     if n == 1:
         return (spec,)
     cores = tuple(spec.cpus) or tuple(sorted(os.sched_getaffinity(0)))
@@ -286,11 +318,16 @@ def generator_key(config: RunConfig, *, versions_in_flight: int) -> tuple[object
     rollout = config.rollout
     if rollout.base_urls:
         return ("external", rollout.base_urls, rollout.api_model)
-    return ("managed", *server_specs(config, versions_in_flight=versions_in_flight))
+    cluster = config.cluster
+    placed = ("placed", cluster.address, cluster.generator_nodes, cluster.generator_gpus, cluster.generator_cpus)
+    return ("managed", *server_specs(config, versions_in_flight=versions_in_flight), *(placed if cluster.serves_generators else ()))
 
 
-def start_vllm_generator(config: RunConfig, folder: RunFolder | None, *, versions_in_flight: int) -> VLLMGenerator:
-    """Start the managed servers (or connect to the user's), serving the base model."""
+def start_vllm_generator(
+    config: RunConfig, folder: RunFolder | None, *, versions_in_flight: int, host: ServerHost | None = None
+) -> VLLMGenerator:
+    """Start the managed servers (or connect to the user's), serving the base model; ``host``
+    starts them elsewhere (a Ray cluster's nodes: ``flows/ray_replicas.py``)."""
     rollout = config.rollout
     base = base_model_ref(config)
     tokenizer = load_tokenizer(ModelRef(path=base.path, gguf_file=base.gguf_file))
@@ -304,11 +341,11 @@ def start_vllm_generator(config: RunConfig, folder: RunFolder | None, *, version
         policy.connect(check_logprobs_mode=True)
         return VLLMGenerator(config, folder, policy, None, tokenizer, key=key)
     specs = [spec for spec in key[1:] if isinstance(spec, VLLMServerSpec)]
-    servers = [
-        VLLMServer(spec, log_path=replica_log(folder.root, i) if folder is not None else None,
-                   startup_timeout_s=rollout.vllm_startup_timeout_s)
-        for i, spec in enumerate(specs)
-    ]  # fmt: skip
+    logs = [replica_log(folder.root, i) if folder is not None else None for i in range(len(specs))]
+    servers: list[ManagedServer] = (
+        [VLLMServer(spec, log_path=log, startup_timeout_s=rollout.vllm_startup_timeout_s) for spec, log in zip(specs, logs)]
+        if host is None else host(specs, logs, rollout.vllm_startup_timeout_s)
+    )  # fmt: skip
     try:
         start_together(servers)
         policy = managed_policy(servers, tokenizer, sampling_settings(config))
@@ -319,7 +356,7 @@ def start_vllm_generator(config: RunConfig, folder: RunFolder | None, *, version
     return VLLMGenerator(config, folder, policy, servers, tokenizer, key=key)
 
 
-def start_together(servers: Sequence[VLLMServer]) -> None:
+def start_together(servers: Sequence[ManagedServer]) -> None:
     """Start every server, the replicas at once (each start waits on its own health check);
     the first failure raises once every start has ended."""
     if len(servers) == 1:
@@ -333,9 +370,9 @@ def start_together(servers: Sequence[VLLMServer]) -> None:
 
 
 def managed_policy(
-    servers: VLLMServer | Sequence[VLLMServer], tokenizer: PreTrainedTokenizerBase, settings: SamplingSettings
+    servers: ManagedServer | Sequence[ManagedServer], tokenizer: PreTrainedTokenizerBase, settings: SamplingSettings
 ) -> VLLMPolicy:
-    servers = [servers] if isinstance(servers, VLLMServer) else list(servers)
+    servers = list(servers) if isinstance(servers, Sequence) else [servers]
     spec = servers[0].spec
     policy = VLLMPolicy(
         [server.base_url for server in servers], tokenizer, settings, served_model=spec.served_model_name,
@@ -380,7 +417,7 @@ def lent_generator(config: RunConfig, folder: RunFolder | None, *, versions_in_f
     return None
 
 
-def server_fault(server: VLLMServer | None, base_urls: Sequence[str]) -> GeneratorFault | None:
+def server_fault(server: ManagedServer | None, base_urls: Sequence[str]) -> GeneratorFault | None:
     """Why ``server`` (managed) or the user's ``base_urls`` (``server`` None) cannot sample."""
     if server is None:
         for url in base_urls:

@@ -40,6 +40,11 @@ def test_no_cluster_is_the_default_and_a_local_one_round_trips_through_toml() ->
          r"its nodes are \['head', 'worker-1'\]"),
         ({"mode": "local", "trainer_node": "worker-1", "trainer_cpus": 2}, r"trainer_cpus = 2 is more than node 'worker-1' has \(1"),
         ({"mode": "local", "trainer_node": "head", "trainer_gpus": 1}, r"trainer_gpus = 1.0 on a local cluster: its nodes have no GPUs"),
+        ({"generator_nodes": ["head"]}, r"place the vLLM replicas on a Ray cluster, and \[cluster\].mode is 'none'"),
+        ({"mode": "local", "generator_nodes": ["head", "worker-3"]}, r"generator_nodes \['worker-3'\] are not nodes of the local"),
+        ({"mode": "local", "generator_gpus": 1}, r"generator_gpus = 1.0 on a local cluster: its nodes have no GPUs"),
+        ({"mode": "local", "generator_nodes": ["worker-1"], "generator_cpus": 2}, r"generator_cpus = 2 is more than node 'worker-1'"),
+        ({"mode": "local", "generator_nodes": "head"}, r"generator_nodes"),
         ({"trainer_cpus": 0}, r"trainer_cpus must be at least 1"),
     ],
 )
@@ -64,3 +69,17 @@ def test_a_training_run_refuses_what_a_cluster_does_not_run(rollout: dict[str, o
             check_run_config(parse_config({"cluster": mode, "rollout": rollout}))
     check_run_config(parse_config({"rollout": rollout}))  # without a cluster: fine
     check_run_config(parse_config({"cluster": {"mode": "local"}, "rollout": {"backend": "vllm"}}))
+
+
+def test_replicas_placed_on_the_cluster_must_be_rollflows_and_one_per_named_node_at_least() -> None:
+    from rollflow.tasks.config_checks import check_run_config
+
+    placed = {"mode": "local", "num_worker_nodes": 1, "generator_nodes": ["head", "worker-1"]}
+    config = parse_config({"cluster": placed, "rollout": {"backend": "vllm", "num_generator_replicas": 2}})
+    check_run_config(config)
+    assert config.cluster.serves_generators and parse_config(tomllib.loads(config_to_toml(config))) == config
+    with pytest.raises(ConfigError, match=r"names 2 nodes for 1 replica\(s\)"):
+        check_run_config(parse_config({"cluster": placed, "rollout": {"backend": "vllm"}}))
+    with pytest.raises(ConfigError, match=r"\[rollout\].base_urls names servers of your own: drop one"):
+        check_run_config(parse_config({"cluster": {**placed, "generator_nodes": ["head"]},
+                                       "rollout": {"backend": "vllm", "base_urls": ["http://10.0.0.9:8000/v1"]}}))  # fmt: skip

@@ -320,6 +320,97 @@ def test_a_chunk_ray_gives_up_on_fails_the_stage_by_name_and_the_resume_replays_
     assert len(replayed) == 2 and {e.node for e in replayed} == {"head"}
 
 
+def _replicas_on_both_nodes(config: RunConfig) -> RunConfig:
+    """Two managed vLLM replicas as Ray actors: replica 0 on the head, replica 1 on the worker."""
+    return replace(
+        config, rollout=replace(config.rollout, num_generator_replicas=2),
+        cluster=replace(config.cluster, generator_nodes=("head", "worker-1")),
+    )  # fmt: skip
+
+
+class _ServerWatch(threading.Thread):
+    """Notes, while a run goes on, each vLLM server process of the cluster and the node whose
+    session its parent (the replica's actor) is in."""
+
+    def __init__(self, cluster: LocalRayCluster) -> None:
+        super().__init__(daemon=True)
+        self.cluster, self.seen, self.done = cluster, dict[int, str](), threading.Event()
+
+    def run(self) -> None:
+        sessions = {process.pid: name for name, process in self.cluster._nodes.items()}
+        while not self.done.is_set():
+            for proc in self.cluster.processes().values():
+                if proc.pid not in self.seen and "vllm.entrypoints.openai.api_server" in _cmdline(proc.pid):
+                    self.seen[proc.pid] = sessions.get(session_of(proc.ppid) or -1, "elsewhere")
+            time.sleep(0.2)
+
+
+def test_generator_replicas_are_actors_on_the_named_nodes_and_each_episode_records_its_replica(
+    base_config: RunConfig, cluster: LocalRayCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``[cluster].generator_nodes``: the run starts each replica's server from an actor on its
+    node, samples both, and stops them with the run."""
+    if "worker-1" not in cluster.nodes():  # a test before killed it
+        cluster.restart_node("worker-1")
+    watch = _ServerWatch(cluster)
+    watch.start()
+    try:
+        folder = RunFolder(_train(_replicas_on_both_nodes(base_config), tmp_path))
+    finally:
+        watch.done.set()
+        watch.join(timeout=5)
+    err = capsys.readouterr().err
+    assert re.search(r"replica 0 serving on node head at http://127\.0\.0\.2:\d+/v1", err), err
+    assert re.search(r"replica 1 serving on node worker-1 at http://127\.0\.0\.2:\d+/v1", err), err
+    assert sorted(watch.seen.values()) == ["head", "worker-1"], watch.seen
+    stages = _assert_every_episode_once(folder)
+    assert {e.rollout.replica for episodes in stages.values() for e in episodes} == {0, 1}
+    assert (folder.root / "logs" / "vllm-server.log").is_file() and (folder.root / "logs" / "vllm-server-1.log").is_file()
+    left = [p.pid for p in cluster.processes().values() if "vllm.entrypoints" in _cmdline(p.pid)]
+    assert left == [], "a replica's server outlived the run"
+
+
+def test_a_replica_whose_node_is_killed_is_replaced_on_a_live_node_and_the_run_loses_nothing(
+    base_config: RunConfig, cluster: LocalRayCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The worker node SIGKILLed once it plays a training chunk and its replica has answered
+    a completion since: the chunk is redone on the head by Ray, the replica's actor and server
+    die with the node, and the driver replaces the replica on the head."""
+    if "worker-1" not in cluster.nodes():
+        cluster.restart_node("worker-1")
+    log = tmp_path / "run" / "logs" / "vllm-server-1.log"
+    killed: list[int] = []
+
+    def kill_once_replica_1_served_training() -> None:
+        session = cluster._nodes["worker-1"].pid
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not any(  # validation's chunk plays on the head
+            session_of(p.pid) == session and _cmdline(p.pid).startswith("ray::rollout-chunk")
+            for p in cluster.processes().values()
+        ):
+            time.sleep(0.02)
+        before = _completions(log) if log.is_file() else 0
+        while time.monotonic() < deadline and (not log.is_file() or _completions(log) <= before):
+            time.sleep(0.02)
+        if time.monotonic() < deadline:
+            cluster.kill_node("worker-1")
+            killed.append(1)
+
+    killer = threading.Thread(target=kill_once_replica_1_served_training, daemon=True)
+    killer.start()
+    folder = RunFolder(_train(_replicas_on_both_nodes(base_config), tmp_path))
+    killer.join(timeout=30)
+    assert killed, "the worker node was never killed"
+    err = capsys.readouterr().err
+    assert "replacing replica 1's Ray actor" in err, err
+    assert re.search(r"replica 1 serving on node head at http://127\.0\.0\.2:\d+/v1", err), err
+    assert "rollflow: replacing replica 1's Ray actor" in log.read_text()
+    _assert_every_episode_once(folder)
+    assert "worker-1" not in cluster.nodes()
+    left = [p.pid for p in cluster.processes().values() if "vllm.entrypoints" in _cmdline(p.pid)]
+    assert left == [], "a replica's server outlived the run"
+
+
 _LOCAL_CLUSTER_SCRIPT = """
 import sys
 sys.path.insert(0, sys.argv[1])  # this rollflow, for the child only: its nodes get it from node_import_env
