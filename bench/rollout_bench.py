@@ -6,6 +6,7 @@ episodes, 6 turns, the same seeds and the same tasks (step 0). A leg is a few se
 (``LEGS``):
 
 - ``vllm``: a managed vLLM server, full weights (version 0, the base model);
+  ``vllm-2-replicas`` the same on two managed servers, the cores dealt between them;
 - ``vllm-lora-merged`` / ``vllm-lora-adapter``: a LoRA run's version 0, a fresh rank-16
   adapter on q/k/v/o as ``[model].adapter`` (peft's default init: the outputs equal the
   base model's, the cost is the adapter's), served as ``[rollout].lora_serving`` says:
@@ -81,6 +82,7 @@ LEGS = {
         Leg("vllm", "vllm"),
         Leg("vllm-lora-merged", "vllm", lora=True, rollout={"lora_serving": "merged"}),
         Leg("vllm-lora-adapter", "vllm", lora=True, rollout={"lora_serving": "adapter"}),
+        Leg("vllm-2-replicas", "vllm", rollout={"num_generator_replicas": 2}),
         Leg("transformers", "transformers"),
         Leg("transformers-lora", "transformers", lora=True),
         Leg("transformers-no-kv-reuse", "transformers", kv_reuse=False),
@@ -204,22 +206,25 @@ def step_episodes(run_dir: Path) -> list[Any]:
 
 
 def server_times(engine: object) -> tuple[float, float] | None:
-    """Summed prefill and decode seconds of the managed server's requests so far."""
+    """Summed prefill and decode seconds of the managed servers' requests so far."""
     import httpx
 
-    server = getattr(engine, "server", None)
-    if server is None:
+    servers = getattr(engine, "servers", None)
+    if not servers:
         return None
-    text = httpx.get(server.base_url.removesuffix("/v1") + "/metrics", timeout=30).text
-    sums = {name: float(value) for name, value in _METRIC.findall(text)}
-    return sums.get("vllm:request_prefill_time_seconds", 0.0), sums.get("vllm:request_decode_time_seconds", 0.0)
+    prefill = decode = 0.0
+    for server in servers:
+        text = httpx.get(server.base_url.removesuffix("/v1") + "/metrics", timeout=30).text
+        sums = {name: float(value) for name, value in _METRIC.findall(text)}
+        prefill += sums.get("vllm:request_prefill_time_seconds", 0.0)
+        decode += sums.get("vllm:request_decode_time_seconds", 0.0)
+    return prefill, decode
 
 
 def reset_prefix_cache(engine: object) -> None:
     from rollflow.policy.vllm_admin import reset_prefix_cache as reset
 
-    server = getattr(engine, "server", None)
-    if server is not None:
+    for server in getattr(engine, "servers", None) or ():
         reset(server.base_url.removesuffix("/v1"))
 
 
