@@ -183,7 +183,11 @@ def run_async_training(handle: RunHandle) -> None:
     split = async_cpu_split(config)  # the server's cores and the trainer's, apart (tasks/cpu_split.py)
     if split is not None:
         handle.report(f"CPUs: the vLLM server on {list(split[0])}, the trainer's threads {len(split[1])}")
-    with open_async_generator(config, folder, first) as generator, trainer_threads(split and len(split[1])):
+    with (
+        run_cluster(config) as (_, trainer),
+        open_async_generator(config, folder, first, host=replica_host(config)) as generator,
+        trainer_threads(split and len(split[1])),
+    ):
         workers = RolloutWorkers(config, folder, generator, first).start()
         publisher = Publisher(generator, deferred=config.rollout.weight_sync_type != "synchronous")
         try:
@@ -191,7 +195,7 @@ def run_async_training(handle: RunHandle) -> None:
                 if validation_due(config, step):
                     publisher.join()
                     validate(config, root, step, generator.pinned_for_validation(step))
-                grpo_step(handle, step, admitted_from(config, workers), publish=publisher.publish)
+                grpo_step(handle, step, admitted_from(config, workers), publish=publisher.publish, trainer=trainer)
                 handle.report(f"step {step + 1}/{last} done (async): {step_outcome(folder, step)}")
             publisher.join()
             if validation_due(config, last):

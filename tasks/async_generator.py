@@ -46,7 +46,7 @@ from rollflow.tasks.config import RunConfig
 from rollflow.tasks.generator import GeneratorFault, RestartBudget
 from rollflow.tasks.generator import open_generator as open_run_generator
 from rollflow.tasks.policy_io import ActingPolicy, step_checkpoint
-from rollflow.tasks.vllm_generator import VLLMGenerator
+from rollflow.tasks.vllm_generator import ServerHost, VLLMGenerator
 
 POLL_S = 0.05
 
@@ -289,14 +289,17 @@ class AsyncGenerator:
 
 
 @contextlib.contextmanager
-def open_async_generator(config: RunConfig, folder: RunFolder, first_step: int) -> Iterator[AsyncGenerator]:
-    """The generator of an async run, serving version ``first_step``; closed after.
+def open_async_generator(
+    config: RunConfig, folder: RunFolder, first_step: int, *, host: ServerHost | None = None
+) -> Iterator[AsyncGenerator]:
+    """The generator of an async run, serving version ``first_step``; closed after. ``host``:
+    where its managed servers start (``open_generator``).
 
     A managed server serving adapters gets ``--max-loras`` for every adapter the generator
     can hold at once (``max_loaded_adapters``), so none is evicted and read again.
     """
     checkpoint = step_checkpoint(folder, first_step)
-    with open_run_generator(config, folder, versions_in_flight=max_loaded_adapters(config)) as generator:
+    with open_run_generator(config, folder, versions_in_flight=max_loaded_adapters(config), host=host) as generator:
         assert isinstance(generator, VLLMGenerator), "async collection needs [rollout].backend = 'vllm'"
         source = checkpoint.path if checkpoint is not None else start_source(config, folder, generator)
         async_generator = AsyncGenerator(config, generator, first_step, source)

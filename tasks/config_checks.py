@@ -96,9 +96,9 @@ def check_cluster(config: RunConfig) -> None:
     if mode == "none":
         return
     supported = (
-        "on a cluster rollflow runs lockstep rollouts on a vLLM generator: each chunk a Ray task "
-        "sampling the generator's servers over HTTP, and the train stage where [cluster] places it "
-        "(docs/cluster.md)"
+        "on a cluster rollflow runs rollouts on a vLLM generator (lockstep: each chunk a Ray task "
+        "sampling the generator's servers over HTTP), its replicas and the train stage where "
+        "[cluster] places them (docs/cluster.md)"
     )
     if config.rollout.backend != "vllm":
         raise ConfigError(
@@ -106,13 +106,15 @@ def check_cluster(config: RunConfig) -> None:
             f"supported: {supported}. Use backend = 'vllm', or [cluster].mode = 'none' (the "
             f"'{config.rollout.backend}' backend samples in the trainer's process)"
         )
-    if config.rollout.max_steps_off_policy is not None:
+    cluster, rollout = config.cluster, config.rollout
+    if rollout.max_steps_off_policy is not None and not (cluster.trains_on_cluster or cluster.serves_generators):
         raise ConfigError(
-            f"[cluster].mode = {mode!r} with async collection ([rollout].max_steps_off_policy) is not "
-            f"supported yet: {supported}. Drop max_steps_off_policy (lockstep), or use "
+            f"[cluster].mode = {mode!r} with async collection ([rollout].max_steps_off_policy) places "
+            "nothing on the cluster: an async run's episodes are played by its collector, so what the "
+            "cluster can take is the trainer ([cluster].trainer_node / trainer_gpus) and the vLLM "
+            "replicas ([cluster].generator_nodes / generator_gpus). Place one of them, or use "
             "[cluster].mode = 'none' for async on one machine"
         )
-    cluster, rollout = config.cluster, config.rollout
     if cluster.serves_generators and rollout.base_urls:
         raise ConfigError(
             "[cluster].generator_nodes / generator_gpus place managed vLLM replicas, and [rollout].base_urls "

@@ -9,7 +9,8 @@ beside the sampling server than split (README, "splits the cores").
 use (its threads bound there: ``VLLMServerSpec.cpus``) and the trainer as many threads as
 the other half (``trainer_threads``; the kernel's scheduler keeps them off the server's
 bound cores). It applies to an async run (``[rollout].max_steps_off_policy``) on a managed
-vLLM server (no ``base_urls``) with the trainer on the CPU and at least two cores;
+vLLM server (no ``base_urls``) with the trainer on the CPU, both in this machine (neither
+placed on a Ray cluster's node), and at least two cores;
 ``[rollout].split_cpus = false`` turns it off. Lockstep runs never sample and train at
 once, so each side there has every core.
 """
@@ -30,6 +31,8 @@ def async_cpu_split(config: RunConfig) -> tuple[tuple[int, ...], tuple[int, ...]
         return None
     if rollout.backend != "vllm" or rollout.base_urls:
         return None  # no managed server beside the trainer
+    if config.cluster.serves_generators or config.cluster.trains_on_cluster:
+        return None  # one of them runs on a cluster node's cores
     if _trainer_device(config) != "cpu":
         return None
     cores = sorted(os.sched_getaffinity(0))

@@ -57,7 +57,7 @@ def test_a_wrong_cluster_setting_names_itself(table: dict[str, object], message:
     ("rollout", "message"),
     [
         ({"backend": "transformers"}, r"\[rollout\].backend = 'transformers' is not supported: on a cluster"),
-        ({"backend": "vllm", "max_steps_off_policy": 1}, r"async collection .* is not supported yet: on a cluster"),
+        ({"backend": "vllm", "max_steps_off_policy": 1}, r"async collection .* places nothing on the cluster"),
     ],
 )
 def test_a_training_run_refuses_what_a_cluster_does_not_run(rollout: dict[str, object], message: str) -> None:
@@ -83,3 +83,14 @@ def test_replicas_placed_on_the_cluster_must_be_rollflows_and_one_per_named_node
     with pytest.raises(ConfigError, match=r"\[rollout\].base_urls names servers of your own: drop one"):
         check_run_config(parse_config({"cluster": {**placed, "generator_nodes": ["head"]},
                                        "rollout": {"backend": "vllm", "base_urls": ["http://10.0.0.9:8000/v1"]}}))  # fmt: skip
+
+
+def test_an_async_run_on_a_cluster_places_its_trainer_or_its_replicas_there() -> None:
+    from rollflow.tasks.config_checks import check_run_config
+    from rollflow.tasks.cpu_split import async_cpu_split
+
+    rollout = {"backend": "vllm", "max_steps_off_policy": 1}
+    for placed in ({"trainer_node": "worker-1"}, {"generator_nodes": ["head"]}):
+        config = parse_config({"cluster": {"mode": "local", **placed}, "rollout": rollout})
+        check_run_config(config)
+        assert async_cpu_split(config) is None, "a side on a node has that node's cores: nothing to split here"

@@ -411,6 +411,37 @@ def test_a_replica_whose_node_is_killed_is_replaced_on_a_live_node_and_the_run_l
     assert left == [], "a replica's server outlived the run"
 
 
+def test_an_async_run_samples_on_a_replica_on_the_head_and_trains_on_the_worker(
+    base_config: RunConfig, cluster: LocalRayCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Async across nodes: the collector (this process) plays episodes against a replica that
+    is an actor on the head, the train stage runs on the worker, and the async rules hold:
+    every step's episodes at most ``max_steps_off_policy`` versions old."""
+    if "worker-1" not in cluster.nodes():
+        cluster.restart_node("worker-1")
+    config = replace(
+        base_config,
+        rollout=replace(base_config.rollout, max_steps_off_policy=1),
+        train=replace(base_config.train, num_steps=2),
+        cluster=replace(base_config.cluster, generator_nodes=("head",), trainer_node="worker-1"),
+    )  # fmt: skip
+    folder = RunFolder(_train(config, tmp_path))
+    err = capsys.readouterr().err
+    assert re.search(r"replica 0 serving on node head at http://127\.0\.0\.2:\d+/v1", err), err
+    assert "CPUs: the vLLM server on" not in err, "nothing is split on the driver's cores"
+    for step in (0, 1):
+        assert folder.read_train_result(step).node == "worker-1"
+        episodes = _episodes(folder, step, "train")
+        assert len(episodes) == TRAIN_EPISODES and {e.rollout.error for e in episodes} == {None}
+        assert {e.rollout.replica for e in episodes} == {0}
+        assert all(step - 1 <= e.rollout.policy_version <= step for e in episodes), [
+            e.rollout.policy_version for e in episodes
+        ]
+    assert {e.rollout.policy_version for e in _episodes(folder, 2, "validation")} == {2}
+    left = [p.pid for p in cluster.processes().values() if "vllm.entrypoints" in _cmdline(p.pid)]
+    assert left == [], "the replica's server outlived the run"
+
+
 _LOCAL_CLUSTER_SCRIPT = """
 import sys
 sys.path.insert(0, sys.argv[1])  # this rollflow, for the child only: its nodes get it from node_import_env
