@@ -101,6 +101,8 @@ class RemoteServer:
         self.restarts = 0
         self.startup_s: float | None = None
         self._actor: Any = None
+        self._starting: Any = None  # the actor's start call while it runs
+        self._wanted = ""  # where it was asked to go, for errors
         self._state: ReplicaState | None = None
         self._lost: str | None = None  # why the actor is gone, once a call found it dead
 
@@ -123,7 +125,16 @@ class RemoteServer:
         return self._state.exit if self._state is not None else "was never started"
 
     def start(self) -> RemoteServer:
-        self._place(self.node)
+        return self.spawn().wait_ready()
+
+    def spawn(self) -> RemoteServer:
+        """Place the actor and ask it to start its server (not waiting)."""
+        self._spawn(self.node)
+        return self
+
+    def wait_ready(self) -> RemoteServer:
+        """Wait until the actor's server serves (``RuntimeError`` naming the placement if not)."""
+        self._await()
         return self
 
     def restart(self, reason: str, *, log_path: Path | None = None) -> RemoteServer:
@@ -139,7 +150,8 @@ class RemoteServer:
             except Exception:  # noqa: BLE001 - an actor already gone
                 pass
             self._note(f"rollflow: replacing replica {self.index}'s Ray actor ({self._lost}): {reason}")
-            self._place(self.node if self._node_alive(self.node) else None)
+            self._spawn(self.node if self._node_alive(self.node) else None)
+            self._await()
         self.restarts += 1
         return self
 
@@ -163,7 +175,7 @@ class RemoteServer:
 
     # ---- placement
 
-    def _place(self, node: str | None) -> None:
+    def _spawn(self, node: str | None) -> None:
         import ray
 
         from rollflow.flows.cluster import NODE_RESOURCE_PREFIX
@@ -173,10 +185,16 @@ class RemoteServer:
             num_cpus=self.cpus, num_gpus=self.gpus, resources=resources, max_restarts=0, max_task_retries=0,
         )  # fmt: skip
         self._actor = host.remote(self.spec, self._log_arg(), self.startup_timeout_s)
+        self._starting = self._actor.start.remote()
+        self._wanted = f"node {node!r}" if node is not None else "any node"
         self._lost = None
-        wanted = f"node {node!r}" if node is not None else "any node"
+
+    def _await(self) -> None:
+        import ray
+
+        wanted = self._wanted
         try:
-            self._state = ray.get(self._actor.start.remote(), timeout=self.startup_timeout_s + CALL_TIMEOUT_S)
+            self._state = ray.get(self._starting, timeout=self.startup_timeout_s + CALL_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             self.stop()
             raise RuntimeError(

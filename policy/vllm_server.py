@@ -1,51 +1,13 @@
 """Start, health-check and stop a vLLM OpenAI-compatible server as a subprocess.
 
-rollflow never imports vLLM: the server runs from its own Python environment, because vLLM
-0.32 pins ``transformers < 5.20`` and older setuptools than the project uses. Our code only
-speaks HTTP to it (``rollflow.policy.vllm_backend``). Which Python, first match wins:
-``$ROLLFLOW_VLLM_PYTHON``; the ``python`` argument (``[rollout].vllm_python``); the repo's
-``.venv-vllm/bin/python`` (``make vllm-setup``). A missing one raises ``VLLMServerError``.
-
-The command (``VLLMServerSpec.command``)::
-
-    python -m vllm.entrypoints.openai.api_server --model DIR --served-model-name NAME
-        --host 127.0.0.1 --port P --max-model-len N --dtype float32 --enforce-eager
-        --logprobs-mode processed_logprobs --generation-config vllm
-        --no-enable-chunked-prefill --max-num-batched-tokens max(N, 2048)
-        --distributed-executor-backend uni
-        [--enable-lora --max-lora-rank R --max-loras K]
-
-- ``vllm serve`` fails in the CPU wheel (it looks up a distribution named ``vllm``), so the
-  module is run directly.
-- ``--enforce-eager``: a compiled start takes minutes and recompiles every time (torch
-  2.13 does not reload its artefact); with LoRA the CPU platform forces eager anyway.
-- ``--logprobs-mode processed_logprobs``: logprobs of the distribution sampled from (after
-  temperature and top-p), which GRPO's importance ratio needs; vLLM's default is the raw
-  model's.
-- ``--generation-config vllm``: the model folder's ``generation_config.json`` must not
-  slip its own sampling defaults (top_k, repetition penalty) into our requests.
-- float32: bfloat16's logprobs are off by about 0.1, and on the CPU it sampled no faster.
-- ``--no-enable-chunked-prefill --max-num-batched-tokens max(N, 2048)``: with chunked
-  prefill, a seeded request whose prompt is split over engine steps has its generator
-  rewound, which torch's CPU generators cannot do: vLLM 0.32's CPU engine dies ("CPU
-  Generator does not use offset") on the first prompt that does not fit the step's 2048
-  tokens (64 episodes of the bundled game are 36k). Each prompt is prefilled whole instead.
-- ``--distributed-executor-backend uni`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the
-  model runs in the engine process, not a worker of its own: one fewer process importing
-  vLLM starts faster at the same sampling speed and saves its memory
-  (``bench/rollout_bench.py``). The worker's OpenMP settings (one thread per bound CPU,
-  pinned) go in the environment, as vLLM's multiprocess executor would set them
-  (``rollflow.policy.vllm_cpu.worker_openmp_environment``).
-
-Environment: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache; the server's RSS is about 3 GB
-plus this), ``HF_HUB_OFFLINE=1``, with LoRA ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``
-(enables ``/v1/load_lora_adapter``); unless already set, ``VLLM_CPU_OMP_THREADS_BIND`` =
-the spec's ``cpus``, else every CPU this process may use (vLLM's default binds its worker
-to one core), and the OpenMP variables that follow from it.
+Which server runs (its Python, command line and environment) is a ``VLLMServerSpec``:
+``rollflow.policy.vllm_spec``, whose names are re-exported here.
 
 Lifetime: the server runs in its own session (``start_new_session=True``), so a Ctrl-C in
 the terminal reaches only rollflow, which then stops it; its output goes to a log file (the
-run folder's ``logs/`` when there is one). ``start`` waits for ``GET /health``; a server
+run folder's ``logs/`` when there is one). ``start`` (``spawn`` the process, then
+``wait_ready``: several replicas are spawned one by one and waited for together) waits for
+``GET /health``; a server
 that exits first or is not healthy within ``startup_timeout_s`` is stopped and
 ``VLLMServerError`` quotes the log's tail and the command. ``stop`` sends SIGTERM to the
 whole process group, waits for every member (vLLM's engine process can outlive the API
@@ -53,7 +15,7 @@ process) and SIGKILLs what is left after a grace period. ``atexit`` stops every 
 server on a normal exit, an uncaught exception, Ctrl-C, and SIGTERM (``start`` installs
 ``rollflow.policy.stopping.exit_on_sigterm`` while SIGTERM has Python's default action,
 which skips ``atexit``). A SIGKILLed rollflow runs no ``atexit``: its watchdog
-(``rollflow.policy.procs``) ends the server's group, and a server started from the main
+(``rollflow.policy.procs``) ends the server's group, and a server spawned from the main
 thread also gets the kernel's SIGKILL when rollflow dies (``PR_SET_PDEATHSIG``).
 
 A server that died (``running`` is False, ``exit_status`` says how) is brought back by
@@ -87,8 +49,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -96,129 +56,22 @@ import httpx
 
 from rollflow.policy.procs import group_gone, parent_death_signal, signal_group
 from rollflow.policy.stopping import exit_on_sigterm
-from rollflow.policy.vllm_cpu import (
-    EngineFailure,
-    cpu_attention_problem,
-    cpu_list,
-    engine_failure,
-    is_cpu_vllm,
-    worker_openmp_environment,
+from rollflow.policy.vllm_cpu import EngineFailure, cpu_attention_problem, engine_failure, is_cpu_vllm
+from rollflow.policy.vllm_spec import (  # re-exported: the spec's names still import from here
+    CPU_PREFILL_STEP_TOKENS,
+    DEFAULT_PYTHON,
+    LORA_RANKS,
+    PYTHON_ENV,
+    REPO_ROOT,
+    VLLMServerError,
+    VLLMServerSpec,
+    lora_rank_limit,
+    resolve_python,
 )
 
-PYTHON_ENV = "ROLLFLOW_VLLM_PYTHON"
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 LOG_TAIL_CHARS = 3000
-# vLLM's --max-lora-rank accepts only these values.
-LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-CPU_PREFILL_STEP_TOKENS = 2048  # vLLM's default --max-num-batched-tokens for a CPU API server
 _POLL_S = 0.5
 _KILL_WAIT_S = 10.0
-
-
-class VLLMServerError(RuntimeError):
-    """The server could not be started, did not become healthy, or its Python is missing.
-
-    ``deterministic``: starting it again would fail the same way (a model vLLM's CPU
-    attention cannot run, an engine that died of the same error again); a caller that
-    retries must not. ``fatal_line``: the engine's own last word from its log, when found.
-    """
-
-    def __init__(self, message: str, *, deterministic: bool = False, fatal_line: str | None = None) -> None:
-        super().__init__(message)
-        self.deterministic = deterministic
-        self.fatal_line = fatal_line
-
-
-@dataclass(frozen=True)
-class VLLMServerSpec:
-    """Everything that decides which server runs; equal specs can share one server."""
-
-    model_dir: str
-    served_model_name: str = "policy"
-    max_model_len: int = 2048
-    enable_lora: bool = False
-    max_lora_rank: int = 16
-    max_loras: int = 1
-    kvcache_space_gib: int = 2
-    python: str | None = None  # None: $ROLLFLOW_VLLM_PYTHON, then the repo's .venv-vllm
-    cpus: tuple[int, ...] = ()  # the cores its threads are bound to; empty: every core this process may use
-    # The address it listens on: loopback, or a cluster node's own address for a replica that
-    # other machines reach (its admin endpoints too: keep such a network closed to others)
-    host: str = "127.0.0.1"
-
-    def __post_init__(self) -> None:
-        if not (Path(self.model_dir) / "config.json").is_file():
-            raise VLLMServerError(f"{self.model_dir} is not a Hugging Face model folder (no config.json)")
-        if self.max_model_len < 2 or self.kvcache_space_gib < 1 or self.max_loras < 1:
-            raise VLLMServerError(
-                f"max_model_len must be >= 2, kvcache_space_gib and max_loras >= 1; got "
-                f"{self.max_model_len}, {self.kvcache_space_gib}, {self.max_loras}"
-            )
-        if self.enable_lora and self.max_lora_rank not in LORA_RANKS:
-            raise VLLMServerError(f"max_lora_rank must be one of {LORA_RANKS}; got {self.max_lora_rank}")
-
-    def command(self, python: Path, port: int) -> list[str]:
-        args = [
-            str(python), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model_dir,
-            "--served-model-name", self.served_model_name,
-            "--host", self.host,
-            "--port", str(port),
-            "--max-model-len", str(self.max_model_len),
-            "--dtype", "float32",
-            "--enforce-eager",
-            "--logprobs-mode", "processed_logprobs",
-            "--generation-config", "vllm",
-            "--no-enable-chunked-prefill",
-            "--max-num-batched-tokens", str(max(self.max_model_len, CPU_PREFILL_STEP_TOKENS)),
-            "--distributed-executor-backend", "uni",
-        ]  # fmt: skip
-        if self.enable_lora:
-            args += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank),
-                     "--max-loras", str(self.max_loras)]  # fmt: skip
-        return args
-
-    def environment(self, base: Mapping[str, str]) -> dict[str, str]:
-        env = dict(base)
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kvcache_space_gib)
-        env["HF_HUB_OFFLINE"] = "1"
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list(set(self.cpus) or os.sched_getaffinity(0)))
-        env.setdefault("VLLM_NO_USAGE_STATS", "1")
-        # The model in the engine process (module docstring). "1" in the environment
-        # restores the worker process (the CPU platform then turns "uni" into "mp").
-        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
-            env.update(worker_openmp_environment(env["VLLM_CPU_OMP_THREADS_BIND"], env))
-        # /collective_rpc reload_weights and /reset_prefix_cache: full-weight sync in place
-        # (VLLMPolicy.reload_weights). The server listens on loopback unless ``host`` says
-        # otherwise (a replica on a cluster node).
-        env.setdefault("VLLM_SERVER_DEV_MODE", "1")
-        if self.enable_lora:
-            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-        return env
-
-
-def lora_rank_limit(rank: int) -> int:
-    """The smallest ``--max-lora-rank`` vLLM accepts that holds an adapter of ``rank``."""
-    for limit in LORA_RANKS:
-        if limit >= rank:
-            return limit
-    raise VLLMServerError(f"LoRA rank {rank} is above vLLM's largest --max-lora-rank {LORA_RANKS[-1]}")
-
-
-def resolve_python(configured: str | None) -> Path:
-    """The interpreter that has vLLM (see the module docstring for the order)."""
-    from_env = os.environ.get(PYTHON_ENV)
-    candidate = Path(from_env or configured or DEFAULT_PYTHON)
-    source = f"${PYTHON_ENV}" if from_env else ("[rollout].vllm_python" if configured else "the default")
-    if not candidate.is_file():
-        raise VLLMServerError(
-            f"no vLLM Python at {candidate} ({source}); build the default one with "
-            f"`make vllm-setup` (creates {DEFAULT_PYTHON.parent.parent}), or point "
-            f"[rollout].vllm_python or ${PYTHON_ENV} at a Python that has vllm installed"
-        )
-    return candidate
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -247,6 +100,7 @@ class VLLMServer:
         self._exit_status: int | None = None  # of the last process, once it ended
         self._log_start = 0  # where the current process's output begins in log_path
         self._last_fatal: str | None = None  # the engine error the previous process died of
+        self._spawned_at = 0.0  # monotonic seconds when the current process was spawned
 
     @property
     def base_url(self) -> str:
@@ -279,6 +133,13 @@ class VLLMServer:
         return f"exited with status {status}"
 
     def start(self) -> VLLMServer:
+        """``spawn`` then ``wait_ready``."""
+        return self.spawn().wait_ready()
+
+    def spawn(self) -> VLLMServer:
+        """Start the process, not waiting for it to serve. From the main thread it is tied to
+        this process's life (``parent_death_signal``: a thread's children would die with the
+        thread), so several servers are spawned here and waited for on threads."""
         if self._process is not None:
             raise VLLMServerError("start() on a server that was already started")
         self._check_cpu_attention()
@@ -292,7 +153,7 @@ class VLLMServer:
             self.log_path, self._temp_log = Path(name), True
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_start = self.log_path.stat().st_size if self.log_path.is_file() else 0
-        started = time.monotonic()
+        self._spawned_at = time.monotonic()
         with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(
                 self._command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -300,13 +161,17 @@ class VLLMServer:
                 preexec_fn=parent_death_signal(),  # SIGKILLed with rollflow (policy/procs.py)
             )  # fmt: skip
         _LIVE.add(self)
+        return self
+
+    def wait_ready(self) -> VLLMServer:
+        """Wait until the spawned server answers ``/health``; stopped, its log kept, if it does not."""
         try:
-            self._wait_healthy(started)
+            self._wait_healthy(self._spawned_at)
         except BaseException:
             self._keep_log = True
             self.stop()
             raise
-        self.startup_s = time.monotonic() - started
+        self.startup_s = time.monotonic() - self._spawned_at
         return self
 
     def restart(self, reason: str, *, log_path: Path | None = None) -> VLLMServer:

@@ -10,7 +10,7 @@ full-weight checkpoints, a merged start, a LoRA version merged into the base
 (``save_serving_folder``, ``merge_adapter``).
 
 Merging is done in float32 whatever the run's dtype: the served weights are then the
-peft model's own sums, and the server runs float32 (``rollflow.policy.vllm_server``).
+peft model's own sums, and the server runs float32 (``rollflow.policy.vllm_spec``).
 """
 
 from __future__ import annotations

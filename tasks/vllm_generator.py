@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import signal
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -33,7 +32,6 @@ from rollflow.envs.agent import Policy
 from rollflow.policy.models import ModelRef, hf_model_folder, load_tokenizer, stop_token_ids
 from rollflow.policy.procs import fault_point
 from rollflow.policy.sampling import SamplingSettings
-from rollflow.policy.stopping import exit_on_sigterm
 from rollflow.policy.vllm_backend import VLLMPolicy, adapter_name, discover_served_model
 from rollflow.policy.vllm_server import VLLMServer, VLLMServerSpec, lora_rank_limit
 from rollflow.policy.vllm_weights import merge_adapter, untied_serving_folder
@@ -65,6 +63,10 @@ class ManagedServer(Protocol):
     def running(self) -> bool: ...
 
     def start(self) -> Any: ...
+
+    def spawn(self) -> Any: ...
+
+    def wait_ready(self) -> Any: ...
 
     def restart(self, reason: str, *, log_path: Path | None = None) -> Any: ...
 
@@ -357,16 +359,17 @@ def start_vllm_generator(
 
 
 def start_together(servers: Sequence[ManagedServer]) -> None:
-    """Start every server, the replicas at once (each start waits on its own health check);
-    the first failure raises once every start has ended."""
+    """Start every server, the replicas at once: each spawned here (so that it dies with this
+    process, ``VLLMServer.spawn``), then all waited for together; the first failure raises
+    once every wait has ended (the caller stops them all)."""
+    for server in servers:
+        server.spawn()
     if len(servers) == 1:
-        servers[0].start()
+        servers[0].wait_ready()
         return
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        exit_on_sigterm()  # as VLLMServer.start would: a handler is set from the main thread only
     with ThreadPoolExecutor(max_workers=len(servers), thread_name_prefix="vllm-start") as pool:
-        for started in [pool.submit(server.start) for server in servers]:
-            started.result()
+        for ready in [pool.submit(server.wait_ready) for server in servers]:
+            ready.result()
 
 
 def managed_policy(

@@ -76,6 +76,52 @@ def test_the_generators_cores_are_dealt_to_the_replicas(tmp_path: Path, monkeypa
     assert [spec.cpus for spec in one] == [()]  # one server: every core, as before replicas
 
 
+_TIED_TO_ITS_PROCESS = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from rollflow.policy.vllm_server import VLLMServer, VLLMServerSpec
+from rollflow.tasks.vllm_generator import start_together
+servers = [VLLMServer(VLLMServerSpec(sys.argv[2]), startup_timeout_s=60.0) for _ in range(2)]
+start_together(servers)
+print(" ".join(str(server._process.pid) for server in servers), flush=True)
+time.sleep(600)
+"""
+
+
+def test_replicas_started_together_die_with_the_process_that_started_them(tmp_path: Path) -> None:
+    """Started at once, yet each tied to its starter's life (``parent_death_signal``, which a
+    server spawned from a thread would not get): the starter SIGKILLed, with no watchdog of a
+    ``rollflow`` run to clean up, takes both servers with it. Stand-in servers (python's
+    http.server on the port given) instead of vLLM."""
+    import subprocess
+    import sys
+
+    import rollflow
+    from test_vllm_server import _alive, _fake_python
+
+    from rollflow.policy.vllm_server import PYTHON_ENV
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (tmp_path / "health").write_text("ok")
+    serve = f'exec {sys.executable} -m http.server --bind 127.0.0.1 "$(echo "$@" | sed "s/.*--port \\([0-9]*\\).*/\\1/")"'
+    env = {**os.environ, PYTHON_ENV: str(_fake_python(tmp_path, serve))}
+    root = str(Path(rollflow.__file__).resolve().parent.parent)
+    starter = subprocess.Popen(
+        [sys.executable, "-c", _TIED_TO_ITS_PROCESS, root, str(model)], cwd=tmp_path, env=env,
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert starter.stdout is not None
+        pids = [int(pid) for pid in starter.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(pid) for pid in pids), pids
+    finally:
+        starter.kill()
+        starter.wait()
+    assert not any(_alive(pid) for pid in pids), "a replica outlived the process that started it"
+
+
 # ---------------------------------------------------------------- real servers
 
 

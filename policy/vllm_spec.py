@@ -1,0 +1,172 @@
+"""What a managed vLLM server runs: its Python, its command line and its environment.
+
+``VLLMServerSpec`` is the server's whole description; ``rollflow.policy.vllm_server``
+starts, watches and stops the process (and re-exports these names).
+
+rollflow never imports vLLM: the server runs from its own Python environment, because vLLM
+0.32 pins ``transformers < 5.20`` and older setuptools than the project uses. Our code only
+speaks HTTP to it (``rollflow.policy.vllm_backend``). Which Python, first match wins:
+``$ROLLFLOW_VLLM_PYTHON``; the ``python`` argument (``[rollout].vllm_python``); the repo's
+``.venv-vllm/bin/python`` (``make vllm-setup``). A missing one raises ``VLLMServerError``.
+
+The command (``VLLMServerSpec.command``)::
+
+    python -m vllm.entrypoints.openai.api_server --model DIR --served-model-name NAME
+        --host H --port P --max-model-len N --dtype float32 --enforce-eager
+        --logprobs-mode processed_logprobs --generation-config vllm
+        --no-enable-chunked-prefill --max-num-batched-tokens max(N, 2048)
+        --distributed-executor-backend uni
+        [--enable-lora --max-lora-rank R --max-loras K]
+
+- ``--host H``: the spec's ``host``, 127.0.0.1 unless a cluster replica sets its node's
+  address (``rollflow.flows.ray_replicas``).
+- ``vllm serve`` fails in the CPU wheel (it looks up a distribution named ``vllm``), so the
+  module is run directly.
+- ``--enforce-eager``: a compiled start takes minutes and recompiles every time (torch
+  2.13 does not reload its artefact); with LoRA the CPU platform forces eager anyway.
+- ``--logprobs-mode processed_logprobs``: logprobs of the distribution sampled from (after
+  temperature and top-p), which GRPO's importance ratio needs; vLLM's default is the raw
+  model's.
+- ``--generation-config vllm``: the model folder's ``generation_config.json`` must not
+  slip its own sampling defaults (top_k, repetition penalty) into our requests.
+- float32: bfloat16's logprobs are off by about 0.1, and on the CPU it sampled no faster.
+- ``--no-enable-chunked-prefill --max-num-batched-tokens max(N, 2048)``: with chunked
+  prefill, a seeded request whose prompt is split over engine steps has its generator
+  rewound, which torch's CPU generators cannot do: vLLM 0.32's CPU engine dies ("CPU
+  Generator does not use offset") on the first prompt that does not fit the step's 2048
+  tokens (64 episodes of the bundled game are 36k). Each prompt is prefilled whole instead.
+- ``--distributed-executor-backend uni`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the
+  model runs in the engine process, not a worker of its own: one fewer process importing
+  vLLM starts faster at the same sampling speed and saves its memory
+  (``bench/rollout_bench.py``). The worker's OpenMP settings (one thread per bound CPU,
+  pinned) go in the environment, as vLLM's multiprocess executor would set them
+  (``rollflow.policy.vllm_cpu.worker_openmp_environment``).
+
+Environment (``VLLMServerSpec.environment``): ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache;
+the server's RSS is about 3 GB plus this), ``HF_HUB_OFFLINE=1``, with LoRA
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (enables ``/v1/load_lora_adapter``); unless
+already set, ``VLLM_CPU_OMP_THREADS_BIND`` = the spec's ``cpus``, else every CPU this
+process may use (vLLM's default binds its worker to one core), and the OpenMP variables
+that follow from it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from rollflow.policy.vllm_cpu import cpu_list, worker_openmp_environment
+
+PYTHON_ENV = "ROLLFLOW_VLLM_PYTHON"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+# vLLM's --max-lora-rank accepts only these values.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+CPU_PREFILL_STEP_TOKENS = 2048  # vLLM's default --max-num-batched-tokens for a CPU API server
+
+
+class VLLMServerError(RuntimeError):
+    """The server could not be started, did not become healthy, or its Python is missing.
+
+    ``deterministic``: starting it again would fail the same way (a model vLLM's CPU
+    attention cannot run, an engine that died of the same error again); a caller that
+    retries must not. ``fatal_line``: the engine's own last word from its log, when found.
+    """
+
+    def __init__(self, message: str, *, deterministic: bool = False, fatal_line: str | None = None) -> None:
+        super().__init__(message)
+        self.deterministic = deterministic
+        self.fatal_line = fatal_line
+
+
+@dataclass(frozen=True)
+class VLLMServerSpec:
+    """Everything that decides which server runs; equal specs can share one server."""
+
+    model_dir: str
+    served_model_name: str = "policy"
+    max_model_len: int = 2048
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    max_loras: int = 1
+    kvcache_space_gib: int = 2
+    python: str | None = None  # None: $ROLLFLOW_VLLM_PYTHON, then the repo's .venv-vllm
+    cpus: tuple[int, ...] = ()  # the cores its threads are bound to; empty: every core this process may use
+    # The address it listens on: loopback, or a cluster node's own address for a replica that
+    # other machines reach (its admin endpoints too: keep such a network closed to others)
+    host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if not (Path(self.model_dir) / "config.json").is_file():
+            raise VLLMServerError(f"{self.model_dir} is not a Hugging Face model folder (no config.json)")
+        if self.max_model_len < 2 or self.kvcache_space_gib < 1 or self.max_loras < 1:
+            raise VLLMServerError(
+                f"max_model_len must be >= 2, kvcache_space_gib and max_loras >= 1; got "
+                f"{self.max_model_len}, {self.kvcache_space_gib}, {self.max_loras}"
+            )
+        if self.enable_lora and self.max_lora_rank not in LORA_RANKS:
+            raise VLLMServerError(f"max_lora_rank must be one of {LORA_RANKS}; got {self.max_lora_rank}")
+
+    def command(self, python: Path, port: int) -> list[str]:
+        args = [
+            str(python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model_dir,
+            "--served-model-name", self.served_model_name,
+            "--host", self.host,
+            "--port", str(port),
+            "--max-model-len", str(self.max_model_len),
+            "--dtype", "float32",
+            "--enforce-eager",
+            "--logprobs-mode", "processed_logprobs",
+            "--generation-config", "vllm",
+            "--no-enable-chunked-prefill",
+            "--max-num-batched-tokens", str(max(self.max_model_len, CPU_PREFILL_STEP_TOKENS)),
+            "--distributed-executor-backend", "uni",
+        ]  # fmt: skip
+        if self.enable_lora:
+            args += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank),
+                     "--max-loras", str(self.max_loras)]  # fmt: skip
+        return args
+
+    def environment(self, base: Mapping[str, str]) -> dict[str, str]:
+        env = dict(base)
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kvcache_space_gib)
+        env["HF_HUB_OFFLINE"] = "1"
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list(set(self.cpus) or os.sched_getaffinity(0)))
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        # The model in the engine process (module docstring). "1" in the environment
+        # restores the worker process (the CPU platform then turns "uni" into "mp").
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
+            env.update(worker_openmp_environment(env["VLLM_CPU_OMP_THREADS_BIND"], env))
+        # /collective_rpc reload_weights and /reset_prefix_cache: full-weight sync in place
+        # (VLLMPolicy.reload_weights). The server listens on loopback unless ``host`` says
+        # otherwise (a replica on a cluster node).
+        env.setdefault("VLLM_SERVER_DEV_MODE", "1")
+        if self.enable_lora:
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        return env
+
+
+def lora_rank_limit(rank: int) -> int:
+    """The smallest ``--max-lora-rank`` vLLM accepts that holds an adapter of ``rank``."""
+    for limit in LORA_RANKS:
+        if limit >= rank:
+            return limit
+    raise VLLMServerError(f"LoRA rank {rank} is above vLLM's largest --max-lora-rank {LORA_RANKS[-1]}")
+
+
+def resolve_python(configured: str | None) -> Path:
+    """The interpreter that has vLLM (see the module docstring for the order)."""
+    from_env = os.environ.get(PYTHON_ENV)
+    candidate = Path(from_env or configured or DEFAULT_PYTHON)
+    source = f"${PYTHON_ENV}" if from_env else ("[rollout].vllm_python" if configured else "the default")
+    if not candidate.is_file():
+        raise VLLMServerError(
+            f"no vLLM Python at {candidate} ({source}); build the default one with "
+            f"`make vllm-setup` (creates {DEFAULT_PYTHON.parent.parent}), or point "
+            f"[rollout].vllm_python or ${PYTHON_ENV} at a Python that has vllm installed"
+        )
+    return candidate
