@@ -164,6 +164,11 @@ def main() -> None:
             run_dir = Path(train_flow(config_path=str(path), run_dir=str(root / name)))
             rows.append(report(name, run_dir, steps, time.perf_counter() - started))
             print(f"{name}: {rows[-1]}", file=sys.stderr, flush=True)
+    print_summary(rows)
+
+
+def print_summary(rows: list[dict[str, float | str]]) -> None:
+    """The rows as a Markdown table, then async's steps per hour over lockstep's and the load."""
     keys = list(rows[0])
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))

@@ -23,7 +23,13 @@ class FakeServer:
         self.base_url = DEAD_URL
 
     def start(self) -> FakeServer:
+        return self.spawn().wait_ready()
+
+    def spawn(self) -> FakeServer:
         FakeServer.specs.append(self.spec)
+        return self
+
+    def wait_ready(self) -> FakeServer:
         return self
 
     def stop(self) -> None:

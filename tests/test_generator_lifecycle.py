@@ -104,7 +104,7 @@ def fake_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[FakeServer]]:
     started: list[FakeServer] = []
 
     class Recording(FakeServer):
-        def start(self) -> Recording:
+        def spawn(self) -> Recording:
             started.append(self)
             return self
 
