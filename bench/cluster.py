@@ -21,6 +21,15 @@ the generator's node, core 1 the trainer's; this process and its Prefect server 
 pinned and use both); dropped stale groups. Then the ratio of steps per hour.
 
     .venv/bin/python bench/cluster.py [--steps 4] [--tiny]
+    .venv/bin/python bench/cluster.py --scaling [--tiny]
+
+``--scaling`` measures one rollout stage instead (8 tasks x 4 episodes of the same game,
+``concurrency = 8``: 4 chunks of 2 groups) three ways on one managed vLLM server that this
+process holds for all three: in this process (chunks one after another), on a local
+cluster of the head alone (chunks as Ray tasks, one at a time), and on the head and a
+worker (two at a time). Printed: seconds, episodes per minute, the orchestration overhead
+per chunk (the head alone against this process), and the two-node speed-up and its
+efficiency (speed-up / 2). Each leg plays a fresh run folder after one untimed stage.
 
 ``--tiny`` swaps in a 2-layer test model and 2 steps, to check the script itself. Needs two
 cores this process may use. No timed assertions: the figures are for the README.
@@ -39,7 +48,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from async_overlap import base_config, stage_sum, step_window  # noqa: E402 - the bench beside this one
+from async_overlap import base_config, print_summary, stage_sum, step_window  # noqa: E402 - the bench beside this one
 
 from rollflow.storage.runfolder import RunFolder  # noqa: E402
 from rollflow.tasks.config import RunConfig, config_to_toml  # noqa: E402
@@ -118,10 +127,54 @@ def report(name: str, run_dir: Path, steps: int, wall_s: float, cores: CoreSampl
     }  # fmt: skip
 
 
+def scaling_config(tiny_model: Path | None) -> RunConfig:
+    config = base_config(1, tiny_model)
+    rollout = replace(config.rollout, batch_size=2 if tiny_model else 8, episodes_per_task=4, concurrency=8)
+    return replace(config, rollout=rollout)
+
+
+def scaling(root: Path, tiny_model: Path | None) -> None:
+    """The ``--scaling`` legs (see the module docstring)."""
+    from rollflow.flows.ray_rollout import rollout_cluster
+    from rollflow.tasks.generator import open_generator
+    from rollflow.tasks.rollout import rollout_stage, stage_plan
+
+    config = scaling_config(tiny_model)
+    chunks = len(stage_plan(config, 0, "train").chunks)
+    episodes = config.rollout.batch_size * config.rollout.episodes_per_task
+    legs = {
+        "this process": ClusterConfig(),
+        "head alone": ClusterConfig(mode="local", num_worker_nodes=0, head_cpus=1),
+        "head + worker": ClusterConfig(mode="local", num_worker_nodes=1, head_cpus=1, cpus_per_node=1),
+    }
+    seconds: dict[str, float] = {}
+    with open_generator(config, RunFolder(root / "server"), versions_in_flight=1) as generator:
+        for name, cluster in legs.items():
+            leg = replace(config, cluster=cluster)
+            with rollout_cluster(leg) as fan_out:
+                for attempt in ("warm-up", "timed"):
+                    folder = RunFolder(root / f"{name.replace(' ', '-')}-{attempt}")
+                    started = time.perf_counter()
+                    rollout_stage(leg, folder.step_paths(0).episodes, 0, "train", generator, fan_out)
+                    if attempt == "timed":
+                        seconds[name] = time.perf_counter() - started
+            print(f"{name}: {seconds[name]:.1f} s", file=sys.stderr, flush=True)
+    print(f"one rollout stage: {episodes} episodes in {chunks} chunks, load at the end {os.getloadavg()}")
+    print("| where | seconds | episodes/minute |")
+    print("|---|---|---|")
+    for name, value in seconds.items():
+        print(f"| {name} | {value:.1f} | {60.0 * episodes / value:.1f} |")
+    here, one, two = seconds["this process"], seconds["head alone"], seconds["head + worker"]
+    speedup = one / two
+    print(f"\norchestration overhead per chunk (head alone - this process): {(one - here) / chunks:+.2f} s")
+    print(f"two nodes against one: {speedup:.2f}x, efficiency {speedup / 2:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--tiny", action="store_true", help="a 2-layer test model and 2 steps")
+    parser.add_argument("--scaling", action="store_true", help="one rollout stage here, on 1 node and on 2")
     args = parser.parse_args()
     if len(os.sched_getaffinity(0)) < 2:
         parser.error("needs two cores: one for each node")
@@ -132,6 +185,10 @@ def main() -> None:
     from rollflow.policy.models import build_tiny_model
 
     print(f"load average at the start: {os.getloadavg()}", flush=True)
+    if args.scaling:
+        with tempfile.TemporaryDirectory(prefix="cluster-bench-") as tmp, prefect_test_harness(server_startup_timeout=120):
+            scaling(Path(tmp), build_tiny_model(Path(tmp) / "tiny", hidden_size=64, num_heads=2) if args.tiny else None)
+        return
     cores = CoreSampler((0, 1))
     cores.start()
     with tempfile.TemporaryDirectory(prefix="cluster-bench-") as tmp, prefect_test_harness(server_startup_timeout=120):
@@ -147,14 +204,7 @@ def main() -> None:
             rows.append(report(name, run_dir, steps, time.perf_counter() - started, cores))
             print(f"{name}: {rows[-1]}", file=sys.stderr, flush=True)
     cores.done.set()
-    keys = list(rows[0])
-    print("| " + " | ".join(keys) + " |")
-    print("|" + "---|" * len(keys))
-    for row in rows:
-        print("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
-    lock, asyn = rows[0], rows[1]
-    print(f"\nasync / lockstep steps per hour: {float(asyn['steps/hour']) / float(lock['steps/hour']):.2f}x")
-    print(f"load average at the end: {os.getloadavg()}")
+    print_summary(rows)
 
 
 if __name__ == "__main__":
