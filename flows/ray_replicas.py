@@ -163,9 +163,9 @@ class RemoteServer:
             return
         try:
             ray.get(actor.stop.remote(), timeout=grace_s)
+            ray.kill(actor, no_restart=True)
         except Exception:  # noqa: BLE001 - an actor already gone: its server went with it
             pass
-        ray.kill(actor, no_restart=True)
 
     def log_tail(self) -> str:
         if self.log_path is not None and self.log_path.is_file():
