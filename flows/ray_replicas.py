@@ -163,8 +163,11 @@ class RemoteServer:
             return
         try:
             ray.get(actor.stop.remote(), timeout=grace_s)
+        except Exception:  # noqa: BLE001 - an actor already gone (its server went with it) or stuck
+            pass
+        try:
             ray.kill(actor, no_restart=True)
-        except Exception:  # noqa: BLE001 - an actor already gone: its server went with it
+        except Exception:  # noqa: BLE001 - already gone
             pass
 
     def log_tail(self) -> str:
