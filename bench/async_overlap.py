@@ -118,21 +118,26 @@ def _se(xs: list[float]) -> float:
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
 
 
+def generator_idle_and_dropped(name: str, folder: RunFolder, steps: int, window: float) -> tuple[float, float]:
+    """The generator's idle share (lockstep: 1 - rollout-stage seconds / window over the steps
+    after the first; async: the collector's slot-weighted idle time / wall) and the stale
+    groups dropped (async only)."""
+    if name != "async":
+        return 1.0 - stage_sum(folder, range(1, steps), "rollout") / window, 0.0
+    collector = json.loads((folder.root / "async" / "collector.json").read_text())["processes"][-1]
+    dropped = sum(
+        json.loads((folder.step_dir(s) / "metrics.json").read_text()).get("async/dropped_stale_groups", 0.0)
+        for s in range(steps)
+    )
+    return collector["generator_idle_s"] / collector["wall_s"], dropped
+
+
 def report(name: str, run_dir: Path, steps: int, wall_s: float) -> dict[str, float | str]:
     folder = RunFolder(run_dir)
     window = step_window(folder, steps)
     later = range(1, steps)
     train_s = stage_sum(folder, later, "train")
-    if name == "async":
-        collector = json.loads((run_dir / "async" / "collector.json").read_text())["processes"][-1]
-        generator_idle = collector["generator_idle_s"] / collector["wall_s"]
-        dropped = sum(
-            json.loads((folder.step_dir(s) / "metrics.json").read_text()).get("async/dropped_stale_groups", 0.0)
-            for s in range(steps)
-        )
-    else:
-        generator_idle = 1.0 - stage_sum(folder, later, "rollout") / window
-        dropped = 0.0
+    generator_idle, dropped = generator_idle_and_dropped(name, folder, steps, window)
     pass_rate, pass_se, reward, reward_se, n = validation(run_dir, steps)
     return {
         "run": name, "steps/hour": 3600.0 * (steps - 1) / window, "trainer idle": 1.0 - train_s / window,

@@ -38,7 +38,6 @@ cores this process may use. No timed assertions: the figures are for the README.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -48,7 +47,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from async_overlap import base_config, print_summary, stage_sum, step_window  # noqa: E402 - the bench beside this one
+from async_overlap import base_config, generator_idle_and_dropped, print_summary, stage_sum, step_window  # noqa: E402 - the bench beside this one
 
 from rollflow.storage.runfolder import RunFolder  # noqa: E402
 from rollflow.tasks.config import RunConfig, config_to_toml  # noqa: E402
@@ -106,16 +105,7 @@ def report(name: str, run_dir: Path, steps: int, wall_s: float, cores: CoreSampl
     folder = RunFolder(run_dir)
     window = step_window(folder, steps)
     later = range(1, steps)
-    if name == "async":
-        collector = json.loads((run_dir / "async" / "collector.json").read_text())["processes"][-1]
-        generator_idle = collector["generator_idle_s"] / collector["wall_s"]
-        dropped = sum(
-            json.loads((folder.step_dir(s) / "metrics.json").read_text()).get("async/dropped_stale_groups", 0.0)
-            for s in range(steps)
-        )
-    else:
-        generator_idle = 1.0 - stage_sum(folder, later, "rollout") / window
-        dropped = 0.0
+    generator_idle, dropped = generator_idle_and_dropped(name, folder, steps, window)
     end = (folder.step_dir(steps - 1) / "metrics.json").stat().st_mtime
     start = (folder.step_dir(0) / "metrics.json").stat().st_mtime
     nodes = {folder.read_train_result(s).node for s in range(steps)}
