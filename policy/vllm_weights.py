@@ -15,7 +15,9 @@ peft model's own sums, and the server runs float32 (``rollflow.policy.vllm_spec`
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
 
 LM_HEAD_SHARD = "lm_head.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
+UNTIED_FORMAT = 2  # bump when the untied copy's layout changes: every older copy is rebuilt
 
 
 class ServingFolderError(RuntimeError):
@@ -60,15 +63,56 @@ def write_lm_head_shard(folder: Path, embedding: torch.Tensor) -> Path:
     return path
 
 
+def model_fingerprint(model_dir: Path) -> str:
+    """A hash of what ``model_dir`` holds now: ``config.json``'s bytes and each file's name,
+    size and modification time (ns), with ``UNTIED_FORMAT``. A folder whose weights are
+    rewritten or replaced in place gets a new one; no weight is read (a stat per file)."""
+    model_dir = Path(model_dir)
+    digest = hashlib.sha256(f"untied-v{UNTIED_FORMAT}\n".encode())
+    digest.update((model_dir / "config.json").read_bytes())
+    for item in sorted(model_dir.iterdir()):
+        if item.is_file():  # follows links: a Hugging Face snapshot's files point at blobs
+            stat = item.stat()
+            digest.update(f"\n{item.name}\0{stat.st_size}\0{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()
+
+
+def untied_copy_homes(model_dir: Path) -> tuple[Path, ...]:
+    """Where untied copies of ``model_dir`` may live: beside it (a path every node that reads
+    the model sees), then ``<cache>/untied`` (``$ROLLFLOW_CACHE``, for a read-only model store)."""
+    from rollflow.policy.models import cache_root
+
+    return (Path(model_dir).parent, cache_root() / "untied")
+
+
+def _writable(folder: Path) -> bool:
+    return os.access(folder, os.W_OK | os.X_OK)
+
+
 def untied_serving_folder(model_dir: Path) -> Path:
-    """``model_dir`` itself, or for a tied model a sibling copy with ``tie_word_embeddings``
-    off and the output layer as its own shard: what a server reloaded in place loads."""
+    """``model_dir`` itself, or for a tied model a copy with ``tie_word_embeddings`` off and
+    the output layer as its own shard: what a server reloaded in place loads.
+
+    The copy is named by ``model_fingerprint`` (``<model>-untied-<16 hex>``), so a model
+    changed in place, or a copy made by an older rollflow (``<model>-untied``, no
+    fingerprint), is never served: a new copy is built, atomically and once however many
+    processes ask (``build_atomically``). It goes beside the model when that folder is
+    writable, else under the cache. Older copies are left alone (a running server may still
+    read one); delete them when no run uses them.
+    """
     model_dir = Path(model_dir)
     if not is_tied(model_dir):
         return model_dir
     from safetensors import safe_open
 
     from rollflow.policy.models import build_atomically
+
+    fingerprint = model_fingerprint(model_dir)
+    name = f"{model_dir.name}-untied-{fingerprint[:16]}"
+    homes = untied_copy_homes(model_dir)
+    for home in homes:
+        if (home / name).is_dir():
+            return home / name
 
     def build(tmp: Path) -> None:
         for item in model_dir.iterdir():
@@ -81,10 +125,14 @@ def untied_serving_folder(model_dir: Path) -> Path:
             with safe_open(str(shard), framework="pt") as handle:
                 if "model.embed_tokens.weight" in handle.keys():
                     write_lm_head_shard(tmp, handle.get_tensor("model.embed_tokens.weight"))
-                    return
-        raise ServingFolderError(f"{model_dir}: a tied model without model.embed_tokens.weight")
+                    break
+        else:
+            raise ServingFolderError(f"{model_dir}: a tied model without model.embed_tokens.weight")
+        if model_fingerprint(model_dir) != fingerprint:
+            raise ServingFolderError(f"{model_dir} changed while its untied copy was made; run again")
 
-    return build_atomically(model_dir.with_name(model_dir.name + "-untied"), build)
+    home = homes[0] if _writable(homes[0]) else homes[1]
+    return build_atomically(home / name, build)
 
 
 def save_serving_folder(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, target: Path) -> Path:
