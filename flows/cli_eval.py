@@ -1,5 +1,8 @@
 """``rollflow eval`` and ``rollflow sft``: score a policy, or warm-start one on transcripts.
 
+``eval`` checks its config and flags first (``flows/eval_config.py: check_eval``), as
+``train`` does, so a wrong ``--model`` or ``--env`` is one line and leaves no run folder.
+
 They register themselves in ``rollflow.flows.cli``'s table when this module is imported. Prefect,
 torch and the flows are imported only when a command runs, so ``rollflow sql`` stays fast.
 """
@@ -40,6 +43,12 @@ def run_eval(args: argparse.Namespace) -> int:
         raise UserError(f"--tasks must be at least 1; got {args.tasks}")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     try:
+        from rollflow.flows.eval_config import EvalOverrides, check_eval
+
+        # A bad config, model path or environment fails here in one line, before Prefect
+        # starts and before a run folder is made (the flow checks again, for pipelines).
+        check_eval(args.config, EvalOverrides(args.env, args.model, args.adapter, args.base_url,
+                                              args.api_model, args.tasks))
         from rollflow.flows.eval import describe_policy, eval_flow, eval_report, format_report
         from rollflow.tasks.config import load_config
 

@@ -13,8 +13,10 @@ The report's numbers come from ``rollflow.storage.query.step_metrics``, the very
 flow logs; the worst episodes (errored first, then by final reward) are listed by id for
 ``rollflow show``.
 
-Command-line overrides (``EvalOverrides``) are applied to the config before the run
-folder freezes it, so ``config.toml`` says exactly what was evaluated.
+Command-line overrides (``EvalOverrides``, ``flows/eval_config.py``) are applied to the
+config before the run folder freezes it, so ``config.toml`` says exactly what was
+evaluated, and the result is checked (``tasks.preflight.preflight_eval``) before the run
+folder is made: a missing model or a wrong environment is one line, with no empty folder.
 
 Simplified, and why:
 - One pass over the validation tasks (``[validation].num_tasks`` or ``--tasks``),
@@ -32,19 +34,22 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 
 from rollflow.flows.concurrency import one_training_at_a_time
+from rollflow.flows.eval_config import EvalOverrides, checked_eval_config, eval_config
 from rollflow.flows.runs import freeze_config
 from rollflow.flows.train import validate
 from rollflow.storage.query import open_run_sql, step_metrics
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.runs import mark_run_kind
-from rollflow.tasks.config import ConfigError, EnvConfig, ModelConfig, RunConfig, load_config
+from rollflow.tasks.config import RunConfig
 from rollflow.tasks.metrics import finish_tracking, start_tracking
+
+__all__ = ["EvalOverrides", "eval_config", "eval_flow", "eval_report", "format_report", "open_eval_run"]
 
 EVAL_STEP = 0  # an evaluation is one validation pass, stored as step 0
 WORST_EPISODES = 5
@@ -62,46 +67,6 @@ WHERE e.split = 'validation' AND e.step = $step
 ORDER BY (e.error IS NOT NULL OR s.scoring_error IS NOT NULL) DESC, s.final_reward, e.episode_id
 LIMIT $limit
 """
-
-
-@dataclass(frozen=True)
-class EvalOverrides:
-    """What ``rollflow eval`` flags change in the config; None keeps the config's value."""
-
-    env: str | None = None  # "module:function"
-    model: str | None = None  # a Hugging Face folder or a .gguf file
-    adapter: str | None = None  # a LoRA adapter folder on top of the model
-    base_url: str | None = None  # an OpenAI-compatible server (with api_model)
-    api_model: str | None = None
-    num_tasks: int | None = None  # the first N validation tasks
-
-
-def eval_config(config: RunConfig, overrides: EvalOverrides) -> RunConfig:
-    """``config`` with ``overrides`` applied, checked like a config file."""
-    if (overrides.base_url is None) != (overrides.api_model is None):
-        raise ConfigError("--base-url and --api-model go together: the server and the model it serves")
-    if overrides.base_url is not None and (overrides.model or overrides.adapter):
-        raise ConfigError("give either a local model (--model/--adapter) or a server (--base-url), not both")
-    if overrides.env is not None:
-        kwargs = config.env.kwargs if overrides.env == config.env.name else {}
-        config = replace(config, env=EnvConfig(name=overrides.env, kwargs=kwargs))
-    if overrides.model is not None:
-        config = replace(config, model=_model_config(overrides.model, config.model))
-    if overrides.adapter is not None:
-        config = replace(config, model=replace(config.model, adapter=overrides.adapter))
-    if overrides.base_url is not None:
-        rollout = replace(config.rollout, backend="openai", base_url=overrides.base_url, api_model=overrides.api_model)
-        config = replace(config, rollout=rollout)
-    if overrides.num_tasks is not None:
-        config = replace(config, validation=replace(config.validation, num_tasks=overrides.num_tasks))
-    return config
-
-
-def _model_config(model: str, current: ModelConfig) -> ModelConfig:
-    path = Path(model)
-    if path.suffix == ".gguf":
-        return ModelConfig(path=str(path.parent), gguf_file=path.name, dtype=current.dtype)
-    return ModelConfig(path=model, dtype=current.dtype)
 
 
 def open_eval_run(config: RunConfig, run_dir: str | Path | None, name: str = "eval") -> RunFolder:
@@ -137,9 +102,8 @@ def eval_flow(
     eval`` turns it off and prints the report to stdout instead, once. The other arguments
     are ``EvalOverrides``.
     """
-    base = load_config(config_path) if config_path is not None else RunConfig()
     overrides = EvalOverrides(env, model, adapter, base_url, api_model, num_tasks)
-    config = eval_config(base, overrides)
+    config = checked_eval_config(config_path, overrides)  # before the run folder is made
     name = f"eval-{Path(config_path).stem}" if config_path is not None else "eval"
     folder = open_eval_run(config, run_dir, name)
     start_tracking(config, folder.root)

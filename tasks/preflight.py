@@ -3,7 +3,9 @@
 ``preflight(config)`` is what ``rollflow train`` / ``resume`` / ``pipeline`` and
 ``train_multi_turn`` call before Prefect starts and before a run folder is made, so a
 mistake costs a second and one line (a ``ConfigError`` naming the setting) instead of a
-dead run folder and a page of tracebacks from inside a stage:
+dead run folder and a page of tracebacks from inside a stage. ``preflight_eval(config)``
+is the same for ``rollflow eval`` and the evaluation flow, which play only validation
+tasks and may use a served model (``backend = "openai"``) or a nucleus:
 
 - **the rules across sections** a training run needs (``tasks.config.check_run_config``:
   no nucleus, no ``openai`` backend, the async settings' rules), which ``open_run``
@@ -56,6 +58,15 @@ def preflight(config: RunConfig) -> None:
     check_prompts_fit(config, handle)
 
 
+def preflight_eval(config: RunConfig) -> None:
+    """The checks an evaluation needs: no training rules; a served model's files are the
+    server's; the environment must have validation tasks, and the first one's prompt fit."""
+    if config.rollout.backend != "openai":
+        check_model_files(config)
+    handle = check_environment(config, splits=("validation",))
+    check_prompts_fit(config, handle, splits=("validation",))
+
+
 # ---------------------------------------------------------------- model files
 
 
@@ -105,19 +116,25 @@ def _check_adapter(key: str, value: str | None) -> None:
 # ---------------------------------------------------------------- the environment
 
 
-def check_environment(config: RunConfig) -> EnvironmentHandle:
-    """The loaded environment, or one line naming ``[env].name`` / ``[env].kwargs``."""
+def check_environment(config: RunConfig, splits: Sequence[Split] | None = None) -> EnvironmentHandle:
+    """The loaded environment, or one line naming ``[env].name`` / ``[env].kwargs``.
+
+    ``splits`` are the ones to be played (by default training's: train, and validation when
+    it is on); the first of them must have tasks.
+    """
     from rollflow.tasks.rollout import episode_limits
 
     env = config.env
+    splits = _measured_splits(config) if splits is None else tuple(splits)
     try:
         handle = load_environment_handle(env.name, env.kwargs)
     except EnvironmentLoadError as exc:
         setting = f"[env].kwargs = {dict(env.kwargs)!r}" if str(exc).startswith("bad arguments") else "[env].name"
         raise PreflightError(f"{setting}: {exc}".splitlines()[0]) from exc
-    if not handle.tasks("train"):
-        raise PreflightError(f"[env].name = {env.name!r}: the environment has no training tasks")
-    for split in _measured_splits(config):
+    if not handle.tasks(splits[0]):
+        kind = "training" if splits[0] == "train" else splits[0]
+        raise PreflightError(f"[env].name = {env.name!r}: the environment has no {kind} tasks")
+    for split in splits:
         episode_limits(config, split, handle.style)  # an async env needs a turn limit
     return handle
 
@@ -129,11 +146,13 @@ def _measured_splits(config: RunConfig) -> tuple[Split, ...]:
 # ---------------------------------------------------------------- the prompt fits
 
 
-def check_prompts_fit(config: RunConfig, handle: EnvironmentHandle) -> None:
+def check_prompts_fit(
+    config: RunConfig, handle: EnvironmentHandle, splits: Sequence[Split] | None = None
+) -> None:
     if config.rollout.backend == "openai":
         return
     budget = config.rollout.max_model_length
-    for split in _measured_splits(config):
+    for split in _measured_splits(config) if splits is None else splits:
         items = handle.tasks(split)
         if not items:
             continue

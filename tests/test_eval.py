@@ -150,7 +150,8 @@ def test_rollflow_eval_prints_the_report(
     assert not [r for r in caplog.records if "pass rate" in r.getMessage()]  # printed once, not logged too
     assert main(["eval", "--tasks", "0"]) == 1
     assert main(["eval", "--model", str(tmp_path / "missing"), "--run-dir", str(tmp_path / "x")]) == 1
-    assert "is not a Hugging Face model folder" in capsys.readouterr().err
+    assert "--model" in (err := capsys.readouterr().err) and "that path does not exist" in err
+    assert not (tmp_path / "x").exists()
 
 
 # ---------------------------------------------------------------- an OpenAI-compatible server
