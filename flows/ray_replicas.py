@@ -6,7 +6,10 @@ actor (``ReplicaHost``) on its node instead of by the run's process: replica i o
 ``generator_nodes[i % n]`` (hard placement, through the node's ``rollflow_node_<name>``
 resource), with ``generator_gpus`` GPUs (Ray sets the actor's ``CUDA_VISIBLE_DEVICES``, which
 the server inherits) and ``generator_cpus`` CPUs of Ray's accounting. The server listens on
-its node's address, so the driver and every node reach it; its log is the run folder's
+its node's address, so the driver and every node reach it. Replicas placed on one node deal
+its cores among them (``deal_cores``: each binds every n-th of the cores given in the spec,
+else of those its actor may use), as replicas started on one machine do; a replica replaced
+onto another node keeps the share it had. Its log is the run folder's
 ``logs/vllm-server[-i].log`` (a shared filesystem), and it reads the base model, the merged
 versions and the adapters at the run's paths.
 
@@ -30,6 +33,7 @@ process that carries its mark.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,6 +41,7 @@ from typing import Any
 
 from rollflow.policy.vllm_server import VLLMServer, VLLMServerSpec
 from rollflow.tasks.config import RunConfig
+from rollflow.tasks.cpu_split import deal_cores
 
 CALL_TIMEOUT_S = 30.0  # an actor call other than a start
 STOP_TIMEOUT_S = 30.0
@@ -57,10 +62,15 @@ class ReplicaState:
 class ReplicaHost:
     """The actor: one ``VLLMServer`` on this node (decorated by ``ray.remote`` at placement)."""
 
-    def __init__(self, spec: VLLMServerSpec, log_path: str | None, startup_timeout_s: float) -> None:
+    def __init__(
+        self, spec: VLLMServerSpec, log_path: str | None, startup_timeout_s: float, share: tuple[int, int] = (0, 1)
+    ) -> None:  # fmt: skip
         import ray
 
-        spec = dataclasses.replace(spec, host=ray.util.get_node_ip_address())
+        cores = spec.cpus or tuple(sorted(os.sched_getaffinity(0)))
+        spec = dataclasses.replace(
+            spec, host=ray.util.get_node_ip_address(), cpus=deal_cores(cores, *share) if share[1] > 1 else spec.cpus
+        )  # fmt: skip
         self.server = VLLMServer(spec, log_path=Path(log_path) if log_path else None, startup_timeout_s=startup_timeout_s)
 
     def start(self) -> ReplicaState:
@@ -98,6 +108,7 @@ class RemoteServer:
         self.spec, self.index, self.log_path, self.startup_timeout_s = spec, index, log_path, startup_timeout_s
         self.node = cluster.generator_nodes[index % len(cluster.generator_nodes)] if cluster.generator_nodes else None
         self.gpus, self.cpus = cluster.generator_gpus, cluster.generator_cpus
+        self.share = node_share(config, index)
         self.restarts = 0
         self.startup_s: float | None = None
         self._actor: Any = None
@@ -187,7 +198,7 @@ class RemoteServer:
         host = ray.remote(ReplicaHost).options(  # type: ignore[attr-defined]
             num_cpus=self.cpus, num_gpus=self.gpus, resources=resources, max_restarts=0, max_task_retries=0,
         )  # fmt: skip
-        self._actor = host.remote(self.spec, self._log_arg(), self.startup_timeout_s)
+        self._actor = host.remote(self.spec, self._log_arg(), self.startup_timeout_s, self.share)
         self._starting = self._actor.start.remote()
         self._wanted = f"node {node!r}" if node is not None else "any node"
         self._lost = None
@@ -243,6 +254,17 @@ class RemoteServer:
         from rollflow.flows.cluster import ray_nodes
 
         return node is not None and node in ray_nodes()
+
+
+def node_share(config: RunConfig, index: int) -> tuple[int, int]:
+    """(replica ``index``'s place among the replicas ``generator_nodes`` puts on its node,
+    how many it puts there); (0, 1) where no node is named (each goes where its GPUs are)."""
+    nodes = config.cluster.generator_nodes
+    if not nodes:
+        return 0, 1
+    node_of = [nodes[i % len(nodes)] for i in range(config.rollout.num_generator_replicas)]
+    mates = [i for i, node in enumerate(node_of) if node == node_of[index]]
+    return mates.index(index), len(mates)
 
 
 def replica_host(config: RunConfig):  # noqa: ANN201 - a ServerHost (tasks/vllm_generator.py) or None

@@ -15,6 +15,10 @@ chunks (``flows/ray_rollout.py``). Everything else of the step stays where the r
   checkpoint is committed there by the node (atomic rename, as on one machine); the
   driver's generator loads it from there for the next step, as it would any checkpoint.
 - ``train.json`` records the node that trained (``TrainResult.node``).
+- Retention stays in the driver: the node commits and never prunes; the driver prunes once
+  the task returns. Only the driver knows which checkpoints its async generator still reads
+  (``tasks/checkpoints.py``'s ``reading_versions``); a pruning node would see no reader
+  and delete a version still being served or published.
 
 Faults: a node that dies while it trains takes nothing committed with it (the checkpoint is
 renamed into place whole, ``train.json`` after it). Ray runs the task once more where its
@@ -36,6 +40,8 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from rollflow.storage.stage_outputs import locate_output
+from rollflow.tasks.checkpoints import prune_checkpoints
 from rollflow.tasks.config import RunConfig
 from rollflow.tasks.cpu_split import trainer_threads
 from rollflow.tasks.train import train_stage
@@ -52,14 +58,15 @@ def train_on_node(
     config: RunConfig, samples: str, teacher: str | None, previous: str | None,
     out_checkpoint: str, out_result: str, step: int,
 ) -> str:  # fmt: skip
-    """On a Ray worker of the trainer's node: ``train_stage`` on the run folder's paths."""
+    """On a Ray worker of the trainer's node: ``train_stage`` on the run folder's paths,
+    without pruning (the driver prunes: ``RayTrainer.train``)."""
     from rollflow.flows.ray_rollout import this_node
 
     with trainer_threads(config.cluster.trainer_cpus):
         path = train_stage(
             config, Path(samples), None if teacher is None else Path(teacher),
             None if previous is None else Path(previous), Path(out_checkpoint), Path(out_result),
-            node=this_node(),
+            node=this_node(), prune=False,
         )  # fmt: skip
     return str(path)
 
@@ -104,6 +111,7 @@ class RayTrainer:
                 ray.cancel(ref, force=True)
                 raise
         print(f"  train step {step}: on {where} ({time.perf_counter() - started:.1f}s)", file=sys.stderr, flush=True)
+        prune_checkpoints(locate_output(out_result).folder, config.train.keep_checkpoints)  # here: the readers are here
         return Path(result)
 
 

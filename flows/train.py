@@ -185,7 +185,7 @@ def run_async_training(handle: RunHandle) -> None:
         handle.report(f"CPUs: the vLLM server on {list(split[0])}, the trainer's threads {len(split[1])}")
     with (
         run_cluster(config) as (_, trainer),
-        open_async_generator(config, folder, first, host=replica_host(config)) as generator,
+        open_async_generator(config, folder, first, host=replica_host(config), cpus=split[0] if split else ()) as generator,
         trainer_threads(split and len(split[1])),
     ):
         workers = RolloutWorkers(config, folder, generator, first).start()

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -154,7 +155,10 @@ class VLLMPolicy(TokenPolicy):
         self._loaded: dict[str, Path] = {}  # adapter name -> folder, on every server (views share it)
         self.max_lora_rank = max_lora_rank  # known for managed servers; None: ask the server
         self.stats = VLLMStats()
-        self._sessions_opened = 0
+        # Episodes are dealt to the servers round robin from one count, shared with every
+        # pinned view (an async run's groups): each replica gets its share however episodes
+        # are grouped. next() on it is atomic, so threads can share it.
+        self._sessions_opened = itertools.count()
 
     @property
     def request_model(self) -> str:
@@ -162,8 +166,7 @@ class VLLMPolicy(TokenPolicy):
         return self.adapter_name or self.served_model
 
     def open_session(self, tool_specs: Sequence[ToolSpec]) -> VLLMSession:
-        first_server = self._sessions_opened % len(self.base_urls)
-        self._sessions_opened += 1
+        first_server = next(self._sessions_opened) % len(self.base_urls)
         return VLLMSession(self, tuple(tool_specs), first_server)
 
     # ------------------------------------------------------------ first contact
@@ -282,12 +285,11 @@ class VLLMPolicy(TokenPolicy):
         """A view of this policy that always samples ``version`` (with ``adapter``, or the
         served model when None) from ``seed``: one per async group, so a group's every
         request names the version its rollout started under whatever loads later. It
-        shares the servers and the stats; its seeds are its own."""
+        shares the servers, the stats and the round robin; its seeds are its own."""
         view = copy.copy(self)
         view.adapter_name, view.version = adapter, version
         view.settings = dataclasses.replace(self.settings, seed=seed)
         view.episode_seeds = EpisodeSeeds()
-        view._sessions_opened = 0
         return view
 
 

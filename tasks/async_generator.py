@@ -19,7 +19,10 @@ pruning which versions it still reads (``tasks/checkpoints.py``'s
 
 A server that stops answering is restarted as in lockstep (``RestartBudget``, asked by
 each finished group, ``tasks/collect.py``): ``restart`` holds new requests while the
-server comes back with every version it held, once however many groups saw the death.
+server comes back with every version it held, once however many groups saw the death. The
+budget is renewed with each published version (lockstep's is per stage). A version whose
+weights are gone cannot be brought back: the restart fails the run rather than serve other
+weights under its name.
 
 Stopping (``stop``, from ``RolloutWorkers.stop``): no group starts, a request waiting
 behind a pause is cancelled, a publication waiting for groups gives up; the gates are
@@ -108,7 +111,9 @@ class AsyncGenerator:
         self._lock = threading.Condition()
         self._restart_lock = threading.Lock()  # a restart, a swap, an unload: one at a time
         self._fault_lock = threading.Lock()  # one fault check at a time
-        self._budget = RestartBudget()  # MAX_GENERATOR_RESTARTS while open
+        # MAX_GENERATOR_RESTARTS for each published version's time, whichever replicas die in
+        # it: the scope lockstep's budget has (a stage), not the whole run
+        self._budget = RestartBudget()
         self.version = version  # the newest published version
         self.restarts = 0  # how often the server was restarted while open
         self._groups: Counter[int] = Counter()  # running groups by start version
@@ -205,7 +210,7 @@ class AsyncGenerator:
             with self._lock:
                 self._restarting = True
             try:
-                self.generator.restart(reason)
+                self.generator.restart(reason, exact=True)  # no later policy_for repairs what it serves
                 self.restarts += 1
             finally:
                 with self._lock:
@@ -239,6 +244,7 @@ class AsyncGenerator:
         finally:
             with self._lock:
                 self._publishing.discard(version)
+        self._budget = RestartBudget()  # a new version's window (read by keep under _fault_lock)
         self.publish_s.append(time.perf_counter() - started)
 
     def _swap_paused(self, gate: str, drained: Callable[[], bool], source: Path, version: int) -> None:
@@ -264,8 +270,8 @@ class AsyncGenerator:
         """Unload the adapters of old versions no running group uses."""
         if self.in_place:
             return
-        with self._lock:
-            unused = [v for v in self.generator.adapters if v < self.version and v not in self._groups]
+        with self._lock:  # a copy: the publisher thread adds and removes adapters under _restart_lock
+            unused = [v for v in self.generator.adapters.copy() if v < self.version and v not in self._groups]
         for version in unused:
             with self._restart_lock:
                 try:
@@ -290,16 +296,18 @@ class AsyncGenerator:
 
 @contextlib.contextmanager
 def open_async_generator(
-    config: RunConfig, folder: RunFolder, first_step: int, *, host: ServerHost | None = None
-) -> Iterator[AsyncGenerator]:
+    config: RunConfig, folder: RunFolder, first_step: int, *, host: ServerHost | None = None,
+    cpus: Sequence[int] = (),
+) -> Iterator[AsyncGenerator]:  # fmt: skip
     """The generator of an async run, serving version ``first_step``; closed after. ``host``:
-    where its managed servers start (``open_generator``).
+    where its managed servers start, ``cpus`` the cores they are bound to (``open_generator``).
 
     A managed server serving adapters gets ``--max-loras`` for every adapter the generator
     can hold at once (``max_loaded_adapters``), so none is evicted and read again.
     """
     checkpoint = step_checkpoint(folder, first_step)
-    with open_run_generator(config, folder, versions_in_flight=max_loaded_adapters(config), host=host) as generator:
+    in_flight = max_loaded_adapters(config)
+    with open_run_generator(config, folder, versions_in_flight=in_flight, host=host, cpus=cpus) as generator:
         assert isinstance(generator, VLLMGenerator), "async collection needs [rollout].backend = 'vllm'"
         source = checkpoint.path if checkpoint is not None else start_source(config, folder, generator)
         async_generator = AsyncGenerator(config, generator, first_step, source)

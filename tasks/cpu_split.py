@@ -6,19 +6,28 @@ they wait) take the cores from each other: the train stage runs several times sl
 beside the sampling server than split (README, "splits the cores").
 
 ``async_cpu_split(config)`` gives the server the first half of the cores this process may
-use (its threads bound there: ``VLLMServerSpec.cpus``) and the trainer as many threads as
-the other half (``trainer_threads``; the kernel's scheduler keeps them off the server's
-bound cores). It applies to an async run (``[rollout].max_steps_off_policy``) on a managed
-vLLM server (no ``base_urls``) with the trainer on the CPU, both in this machine (neither
-placed on a Ray cluster's node), and at least two cores;
-``[rollout].split_cpus = false`` turns it off. Lockstep runs never sample and train at
-once, so each side there has every core.
+use and the trainer as many threads as the other half has (``trainer_threads``). Only the
+server's threads are bound (``VLLMServerSpec.cpus``); the trainer's are not, and the
+kernel's scheduler puts them where the bound server leaves room. It applies to an async run
+(``[rollout].max_steps_off_policy``) on a managed vLLM server (no ``base_urls``) with the
+trainer on the CPU, at least two cores, and both on this machine: neither placed on a node
+of a remote cluster (``[cluster].mode = "address"``; a local cluster's nodes share this
+machine's cores, so the split stands there). ``[rollout].split_cpus = false`` turns it off.
+Lockstep runs never sample and train at once, so each side there has every core.
+
+The split is the async schedule's alone: ``run_async_training`` asks for it and passes the
+server's cores to the generator it opens. A generator opened for anything else (a resumed
+run's last validation, an evaluation, the pipeline's champion check) gets every core, even
+for an async config.
+
+Replicas share their cores: those started here are dealt the server's cores (``deal_cores``),
+and those started on a cluster node deal that node's among the replicas placed on it.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from rollflow.tasks.config import RunConfig
@@ -31,8 +40,9 @@ def async_cpu_split(config: RunConfig) -> tuple[tuple[int, ...], tuple[int, ...]
         return None
     if rollout.backend != "vllm" or rollout.base_urls:
         return None  # no managed server beside the trainer
-    if config.cluster.serves_generators or config.cluster.trains_on_cluster:
-        return None  # one of them runs on a cluster node's cores
+    cluster = config.cluster
+    if cluster.mode != "local" and (cluster.serves_generators or cluster.trains_on_cluster):
+        return None  # one of them runs on another machine's cores
     if _trainer_device(config) != "cpu":
         return None
     cores = sorted(os.sched_getaffinity(0))
@@ -40,6 +50,14 @@ def async_cpu_split(config: RunConfig) -> tuple[tuple[int, ...], tuple[int, ...]
         return None
     half = len(cores) // 2
     return tuple(cores[:half]), tuple(cores[half:])
+
+
+def deal_cores(cores: Sequence[int], index: int, count: int) -> tuple[int, ...]:
+    """Replica ``index`` of ``count`` sharing ``cores``: every ``count``-th core from its
+    index; all of them when there are fewer cores than replicas (they share)."""
+    if count <= 1 or len(cores) < count:
+        return tuple(cores)
+    return tuple(cores[index::count])
 
 
 def _trainer_device(config: RunConfig) -> str:

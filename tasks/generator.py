@@ -58,7 +58,7 @@ import hashlib
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,21 +223,23 @@ def openai_generator(config: RunConfig) -> FixedGenerator:
 
 @contextmanager
 def open_generator(
-    config: RunConfig, folder: RunFolder | None, *, versions_in_flight: int, host: ServerHost | None = None
-) -> Iterator[Generator]:
+    config: RunConfig, folder: RunFolder | None, *, versions_in_flight: int, host: ServerHost | None = None,
+    cpus: Sequence[int] = (),
+) -> Iterator[Generator]:  # fmt: skip
     """The run's generator (see the module docstring), closed afterwards, also on failure;
     a vLLM generator lent by the caller (``vllm_generator.lend``) is used and left running.
-    ``host``: where a vLLM generator's managed servers start (None: this machine)."""
+    ``host``: where a vLLM generator's managed servers start (None: this machine); ``cpus``:
+    the cores they are bound to (empty: every core; an async run's split)."""
     if config.rollout.backend == "openai":
         generator: Generator = openai_generator(config)
     elif config.rollout.backend == "vllm":
         from rollflow.tasks.vllm_generator import lent_generator, start_vllm_generator
 
-        lent = lent_generator(config, folder, versions_in_flight=versions_in_flight)
+        lent = lent_generator(config, folder, versions_in_flight=versions_in_flight, cpus=cpus)
         if lent is not None:
             yield lent
             return
-        generator = start_vllm_generator(config, folder, versions_in_flight=versions_in_flight, host=host)
+        generator = start_vllm_generator(config, folder, versions_in_flight=versions_in_flight, host=host, cpus=cpus)
     else:
         generator = LocalGenerator(config)
     try:

@@ -117,11 +117,14 @@ def frozen_model_reference(reference_model: PreTrainedModel, temperature: float)
 
 def train_stage(
     config: RunConfig, samples: Path, teacher: Path | None, previous: Path | None,
-    out_checkpoint: Path, out_result: Path, *, node: str | None = None,
+    out_checkpoint: Path, out_result: Path, *, node: str | None = None, prune: bool = True,
 ) -> Path:
     """Train on ``samples`` from checkpoint ``previous``; commits ``out_checkpoint``, then
     writes ``out_result`` (``train.json``) and returns its path. ``node``: the Ray node this
-    runs on (``flows/ray_trainer.py``), recorded in the result.
+    runs on (``flows/ray_trainer.py``), recorded in the result. ``prune``: delete the
+    checkpoints the run no longer needs afterwards; a stage run in another process than the
+    run's generator passes False and leaves it to the driver, the only process that knows
+    which versions its async generator still reads (``checkpoints_to_keep``).
 
     A checkpoint committed before a crash kept ``train.json`` from being written is not
     trained again: ``train.json`` is rewritten from it. Every step makes a new policy
@@ -135,7 +138,8 @@ def train_stage(
         raise ValueError(f"step {step} commits its checkpoint at {folder.checkpoint_dir(step)}, not {out_checkpoint}")
     if out_checkpoint.is_dir():  # committed whole (renamed into place), train.json not yet written
         path = folder.write_train_result(checkpoint_train_result(read_checkpoint(out_checkpoint)))
-        prune_checkpoints(folder, config.train.keep_checkpoints)
+        if prune:
+            prune_checkpoints(folder, config.train.keep_checkpoints)
         return path
     timings: dict[str, float] = {}
     clock = time.perf_counter()
@@ -155,7 +159,8 @@ def train_stage(
     result = _train_result(folder.run_id, step, version, config, stats, timings, node)
     save_checkpoint(folder, model, tokenizer, optimizer, result, config.train.use_lora)
     path = folder.write_train_result(result)
-    prune_checkpoints(folder, config.train.keep_checkpoints)
+    if prune:
+        prune_checkpoints(folder, config.train.keep_checkpoints)
     return path
 
 

@@ -36,7 +36,7 @@ from rollflow.policy.vllm_backend import VLLMPolicy, adapter_name, discover_serv
 from rollflow.policy.vllm_server import VLLMServer, VLLMServerSpec, lora_rank_limit
 from rollflow.policy.vllm_weights import merge_adapter, untied_serving_folder
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.cpu_split import async_cpu_split
+from rollflow.tasks.cpu_split import deal_cores
 from rollflow.tasks.config import ConfigError, RunConfig
 from rollflow.tasks.generator import (
     UNMANAGED_SERVER,
@@ -182,12 +182,25 @@ class VLLMGenerator:
                 return fault
         return None
 
-    def restart(self, reason: str) -> None:
+    def restart(self, reason: str, *, exact: bool = False) -> None:
         """The managed servers that cannot sample (all of them when none is seen failing) on
         fresh processes of their spec, holding what the others hold; a new policy for their
-        ports (counters carried over). ``GeneratorError`` for the user's servers."""
+        ports (counters carried over). ``GeneratorError`` for the user's servers.
+
+        Weights held in place whose folder is gone: the servers come back on their spec's own
+        weights, which the next ``policy_for`` replaces (lockstep). ``exact``: there is no
+        such next call (an async run keeps sampling the version it holds), so this raises
+        ``GeneratorError`` before restarting anything rather than serve other weights under
+        that version's name."""
         if not self.servers:
             raise GeneratorError(f"{reason}; {UNMANAGED_SERVER}")
+        if exact and self.weights is not None and not self.weights[1].is_dir():
+            version, folder = self.weights
+            raise GeneratorError(
+                f"{reason}, and version {version}'s weights ({folder}) are gone: a restarted server "
+                "could only serve other weights under its name. Resume the run: it serves the "
+                "version of the checkpoints it finds"
+            )
         failed = [i for i, s in enumerate(self.servers) if server_fault(s, (s.base_url,)) is not None]
         for i in failed or range(len(self.servers)):
             server = self.servers[i]
@@ -275,20 +288,19 @@ class VLLMGenerator:
             )
 
 
-def server_specs(config: RunConfig, *, versions_in_flight: int) -> tuple[VLLMServerSpec, ...]:
+def server_specs(
+    config: RunConfig, *, versions_in_flight: int, cpus: Sequence[int] = ()
+) -> tuple[VLLMServerSpec, ...]:
     """One spec per replica (``[rollout].num_generator_replicas``): ``server_spec``'s, with the
-    generator's cores dealt out (replica i gets every n-th; fewer cores than replicas: they
-    share them all); replicas on a cluster's nodes keep every core of their node."""
-    spec = server_spec(config, versions_in_flight=versions_in_flight)
+    generator's cores (``cpus``; empty: every core this process may use) dealt out
+    (``deal_cores``). Replicas on a cluster's nodes are given ``cpus`` whole, and each deals
+    its node's share on the node (``flows/ray_replicas.py``)."""
+    spec = server_spec(config, versions_in_flight=versions_in_flight, cpus=cpus)
     n = config.rollout.num_generator_replicas
-    if config.cluster.serves_generators:  # each on its node's cores (flows/ray_replicas.py)
+    if config.cluster.serves_generators or n == 1:
         return (spec,) * n
-    if n == 1:
-        return (spec,)
     cores = tuple(spec.cpus) or tuple(sorted(os.sched_getaffinity(0)))
-    if len(cores) < n:
-        return tuple(dataclasses.replace(spec, cpus=cores) for _ in range(n))
-    return tuple(dataclasses.replace(spec, cpus=cores[i::n]) for i in range(n))
+    return tuple(dataclasses.replace(spec, cpus=deal_cores(cores, i, n)) for i in range(n))
 
 
 def replica_log(run_root: Path, replica: int) -> Path:
@@ -296,9 +308,10 @@ def replica_log(run_root: Path, replica: int) -> Path:
     return run_root / (VLLM_LOG if replica == 0 else VLLM_LOG.with_name(f"vllm-server-{replica}.log"))
 
 
-def server_spec(config: RunConfig, *, versions_in_flight: int) -> VLLMServerSpec:
+def server_spec(config: RunConfig, *, versions_in_flight: int, cpus: Sequence[int] = ()) -> VLLMServerSpec:
     """The managed server of a run: the base model, untied when weights are reloaded in
-    place; LoRA flags only when versions reach it as adapters."""
+    place; LoRA flags only when versions reach it as adapters; bound to ``cpus`` (empty:
+    every core; an async run passes its split, ``tasks/cpu_split.py``)."""
     base = base_model_ref(config)
     model_dir = hf_model_folder(ModelRef(path=base.path, gguf_file=base.gguf_file))
     lora = not serves_in_place(config)
@@ -311,29 +324,31 @@ def server_spec(config: RunConfig, *, versions_in_flight: int) -> VLLMServerSpec
         max_loras=max(1, versions_in_flight) if lora else 1,
         kvcache_space_gib=config.rollout.vllm_kvcache_space_gib,
         python=config.rollout.vllm_python,
-        cpus=split[0] if (split := async_cpu_split(config)) else (),
+        cpus=tuple(cpus),
     )
 
 
-def generator_key(config: RunConfig, *, versions_in_flight: int) -> tuple[object, ...]:
-    """Equal keys: one generator serves both configs."""
+def generator_key(config: RunConfig, *, versions_in_flight: int, cpus: Sequence[int] = ()) -> tuple[object, ...]:
+    """Equal keys: one generator serves both configs (on the same cores)."""
     rollout = config.rollout
     if rollout.base_urls:
         return ("external", rollout.base_urls, rollout.api_model)
     cluster = config.cluster
     placed = ("placed", cluster.address, cluster.generator_nodes, cluster.generator_gpus, cluster.generator_cpus)
-    return ("managed", *server_specs(config, versions_in_flight=versions_in_flight), *(placed if cluster.serves_generators else ()))
+    return ("managed", *server_specs(config, versions_in_flight=versions_in_flight, cpus=cpus), *(placed if cluster.serves_generators else ()))
 
 
 def start_vllm_generator(
-    config: RunConfig, folder: RunFolder | None, *, versions_in_flight: int, host: ServerHost | None = None
-) -> VLLMGenerator:
+    config: RunConfig, folder: RunFolder | None, *, versions_in_flight: int, host: ServerHost | None = None,
+    cpus: Sequence[int] = (),
+) -> VLLMGenerator:  # fmt: skip
     """Start the managed servers (or connect to the user's), serving the base model; ``host``
-    starts them elsewhere (a Ray cluster's nodes: ``flows/ray_replicas.py``)."""
+    starts them elsewhere (a Ray cluster's nodes: ``flows/ray_replicas.py``); ``cpus``: the
+    cores they are bound to (empty: every core)."""
     rollout = config.rollout
     base = base_model_ref(config)
     tokenizer = load_tokenizer(ModelRef(path=base.path, gguf_file=base.gguf_file))
-    key = generator_key(config, versions_in_flight=versions_in_flight)
+    key = generator_key(config, versions_in_flight=versions_in_flight, cpus=cpus)
     if rollout.base_urls:
         served = rollout.api_model or discover_served_model(rollout.base_urls[0])
         policy = VLLMPolicy(
@@ -406,10 +421,13 @@ def lend(generator: VLLMGenerator) -> Iterator[VLLMGenerator]:
             _LENT.remove(generator)
 
 
-def lent_generator(config: RunConfig, folder: RunFolder | None, *, versions_in_flight: int) -> VLLMGenerator | None:
-    """The lent generator serving ``config``, bound to ``folder`` (its restarts log there,
-    its merged versions go there), restarted if its server died since; None when none is."""
-    key = generator_key(config, versions_in_flight=versions_in_flight)
+def lent_generator(
+    config: RunConfig, folder: RunFolder | None, *, versions_in_flight: int, cpus: Sequence[int] = ()
+) -> VLLMGenerator | None:
+    """The lent generator serving ``config`` on ``cpus``, bound to ``folder`` (its restarts
+    log there, its merged versions go there), restarted if its server died since; None when
+    none is."""
+    key = generator_key(config, versions_in_flight=versions_in_flight, cpus=cpus)
     for lent in reversed(_LENT):
         if lent.key == key and not lent.closed:
             lent.config, lent.folder = config, folder

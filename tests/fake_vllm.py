@@ -21,6 +21,7 @@ class FakeServer:
         self.spec, self.log_path = spec, log_path
         self.running = True
         self.base_url = DEAD_URL
+        self.restarts, self.startup_s = 0, 0.0
 
     def start(self) -> FakeServer:
         return self.spawn().wait_ready()
@@ -32,6 +33,16 @@ class FakeServer:
     def wait_ready(self) -> FakeServer:
         return self
 
+    def restart(self, reason: str, *, log_path: Path | None = None) -> FakeServer:
+        self.running, self.restarts = True, self.restarts + 1
+        return self
+
+    def describe_exit(self) -> str:
+        return "was stopped by the test" if not self.running else "is running"
+
+    def log_tail(self) -> str:
+        return "(a stand-in: no log)"
+
     def stop(self) -> None:
         self.running = False
 
@@ -42,19 +53,22 @@ class FakePolicy:
     def __init__(self) -> None:
         self.version = 0
         self.settings = None
+        self.stats = None
+        self.adapter_name: str | None = None
+        self._loaded: dict[str, Path] = {}  # what VLLMGenerator.restart carries over
         self.base_urls = (DEAD_URL,)
         self.calls: list[tuple[object, ...]] = []
         self.reload_started = threading.Event()
         self.reload_may_finish = threading.Event()
         self.reload_may_finish.set()
 
-    def add_adapter(self, adapter_dir: Path, name: str) -> None:
+    def add_adapter(self, adapter_dir: Path, name: str, *, only: object = None) -> None:
         self.calls.append(("add", name, Path(adapter_dir)))
 
     def remove_adapter(self, name: str) -> None:
         self.calls.append(("remove", name))
 
-    def reload_weights(self, model_dir: Path, version: int) -> float:
+    def reload_weights(self, model_dir: Path, version: int, *, only: object = None) -> float:
         self.calls.append(("reload", Path(model_dir), version))
         self.reload_started.set()
         self.reload_may_finish.wait()

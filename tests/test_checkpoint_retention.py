@@ -193,3 +193,46 @@ def test_a_merged_lora_generator_keeps_only_the_served_merged_folder(
     assert not [c for c in fake_vllm.calls if c[0] == "add"], "no adapter reached the server"
     assert not serving.exists(), "the merged folders outlived their generator"
 
+
+
+def test_a_train_stage_run_on_a_ray_node_leaves_pruning_to_the_driver_that_knows_the_readers(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The review's R1: the train stage on a Ray node runs in a fresh worker process, where
+    no async generator registered what it reads, and pruned version 1 while the driver's
+    generator still served it. Here the remote body runs in another Python process (the
+    node's part of ``flows/ray_trainer.py``, without Ray's scheduling), and the driver prunes."""
+    import pickle
+    import subprocess
+    import sys
+
+    from rollflow.tasks.checkpoints import reading_versions
+    from test_train import tiny_config, train_step, write_samples
+
+    config = tiny_config(tiny_model_dir, keep_checkpoints=1)
+    run = tmp_path / "run"
+    folder = RunFolder(run)
+    write_samples(run, 0)
+    train_step(config, run, 0)  # checkpoint 0: version 1, which the driver's generator serves
+    write_samples(run, 1)
+    p = folder.step_paths(1)
+    args = {"config": config, "samples": str(p.samples), "teacher": None, "previous": str(folder.checkpoint_dir(0)),
+            "out_checkpoint": str(p.checkpoint), "out_result": str(p.train_json), "step": 1}  # fmt: skip
+    (tmp_path / "args.pkl").write_bytes(pickle.dumps(args))
+    node = (
+        "import pickle, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "import rollflow.flows.ray_rollout as ray_rollout\n"
+        "ray_rollout.this_node = lambda: 'worker-1'  # no Ray here: the node's name\n"
+        "from rollflow.flows.ray_trainer import train_on_node\n"
+        f"train_on_node.fn(**pickle.loads(open({str(tmp_path / 'args.pkl')!r}, 'rb').read()))\n"
+    )
+    with reading_versions(folder, lambda: {1}):
+        done = subprocess.run([sys.executable, "-c", node], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert folder.read_train_result(1).node == "worker-1"
+        assert _steps(folder) == [0, 1], "the node pruned a checkpoint the driver's generator reads"
+        prune_checkpoints(folder, config.train.keep_checkpoints)  # what RayTrainer.train does after
+        assert _steps(folder) == [0, 1], "the driver spares what its generator reads"
+    prune_checkpoints(folder, config.train.keep_checkpoints)
+    assert _steps(folder) == [1]

@@ -85,12 +85,19 @@ def test_replicas_placed_on_the_cluster_must_be_rollflows_and_one_per_named_node
                                        "rollout": {"backend": "vllm", "base_urls": ["http://10.0.0.9:8000/v1"]}}))  # fmt: skip
 
 
-def test_an_async_run_on_a_cluster_places_its_trainer_or_its_replicas_there() -> None:
+def test_an_async_run_on_a_cluster_places_its_trainer_or_its_replicas_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local cluster's nodes share this machine's cores, so the split stands there (the
+    review's R5: before, the driver's server bound every core while the worker trained); a
+    side on a remote cluster's node has that node's cores: nothing to split here."""
+    from rollflow.tasks import cpu_split
     from rollflow.tasks.config_checks import check_run_config
-    from rollflow.tasks.cpu_split import async_cpu_split
 
+    monkeypatch.setattr(cpu_split.os, "sched_getaffinity", lambda pid: {0, 1})
     rollout = {"backend": "vllm", "max_steps_off_policy": 1}
     for placed in ({"trainer_node": "worker-1"}, {"generator_nodes": ["head"]}):
         config = parse_config({"cluster": {"mode": "local", **placed}, "rollout": rollout})
         check_run_config(config)
-        assert async_cpu_split(config) is None, "a side on a node has that node's cores: nothing to split here"
+        assert cpu_split.async_cpu_split(config) == ((0,), (1,))
+    for placed in ({"trainer_gpus": 1}, {"generator_gpus": 1}):
+        remote = parse_config({"cluster": {"mode": "address", "address": "10.0.0.1:6379", **placed}, "rollout": rollout})
+        assert cpu_split.async_cpu_split(remote) is None

@@ -52,14 +52,67 @@ def test_nothing_is_split_where_the_two_never_share_the_cores(cores: list[set[in
     assert async_cpu_split(config) is None
 
 
-def test_the_managed_server_of_an_async_run_is_bound_to_its_cores(cores: list[set[int]], tiny_model_dir: Path) -> None:
-    spec = server_spec(_async(tiny_model_dir), versions_in_flight=3)
+def test_the_managed_server_of_an_async_run_is_bound_to_the_cores_its_schedule_passes(
+    cores: list[set[int]], tiny_model_dir: Path
+) -> None:
+    config = _async(tiny_model_dir)
+    split = async_cpu_split(config)
+    assert split is not None
+    spec = server_spec(config, versions_in_flight=3, cpus=split[0])
     assert spec.cpus == (0,)
     env = spec.environment({})
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0" and env["OMP_NUM_THREADS"] == "1"
     assert spec.environment({"VLLM_CPU_OMP_THREADS_BIND": "1"})["VLLM_CPU_OMP_THREADS_BIND"] == "1", "the user's wins"
-    lockstep = _async(tiny_model_dir, max_steps_off_policy=None)
-    assert server_spec(lockstep, versions_in_flight=1).cpus == ()
+
+
+def test_a_server_opened_outside_the_async_schedule_gets_every_core_even_for_an_async_config(
+    cores: list[set[int]], tiny_model_dir: Path
+) -> None:
+    """The review's R5: a resumed run's last validation, an evaluation or the pipeline's
+    champion check open a server for an async config with no trainer beside it; before,
+    it was bound to half the cores."""
+    assert server_spec(_async(tiny_model_dir), versions_in_flight=1).cpus == ()
+    assert server_spec(_async(tiny_model_dir, max_steps_off_policy=None), versions_in_flight=1).cpus == ()
+
+
+def test_the_async_opener_binds_its_server_to_the_cores_it_is_given(
+    fake_vllm: object, cores: list[set[int]], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from fake_vllm import FakeServer
+
+    from rollflow.storage.runfolder import RunFolder
+    from rollflow.tasks.async_generator import open_async_generator
+
+    config = _async(tiny_model_dir, weight_sync_type="pipeline")
+    with open_async_generator(config, RunFolder(tmp_path / "run"), 0, cpus=(0,)):
+        assert [spec.cpus for spec in FakeServer.specs] == [(0,)]
+
+
+def test_replicas_on_a_cluster_node_deal_that_nodes_cores_among_them(tiny_model_dir: Path) -> None:
+    """The review's R5: two replicas placed on one node both bound every core of it."""
+    from rollflow.flows.ray_replicas import node_share
+    from rollflow.tasks.config import parse_config
+
+    def placed(nodes: list[str], replicas: int) -> RunConfig:
+        return parse_config({"cluster": {"mode": "local", "num_worker_nodes": 1, "generator_nodes": nodes},
+                             "rollout": {"backend": "vllm", "num_generator_replicas": replicas}})  # fmt: skip
+
+    assert [node_share(placed(["head"], 2), i) for i in range(2)] == [(0, 2), (1, 2)]
+    assert [node_share(placed(["head", "worker-1"], 4), i) for i in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert [node_share(placed(["head", "worker-1"], 2), i) for i in range(2)] == [(0, 1), (0, 1)]
+    assert cpu_split.deal_cores((0, 1, 2, 3), 1, 2) == (1, 3)
+    assert cpu_split.deal_cores((0, 1), 1, 3) == (0, 1), "fewer cores than replicas: they share"
+
+
+def test_a_replica_actor_binds_its_share_of_its_nodes_cores(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollflow.flows import ray_replicas
+
+    monkeypatch.setattr(ray_replicas.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    spec = VLLMServerSpec(str(tiny_model_dir))
+    assert ray_replicas.ReplicaHost(spec, None, 1.0, (1, 2)).server.spec.cpus == (1, 3)
+    assert ray_replicas.ReplicaHost(spec, None, 1.0).server.spec.cpus == (), "alone on its node: every core"
+    given = VLLMServerSpec(str(tiny_model_dir), cpus=(4, 5, 6, 7))  # a local cluster's replicas: the split's cores
+    assert ray_replicas.ReplicaHost(given, None, 1.0, (0, 2)).server.spec.cpus == (4, 6)
 
 
 def test_a_spec_without_cores_binds_every_core_this_process_may_use(tiny_model_dir: Path) -> None:
