@@ -13,9 +13,13 @@ opened for writing. Each chunk file is written atomically (``storage/parquet.py`
 that exists is complete and a resumed command skips it; ``_complete.json`` says every
 chunk is written.
 
-A name belongs to one manifest. Opening a name again (``DerivedOutput.open``) resumes it
-when the manifest is the same and it is not complete; a complete one, or one made with
-another environment, kwargs or filter, is refused with ``DerivedNameError``.
+A name belongs to one manifest and one process at a time. ``DerivedOutput.open`` holds the
+name's lock while its body writes (a second command on it is refused with
+``DerivedBusyError``), and resumes the name when the manifest is the same and it is not
+complete; a complete one, or one made with another environment, kwargs or filter, is
+refused with ``DerivedNameError``. Its temporaries are discarded only there, under the lock:
+a run's own clean-up (``RunFolder.discard_temporaries``) leaves ``rescores/`` and
+``replays/`` alone, so a resume of the run never breaks a rescore that is writing.
 
 The files carry their own record kind (``rescores``, ``replays``) in the Parquet footer,
 checked before a view reads them, like the run's own stage files.
@@ -25,7 +29,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,10 +41,11 @@ import pyarrow.parquet as pq
 from rollflow.storage.errors import CorruptFileError, SchemaMismatchError, StorageError
 from rollflow.storage.parquet import atomic_file, is_temporary, remove_temporaries, write_bytes_atomic
 from rollflow.storage.records import SCHEMA_VERSION
-from rollflow.storage.runfolder import RunFolder, parse_step_dirname, step_dirname
+from rollflow.storage.runfolder import DERIVED_DIRS, RunFolder, parse_step_dirname, step_dirname
+from rollflow.storage.runlock import LOCK_FILE, RunFolderBusyError, acquire_run_folder, release_run_folder
 from rollflow.storage.schemas import KIND_KEY, SCORE_SCHEMA, VERSION_KEY, schema_difference
 
-DERIVED_KINDS = ("rescores", "replays")
+DERIVED_KINDS = DERIVED_DIRS
 MANIFEST = "manifest.json"
 COMPLETE = "_complete.json"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
@@ -83,6 +89,10 @@ class DerivedNameError(StorageError):
     """A rescore or replay name that is malformed, or already used for something else."""
 
 
+class DerivedBusyError(RunFolderBusyError):
+    """Another process is writing this rescore or replay; the message names its PID."""
+
+
 def check_name(name: str) -> str:
     if not _NAME_RE.match(name):
         raise DerivedNameError(
@@ -121,29 +131,51 @@ class DerivedOutput:
             raise CorruptFileError(path, f"unreadable manifest: {exc}") from exc
 
     @classmethod
-    def open(cls, run: RunFolder, kind: str, name: str, manifest: Mapping[str, Any]) -> DerivedOutput:
-        """The output for ``manifest``: new, or an unfinished one with that manifest resumed."""
+    @contextmanager
+    def open(cls, run: RunFolder, kind: str, name: str, manifest: Mapping[str, Any]) -> Iterator[DerivedOutput]:
+        """The output for ``manifest``, new or an unfinished one resumed, held for the body.
+
+        The name's lock (``run.lock`` in its folder) is taken first, before the manifest is
+        read or a temporary discarded, and released when the body ends, however it ends: a
+        second command on the name is refused with ``DerivedBusyError`` and touches nothing.
+        """
         if kind not in DERIVED_KINDS:
             raise ValueError(f"kind must be one of {DERIVED_KINDS}, got {kind!r}")
         output = cls(run, kind, check_name(name))
+        try:
+            acquire_run_folder(output.root)
+        except RunFolderBusyError:
+            holder = (output.root / LOCK_FILE).read_text().strip() or "unknown"
+            raise DerivedBusyError(
+                f"{output.root}: the {kind[:-1]} {name!r} is being written by another rollflow process "
+                f"(PID {holder}); wait for it to end, or pick another --name"
+            ) from None
+        try:
+            output._start(manifest)
+            yield output
+        finally:
+            release_run_folder(output.root)
+
+    def _start(self, manifest: Mapping[str, Any]) -> None:
+        """Check the stored manifest against ``manifest`` (or write it), discard temporaries."""
         wanted = json.loads(json.dumps(dict(manifest)))  # as it reads back from JSON
-        found = output.manifest()
+        found = self.manifest()
+        kind, name = self.kind[:-1], self.name
         if found is not None and found != wanted:
             differ = sorted(k for k in wanted.keys() | found.keys() if wanted.get(k) != found.get(k))
             shown = ", ".join(f"{k} ({found.get(k)!r} stored, {wanted.get(k)!r} given)" for k in differ)
             raise DerivedNameError(
-                f"{output.root}: the {kind[:-1]} name {name!r} is already used with other settings: "
+                f"{self.root}: the {kind} name {name!r} is already used with other settings: "
                 f"{shown}; pick another --name"
             )
-        if output.is_complete():
+        if self.is_complete():
             raise DerivedNameError(
-                f"{output.root}: the {kind[:-1]} {name!r} is already complete; query it "
-                f"(rollflow sql {run.root} \"SELECT * FROM {kind}\") or pick another --name"
+                f"{self.root}: the {kind} {name!r} is already complete; query it "
+                f"(rollflow sql {self.run.root} \"SELECT * FROM {self.kind}\") or pick another --name"
             )
-        output.discard_temporaries()
+        self.discard_temporaries()  # ours alone to discard: we hold the name's lock
         if found is None:
-            write_bytes_atomic(json.dumps(wanted, indent=2).encode(), output.root / MANIFEST)
-        return output
+            write_bytes_atomic(json.dumps(wanted, indent=2).encode(), self.root / MANIFEST)
 
     def discard_temporaries(self) -> list[Path]:
         """What an interrupted write left here (only here: never the run's own files)."""

@@ -67,6 +67,7 @@ from rollflow.storage.records import TrainResult
 from rollflow.storage.schemas import KIND_KEY, RecordKind, train_result_from_json, train_result_to_json
 
 SPLIT_DIRS = {"train": "steps", "validation": "validation"}
+DERIVED_DIRS = ("rescores", "replays")  # outputs other commands derive from the run (storage/derived.py)
 STAGES = {"train": ("episodes", "scores", "samples", "train"), "validation": ("episodes", "scores")}
 # Stages only some runs have (OPD's teacher scores): allowed, but never what a run waits on.
 OPTIONAL_STAGES = {"train": ("teacher",), "validation": ()}
@@ -374,9 +375,13 @@ class RunFolder:
     # ------------------------------------------------------------ crash leftovers
 
     def temporaries(self) -> list[Path]:
-        """What a crash left half-written: hidden ``.NAME.tmp-*`` files and folders."""
+        """What a crash left half-written: hidden ``.NAME.tmp-*`` files and folders; not in
+        ``rescores/`` or ``replays/``, whose own command may be writing them (it discards
+        its leftovers under its lock, ``storage/derived.py``)."""
         found: list[Path] = []
         for dirpath, dirnames, filenames in os.walk(self.root):
+            if Path(dirpath) == self.root:
+                dirnames[:] = [d for d in dirnames if d not in DERIVED_DIRS]
             for name in [*dirnames, *filenames]:
                 if is_temporary(Path(name)):
                     found.append(Path(dirpath) / name)

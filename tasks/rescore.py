@@ -11,7 +11,8 @@ The SQL view ``rescores`` holds them; join it to ``scores`` or ``episodes`` on
 
 Resuming: one file per (split, step), written atomically, so a killed rescore run again
 with the same arguments skips the files it finished and writes the rest; a name already
-used with other arguments, or already complete, is refused (``DerivedOutput.open``).
+used with other arguments, or already complete, is refused (``DerivedOutput.open``), and
+so is a second command on a name while the first still writes it (``DerivedBusyError``).
 
 Refused before anything is written: a folder that is not a run, an environment whose tasks
 do not include every stored episode's task id (per split), a malformed ``--where``.
@@ -40,7 +41,6 @@ from rollflow.storage.derived import RESCORE_SCHEMA, DerivedOutput
 from rollflow.storage.query import QueryError, open_run_sql, run_query
 from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import SPLIT_DIRS, RunFolder
-from rollflow.storage.runlock import run_folder_lock
 from rollflow.storage.runs import looks_like_run
 from rollflow.storage.schemas import score_records_to_table, table_to_episode_records
 from rollflow.tasks.config import RunConfig, load_config
@@ -147,12 +147,8 @@ ChunkTable = Callable[[str, int, Sequence[EpisodeRecord]], pa.Table]
 
 
 def write_chunks(run: StoredRun, output: DerivedOutput, make_table: ChunkTable) -> DerivedSummary:
-    """``make_table(split, step, episodes)`` for each chunk not yet written, then seal."""
-    with run_folder_lock(output.root):  # two rescores of one name would write each chunk twice
-        return _write_missing_chunks(run, output, make_table)
-
-
-def _write_missing_chunks(run: StoredRun, output: DerivedOutput, make_table: ChunkTable) -> DerivedSummary:
+    """``make_table(split, step, episodes)`` for each chunk not yet written, then seal; under
+    the name's lock, which ``DerivedOutput.open`` holds."""
     written = skipped = rows = 0
     for split, step in run.chunks():
         if output.chunk_path(split, step).exists():
@@ -202,5 +198,5 @@ def derive_run(
     handle = load_changed_environment(run, env, kwargs)
     manifest = output_manifest(run, env, kwargs, where)
     name = name or default_name(manifest)
-    output = DerivedOutput.open(run.folder, kind, name, manifest)
-    return write_chunks(run, output, lambda split, step, episodes: make_table(handle, run, name, split, episodes))
+    with DerivedOutput.open(run.folder, kind, name, manifest) as output:  # the name's lock, to the seal
+        return write_chunks(run, output, lambda split, step, episodes: make_table(handle, run, name, split, episodes))

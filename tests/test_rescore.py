@@ -163,7 +163,9 @@ def test_a_rescore_process_killed_mid_way_resumes_without_doubles(run_dir: Path)
     assert counts == query(run_dir, "SELECT count(*), count(*) FROM episodes")
 
 
-def test_a_second_rescore_of_one_name_is_refused_while_the_first_runs(run_dir: Path) -> None:
+def test_a_second_rescore_of_one_name_is_refused_while_the_first_runs(
+    run_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     kwargs = {**SAME, "threshold": 0.9, "score_delay_s": 1.0}
     command = [sys.executable, "-m", "rollflow.flows.cli", "rescore", str(run_dir), "--env", ENV,
                "--kwargs", json.dumps(kwargs), "--name", "busy"]  # fmt: skip
@@ -176,6 +178,10 @@ def test_a_second_rescore_of_one_name_is_refused_while_the_first_runs(run_dir: P
         assert child.poll() is None, "the first rescore ended before it could be raced"
         with pytest.raises(RunFolderBusyError, match=f"PID {child.pid}"):
             rescore_run(run_dir, ENV, kwargs, name="busy")
+        capsys.readouterr()
+        assert main(command[3:]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"'busy' is being written by another rollflow process (PID {child.pid})" in err
     finally:
         child.kill()
         child.communicate()

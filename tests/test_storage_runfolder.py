@@ -140,6 +140,23 @@ def test_discard_temporaries_keeps_everything_finished(tmp_path: Path) -> None:
     assert folder.discard_temporaries() == []
 
 
+
+def test_discard_temporaries_leaves_rescores_and_replays_to_their_own_command(tmp_path: Path) -> None:
+    """A resume of the run may start while a rescore writes; its opener cleans its own folder."""
+    folder = RunFolder(tmp_path / "run")
+    half_stage = temporary_path(folder.stage_path(0, "samples"))
+    half_stage.parent.mkdir(parents=True)
+    half_stage.write_bytes(b"half")
+    writing = []
+    for kind in ("rescores", "replays"):
+        chunk = folder.root / kind / "name" / "train" / "step=000000.parquet"
+        chunk.parent.mkdir(parents=True)
+        writing.append(temporary_path(chunk))
+        writing[-1].write_bytes(b"half")
+
+    assert folder.discard_temporaries() == [half_stage]
+    assert all(p.exists() for p in writing)
+
 def test_read_train_result_names_a_bad_file(tmp_path: Path) -> None:
     folder = RunFolder(tmp_path / "run")
     folder.write_json_atomic(folder.stage_path(0, "train"), {"record": "scores"})
