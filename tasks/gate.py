@@ -234,7 +234,7 @@ def decide(candidate: Sequence[Path], baseline: Sequence[Path], settings: GateSe
         raise GateError("the gate needs at least one validation pass on each side")
     columns = (settings.column, ERROR_COLUMN)
     after_rows, before_rows = episodes_by_task(candidate, columns), episodes_by_task(baseline, columns)
-    check_comparable(after_rows, before_rows)
+    check_comparable(after_rows, before_rows, {"candidate": candidate, "baseline": baseline})
     after, before = per_task(after_rows, settings.column), per_task(before_rows, settings.column)
     change, p_value, promote = judge_gain(paired_diffs(before, after), settings)
     return GateDecision(
@@ -249,8 +249,14 @@ def decide(candidate: Sequence[Path], baseline: Sequence[Path], settings: GateSe
     )
 
 
-def check_comparable(candidate: dict[str, list[dict]], baseline: dict[str, list[dict]]) -> None:
-    """Refuse errored episodes (on either side) and tasks with unequal episode counts."""
+def check_comparable(
+    candidate: dict[str, list[dict]], baseline: dict[str, list[dict]], sources: dict[str, Sequence[Path]] | None = None
+) -> None:
+    """Refuse errored episodes (on either side) and tasks with unequal episode counts.
+
+    A validation pass is sealed once written, so a retry (or a resume) reads the same
+    errored episodes again: the error names the folders (of ``sources``, each side's
+    files) to remove so that the side is measured anew."""
     errored = {side: [row for rows in by_task.values() for row in rows if row[ERROR_COLUMN] is not None]
                for side, by_task in (("candidate", candidate), ("baseline", baseline))}
     if any(errored.values()):
@@ -258,12 +264,22 @@ def check_comparable(candidate: dict[str, list[dict]], baseline: dict[str, list[
             f"{side}: {len(rows)} of {sum(map(len, by_task.values()))} episodes"
             + (f" (e.g. {rows[0]['source']}, task {rows[0]['task_id']}: {rows[0][ERROR_COLUMN]!r})" if rows else "")
             for (side, rows), by_task in zip(errored.items(), (candidate, baseline), strict=True))
+        redo = ""
+        if sources is not None:
+            folders = sorted({str(_pass_folder(Path(p))) for side, rows in errored.items() if rows for p in sources[side]})
+            redo = (f"; a retry reads the same sealed pass, so remove {', '.join(folders)} first "
+                    "(the run then measures that side again)")
         raise GateError(f"errored validation episodes ({ERROR_COLUMN} set) are neither passes nor failures, and the "
-                        f"gate compares only whole passes: {counts}. Fix the cause and evaluate that side again")
+                        f"gate compares only whole passes: {counts}. Fix the cause and evaluate that side again{redo}")
     for task in sorted(set(candidate) & set(baseline)):
         if len(candidate[task]) != len(baseline[task]):
             raise GateError(f"task {task}: {len(candidate[task])} candidate episodes, {len(baseline[task])} baseline; "
                             "the exact test pairs sides measured alike (same episodes per task)")
+
+
+def _pass_folder(path: Path) -> Path:
+    """The folder of the validation pass a stage output belongs to (``.../step=N``)."""
+    return path.parent.parent if path.parent.name in ("episodes", "scores") else path.parent
 
 
 def gate_stage(candidate: Sequence[Path], baseline: Sequence[Path], settings: GateSettings, out_dir: Path) -> Path:

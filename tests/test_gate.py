@@ -89,6 +89,9 @@ def test_errored_episodes_refuse_the_gate_naming_each_side(tmp_path: Path) -> No
     with pytest.raises(GateError, match=r"baseline: 3 of 10 .*errored.*generator server stopped answering") as caught:
         decide([after], [before], GateSettings())
     assert "candidate: 0 of 10" in str(caught.value) and str(before) in str(caught.value)
+    # a retry reads the sealed pass again: the error says which folder to remove, and only
+    # the errored side's
+    assert f"remove {tmp_path} first" in str(caught.value), str(caught.value)
     after_errors = write_scores(tmp_path / "a2.parquet", {t: [None if i == 4 else True] for i, t in enumerate(TASKS)})
     with pytest.raises(GateError, match=r"candidate: 1 of 10 .*baseline: 3 of 10"):
         decide([after_errors], [before], GateSettings())
