@@ -55,10 +55,12 @@ def eval_config(config: RunConfig, overrides: EvalOverrides) -> RunConfig:
 
 
 def _model_config(model: str, current: ModelConfig) -> ModelConfig:
+    """``--model`` replaces what names the model (its path and GGUF file; the adapter was
+    for the old one) and keeps how it runs (``dtype``, ``device``)."""
     path = Path(model)
     if path.suffix == ".gguf":
-        return ModelConfig(path=str(path.parent), gguf_file=path.name, dtype=current.dtype)
-    return ModelConfig(path=model, dtype=current.dtype)
+        return replace(current, path=str(path.parent), gguf_file=path.name, adapter=None)
+    return replace(current, path=model, gguf_file=None, adapter=None)
 
 
 def checked_eval_config(config_path: str | None, overrides: EvalOverrides) -> RunConfig:

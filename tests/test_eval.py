@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,10 @@ def test_overrides_replace_only_what_they_name() -> None:
     assert config.validation.num_tasks == 3 and config.rollout == base.rollout
     folder = eval_config(base, EvalOverrides(model="/models/hf"))
     assert (folder.model.path, folder.model.gguf_file) == ("/models/hf", None)
+    # how the model runs stays (the third review: --model dropped [model].device)
+    on_cpu = replace(base, model=replace(base.model, device="cpu", dtype="bfloat16", adapter="/old-adapter"))
+    moved = eval_config(on_cpu, EvalOverrides(model="/models/hf")).model
+    assert (moved.device, moved.dtype, moved.adapter) == ("cpu", "bfloat16", None)
     served = eval_config(base, EvalOverrides(base_url="http://127.0.0.1:9/v1", api_model="smol"))
     assert (served.rollout.backend, served.rollout.base_url, served.rollout.api_model) == (
         "openai", "http://127.0.0.1:9/v1", "smol")
