@@ -1,16 +1,29 @@
-"""Run structured tool calls against ``Tool`` objects; every failure is a message, never a raise.
+"""Run structured tool calls against ``Tool`` objects: the model's mistakes become messages,
+the tool author's bugs raise.
 
 A tool call the model got wrong is part of the episode, not a crash: the model reads
-``tool_error: ...`` in the tool message and may try again. Four things can go wrong, each
-named in that message: the tool does not exist, the arguments are not a JSON object, they
-fail the tool's ``parameters_schema`` (checked with ``jsonschema``, the validator class
-the schema itself declares, Draft 2020-12 by default), or the tool raises.
+``tool_error: ...`` in the tool message and may try again. Four things the model can get
+wrong, each named in that message: the tool does not exist, the arguments are not a JSON
+object, they fail the tool's ``parameters_schema`` (checked with ``jsonschema``, the
+validator class the schema itself declares, Draft 2020-12 by default), or the tool raises
+on them (a calculator dividing by zero is the model's feedback).
+
+A bug in the tool itself is not the model's to fix, and a ``tool_error`` message would
+hide it as feedback (the model reads it, the episode goes on, nothing counts it). So a tool
+that returns something other than a ``ToolResult`` (or a ``ToolResult`` whose ``content``
+is not text), or whose ``parameters_schema`` is not a valid JSON Schema, raises
+``BrokenToolError``: the environment's step fails, the episode ends with that error and its
+traceback goes to the step's ``errors.jsonl`` like any other environment error
+(``tasks/step_health.py``).
 
 Calls run one after another, in the order given: tools may act on shared state (a shop,
 a file system) and an episode must replay the same way every time.
 
 ``run_tool_calls`` also reports whether any tool asked to stop (``ToolResult.should_stop``);
-``execute_tool_calls`` is the messages-only form most environments want.
+``execute_tool_calls`` is the messages-only form most environments want. The tool calls and
+tool errors of each episode are counted from its transcript (``count_tool_messages``: one
+tool message a call, the errors by their ``tool_error: `` prefix), so they are counted
+whichever environment style ran the tools.
 """
 
 from __future__ import annotations
@@ -28,6 +41,11 @@ from jsonschema.protocols import Validator
 from rollflow.envs.types import Message, Tool, ToolCall, ToolResult
 
 TOOL_ERROR_PREFIX = "tool_error: "
+
+
+class BrokenToolError(Exception):
+    """A tool broke its contract (its return value or its ``parameters_schema``): a bug in
+    the tool, which fails the episode instead of becoming the model's feedback."""
 
 
 @dataclass(frozen=True)
@@ -62,11 +80,20 @@ async def run_tool_calls(tools: Mapping[str, Tool], calls: Sequence[ToolCall]) -
 
 
 def is_tool_error(message: Message) -> bool:
-    return message.get("role") == "tool" and message.get("content", "").startswith(TOOL_ERROR_PREFIX)
+    content = message.get("content")
+    return message.get("role") == "tool" and isinstance(content, str) and content.startswith(TOOL_ERROR_PREFIX)
+
+
+def count_tool_messages(messages: Sequence[Message]) -> tuple[int, int]:
+    """(tool calls, tool errors) of a transcript: its tool messages, and those that are
+    ``tool_error`` replies (the model's mistakes; a tool's own bug ends the episode)."""
+    tool = [m for m in messages if m.get("role") == "tool"]
+    return len(tool), sum(is_tool_error(m) for m in tool)
 
 
 async def _run_one(tools: Mapping[str, Tool], name: str, arguments: str) -> ToolResult | str:
-    """The tool's result, or the text of what went wrong."""
+    """The tool's result, or the text of what the model got wrong; ``BrokenToolError`` for
+    a bug in the tool."""
     tool = tools.get(name)
     if tool is None:
         known = ", ".join(sorted(tools)) or "none"
@@ -79,8 +106,21 @@ async def _run_one(tools: Mapping[str, Tool], name: str, arguments: str) -> Tool
     except Exception as exc:  # a raising tool is the model's feedback, not our crash
         return f"{name} failed: {type(exc).__name__}: {exc}"
     if not isinstance(result, ToolResult):
-        return f"{name} returned {type(result).__name__}, not a ToolResult (a bug in the tool)"
+        raise BrokenToolError(
+            f"tool {name!r} returned {_qualified(type(result))}, not {_qualified(ToolResult)} "
+            "(a bug in the tool, not in the model's call)"
+        )
+    if not isinstance(result.content, str):
+        raise BrokenToolError(
+            f"tool {name!r} returned a ToolResult whose content is {_qualified(type(result.content))}, "
+            "not str (a bug in the tool, not in the model's call)"
+        )
     return result
+
+
+def _qualified(kind: type) -> str:
+    """``module.Name``: two classes of one name (a module imported twice) tell apart."""
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
 def _argument_problem(tool: Tool, arguments: str) -> str | None:
@@ -92,7 +132,10 @@ def _argument_problem(tool: Tool, arguments: str) -> str | None:
         return f"arguments of {tool.name} must be a JSON object, got {type(value).__name__}"
     validator = _validator(json.dumps(tool.parameters_schema, sort_keys=True, default=repr))
     if isinstance(validator, str):
-        return f"{tool.name} has an invalid parameters_schema (a bug in the tool): {validator}"
+        raise BrokenToolError(
+            f"tool {tool.name!r} has an invalid parameters_schema (a bug in the tool, not in the "
+            f"model's call): {validator}"
+        )
     error = best_match(validator.iter_errors(value))
     if error is None:
         return None

@@ -1,4 +1,5 @@
-"""Tool execution: results in call order, and every failure a readable tool_error message."""
+"""Tool execution: results in call order, every mistake of the model a readable tool_error
+message, and a bug in the tool itself an exception (``BrokenToolError``)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import asyncio
 import json
 from typing import Any
 
+import pytest
+
 from rollflow.envs.protocol import make_tool_call
-from rollflow.envs.tools import execute_tool_calls, is_tool_error, run_tool_calls
+from rollflow.envs.tools import BrokenToolError, count_tool_messages, execute_tool_calls, is_tool_error, run_tool_calls
 from rollflow.envs.types import Tool, ToolCall, ToolResult
 
 
@@ -105,15 +108,63 @@ def test_schema_violations_name_the_field_and_the_tool_never_runs() -> None:
     assert add.calls == []
 
 
-def test_a_raising_tool_and_a_broken_tool_become_messages() -> None:
-    tools = _tools(RaisingTool(), BadSchemaTool(), WrongReturnTool())
-    raised, schema, wrong = _contents(
-        tools,
-        [make_tool_call("explode", {}), make_tool_call("bad_schema", {}), make_tool_call("wrong_return", {})],
-    )
+def test_a_raising_tool_is_the_models_feedback() -> None:
+    [raised] = _contents(_tools(RaisingTool()), [make_tool_call("explode", {})])
     assert raised == "tool_error: explode failed: KeyError: 'no such thing'"
-    assert schema.startswith("tool_error: bad_schema has an invalid parameters_schema")
-    assert wrong.startswith("tool_error: wrong_return returned str, not a ToolResult")
+
+
+class DictReturnTool(RaisingTool):
+    name = "dict_return"
+
+    async def execute(self, arguments: str) -> ToolResult:
+        return {"length": 3}  # type: ignore[return-value]
+
+
+class DictContentTool(RaisingTool):
+    name = "dict_content"
+
+    async def execute(self, arguments: str) -> ToolResult:
+        return ToolResult(content={"length": 3})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("tool", "message"),
+    [
+        (WrongReturnTool(), "tool 'wrong_return' returned str, not rollflow.envs.types.ToolResult"),
+        (DictReturnTool(), "tool 'dict_return' returned dict, not rollflow.envs.types.ToolResult"),
+        (DictContentTool(), "tool 'dict_content' returned a ToolResult whose content is dict, not str (a bug"),
+        (BadSchemaTool(), "tool 'bad_schema' has an invalid parameters_schema (a bug in the tool, not in the model's"),
+    ],
+)
+def test_a_broken_tool_raises_instead_of_feeding_its_bug_to_the_model(tool: Tool, message: str) -> None:
+    """An author's bug fails the episode (the loop records it with its traceback); a
+    ``tool_error`` message would hide it as the model's feedback."""
+    with pytest.raises(BrokenToolError) as raised:
+        asyncio.run(run_tool_calls(_tools(AddTool(), tool), [make_tool_call(tool.name, {})]))
+    assert str(raised.value).startswith(message)
+    assert "(a bug in the tool, not in the model's call)" in str(raised.value)
+
+
+def test_a_tool_result_class_of_another_module_is_named_with_its_module() -> None:
+    """A second ``ToolResult`` class (a module imported under two names) is told apart."""
+    other = type("ToolResult", (), {"__module__": "envs.types"})
+
+    class Twin(RaisingTool):
+        name = "twin"
+
+        async def execute(self, arguments: str) -> ToolResult:
+            return other()  # type: ignore[return-value]
+
+    with pytest.raises(BrokenToolError, match=r"returned envs\.types\.ToolResult, not rollflow\.envs\.types\.ToolResult"):
+        asyncio.run(run_tool_calls(_tools(Twin()), [make_tool_call("twin", {})]))
+
+
+def test_tool_messages_and_tool_errors_are_counted_from_the_transcript() -> None:
+    calls = [make_tool_call("nope", {}, 0), make_tool_call("add", {"a": 1, "b": 2}, 1), _raw_call("add", "[1]", "call_2")]
+    replies = asyncio.run(execute_tool_calls(_tools(AddTool()), calls))
+    transcript = [{"role": "user", "content": "tool_error: a user's words"}, {"role": "assistant", "content": "x"}, *replies]
+    assert count_tool_messages(transcript) == (3, 2)
+    assert count_tool_messages([]) == (0, 0)
 
 
 def test_a_malformed_call_dict_fails_by_name_without_raising() -> None:
