@@ -21,11 +21,15 @@ The metrics are two SQL texts kept here as constants, one per family, so the pip
   penalty or failed-parse reward applied: what GRPO optimises) over the *counted*
   episodes, those with no ``scoring_error`` (the scoring stage records there why it left
   an episode out of the group baseline: the rollout's error or the scorer's).
-  ``pass_rate`` is the share of counted episodes the scoring stage marked ``passed``: the
-  environment's own verdict (its reward against its threshold; never a parse failure), so
-  shaping moves the reward statistics but not the pass rate. ``zero_variance_skip_ratio``
-  is the share of groups whose counted final rewards are all equal, trivially so with
-  fewer than two (GRPO learns nothing from them; the same rule as
+  ``pass_rate`` is the share of *all* the step's scored episodes that the scoring stage
+  marked ``passed``: the environment's own verdict (its reward against its threshold;
+  never a parse failure, never an error), so shaping moves the reward statistics but not
+  the pass rate, and an episode that errored counts as a failure, not as absent. That is
+  the one pass rate everywhere: the step and validation lines, ``val/reward/pass_rate``,
+  ``rollflow eval`` and the run's closing summary (``tasks/run_summary.py``, per task over
+  every episode) agree. Leaving errors out would let a broken environment look better.
+  ``zero_variance_skip_ratio`` is the share of groups whose counted final rewards are all
+  equal, trivially so with fewer than two (GRPO learns nothing from them; the same rule as
   ``ScoreRecord.zero_variance``).
   ``reward_std`` is the population standard deviation.
 
@@ -122,13 +126,12 @@ rewards AS (
     SELECT
         run_id,
         step,
-        avg(final_reward)           AS reward_mean,
-        stddev_pop(final_reward)    AS reward_std,
-        min(final_reward)           AS reward_min,
-        max(final_reward)           AS reward_max,
-        count_if(passed) / count(*) AS pass_rate
+        avg(final_reward) FILTER (counted)        AS reward_mean,
+        stddev_pop(final_reward) FILTER (counted) AS reward_std,
+        min(final_reward) FILTER (counted)        AS reward_min,
+        max(final_reward) FILTER (counted)        AS reward_max,
+        count_if(passed) / count(*)               AS pass_rate  -- errored episodes are failures
     FROM scored
-    WHERE counted
     GROUP BY run_id, step
 ),
 per_group AS (

@@ -118,7 +118,7 @@ def test_every_metric_matches_a_hand_count(run: RunFolder) -> None:
         "reward_std": math.sqrt(sum((r - mean) ** 2 for r in COUNTED_FINAL) / 7),
         "reward_min": -0.5,
         "reward_max": 1.0,
-        "pass_rate": 4 / 7,  # A0, B0 (> 0 with no threshold), C0, C1
+        "pass_rate": 4 / 9,  # A0, B0 (> 0 with no threshold), C0, C1; the two errored ones failed
         "zero_variance_skip_ratio": 1 / 3,  # group C only
     }
     assert list(metrics) == list(METRIC_NAMES)
@@ -138,7 +138,7 @@ def test_groups_with_fewer_than_two_counted_are_zero_variance(tmp_path: Path) ->
     metrics = step_metrics(open_run_sql(folder.root), step=0)
     assert metrics["zero_variance_skip_ratio"] == pytest.approx(2 / 3)  # X (one counted), Y (none)
     assert metrics["reward_mean"] == pytest.approx(0.5)  # X0, Z0, Z1
-    assert metrics["pass_rate"] == pytest.approx(1 / 3)
+    assert metrics["pass_rate"] == pytest.approx(1 / 5)  # Z0 of all five: errored episodes failed
 
 
 def test_pass_rate_is_the_scored_verdict_not_the_shaped_reward(tmp_path: Path) -> None:
@@ -151,6 +151,24 @@ def test_pass_rate_is_the_scored_verdict_not_the_shaped_reward(tmp_path: Path) -
     ]
     _write_step(folder, 0, rows, passed=[True, False, True, True])
     assert step_metrics(open_run_sql(folder.root), step=0)["pass_rate"] == pytest.approx(3 / 4)
+
+
+def test_the_pass_rate_counts_errored_episodes_as_failures_as_the_closing_summary_does(tmp_path: Path) -> None:
+    """One pass rate: ``val/reward/pass_rate`` (this SQL) and the run's closing line
+    (``tasks/run_summary.py``, per task over the scores file) agree when a pass has errors."""
+    from rollflow.tasks.gate import episodes_by_task, per_task
+
+    folder = RunFolder(tmp_path / "run")
+    rows = [
+        ("V", 0, "term", 1, 10, 1.0, 1.0, None),
+        ("V", 1, "error", 1, 10, 0.0, 1.0, "RuntimeError: boom"),
+        ("W", 0, "term", 1, 10, 0.0, 1.0, None),
+        ("W", 1, "term", 1, 10, 1.0, 1.0, "ValueError: the scorer raised"),
+    ]
+    _write_step(folder, 0, rows, split="validation")
+    sql = step_metrics(open_run_sql(folder.root), step=0, split="validation")["pass_rate"]
+    by_task = per_task(episodes_by_task([folder.stage_path(0, "scores", "validation")], ("passed",)), "passed")
+    assert sql == pytest.approx(1 / 4) == pytest.approx(sum(by_task.values()) / len(by_task))
 
 
 def test_tokens_mean_is_the_final_context_length(tmp_path: Path) -> None:
