@@ -9,7 +9,9 @@ as the Makefile does for the checkout.
 
 Prefect reads its settings when it is first imported, so ``main`` calls this before any
 subcommand runs. A user's own ``PREFECT_HOME``, or a Prefect server in ``PREFECT_API_URL``
-(deployments, workers), is left as it is.
+(deployments, workers), is left as it is; so is a server named by the user's active Prefect
+profile (``prefect config set PREFECT_API_URL=...`` writes it to ``~/.prefect/profiles.toml``):
+the run then goes to that server and shows in its UI, as a ``prefect`` command would.
 
 Without ``PREFECT_API_URL`` the run is served by Prefect's temporary server, a child of
 the command that inherits its environment. Its background services write the same SQLite
@@ -48,13 +50,32 @@ def use_project_prefect_home(
     environ = os.environ if environ is None else environ
     # No network here: Prefect's telemetry would log an error on every run.
     environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    if not environ.get("PREFECT_API_URL"):  # the run gets Prefect's temporary server
+    served = bool(environ.get("PREFECT_API_URL")) or profile_api_url(environ) is not None
+    if not served:  # the run gets Prefect's temporary server
         for key, (value, older) in TEMPORARY_SERVER_DEFAULTS.items():
             if key not in environ and older not in environ:
                 environ[key] = value
-    if environ.get("PREFECT_HOME") or environ.get("PREFECT_API_URL"):
+    if environ.get("PREFECT_HOME") or served:
         return None
     home = project_root(start) / ".rollflow" / "prefect"
     home.mkdir(parents=True, exist_ok=True)
     environ["PREFECT_HOME"] = str(home)
     return home
+
+
+def profile_api_url(environ: MutableMapping[str, str]) -> str | None:
+    """The API URL of the user's active Prefect profile in ``~/.prefect/profiles.toml``
+    (or ``$PREFECT_PROFILES_PATH``; ``$PREFECT_PROFILE`` picks the profile), if it sets one.
+    An unreadable file names no server: Prefect itself will say what is wrong with it."""
+    import tomllib
+
+    home = Path(environ.get("HOME") or Path.home())
+    path = Path(environ.get("PREFECT_PROFILES_PATH") or home / ".prefect" / "profiles.toml")
+    try:
+        profiles = tomllib.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    active = environ.get("PREFECT_PROFILE") or profiles.get("active")
+    settings = profiles.get("profiles", {}).get(active, {}) if isinstance(active, str) else {}
+    url = settings.get("PREFECT_API_URL") if isinstance(settings, dict) else None
+    return url if isinstance(url, str) and url else None

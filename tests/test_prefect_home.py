@@ -64,6 +64,22 @@ def test_a_users_prefect_home_or_server_is_left_alone(tmp_path: Path) -> None:
     assert not (tmp_path / ".rollflow").exists()
 
 
+def test_a_server_set_in_the_users_prefect_profile_is_used(tmp_path: Path) -> None:
+    """The newcomer's trap: ``prefect config set PREFECT_API_URL=...`` writes the user's
+    profile, which a project home hid, so ``rollflow pipeline`` ran on a temporary server
+    outside the user's UI."""
+    (tmp_path / ".prefect").mkdir()
+    (tmp_path / ".prefect" / "profiles.toml").write_text(
+        'active = "local"\n[profiles.local]\nPREFECT_API_URL = "http://127.0.0.1:4200/api"\n'
+        '[profiles.ephemeral]\nPREFECT_SERVER_ANALYTICS_ENABLED = "false"\n'
+    )
+    environ = {"HOME": str(tmp_path)}
+    assert use_project_prefect_home(environ, start=tmp_path) is None
+    assert "PREFECT_HOME" not in environ and not (tmp_path / ".rollflow").exists()
+    other = {"HOME": str(tmp_path), "PREFECT_PROFILE": "ephemeral"}  # a profile without a server
+    assert use_project_prefect_home(other, start=tmp_path) == tmp_path / ".rollflow" / "prefect"
+
+
 TRIGGERS = "PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED"
 
 
