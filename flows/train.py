@@ -36,7 +36,7 @@ the curve is (``tasks/run_summary.py``).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -64,7 +64,13 @@ from rollflow.tasks.collect import Publisher, RolloutWorkers, write_collector_re
 from rollflow.tasks.config import RunConfig
 from rollflow.tasks.cpu_split import async_cpu_split, trainer_threads
 from rollflow.tasks.generator import Generator, open_generator
-from rollflow.tasks.metrics import finish_tracking, start_tracking, step_outcome
+from rollflow.tasks.metrics import (
+    finish_tracking,
+    start_tracking,
+    step_advice,
+    step_outcome,
+    validation_outcome,
+)
 from rollflow.tasks.policy_io import ActingPolicy
 from rollflow.tasks.rollout import ChunkFanOut
 from rollflow.tasks.run_summary import learning_summary
@@ -73,16 +79,28 @@ from rollflow.tasks.teacher import check_teacher
 
 def validate(
     config: RunConfig, run_dir: Path, step: int, policy: Generator | Policy | ActingPolicy | None = None,
-    fan_out: ChunkFanOut | None = None,
+    fan_out: ChunkFanOut | None = None, report: Callable[[str], None] | None = None,
 ) -> None:
     """Validation before ``step``, acting with ``policy``: the run's generator (lockstep),
     a policy pinned to the version (async: ``pinned_for_validation``), or None (the stage
-    opens a generator for itself); on a Ray cluster where ``fan_out`` is given."""
-    p = RunFolder(run_dir).step_paths(step, "validation")
+    opens a generator for itself); on a Ray cluster where ``fan_out`` is given. ``report``
+    gets the pass's line (reward, pass rate, errors, overflows, tool errors), as a step's."""
+    folder = RunFolder(run_dir)
+    p = folder.step_paths(step, "validation")
     play = partial(rollout, config, p.episodes, step, "validation", quote(policy), quote(fan_out))
     episodes = run_once(p.episodes, play)
     run_once(p.scores, partial(scoring, config, episodes, p.scores, step, "validation"))
     run_once(p.metrics_json, partial(validation_metrics, config, run_dir, step))
+    if report is not None:
+        report(f"validation at step {step}: {validation_outcome(folder, step)}")
+
+
+def report_step(handle: RunHandle, step: int, line: str) -> None:
+    """The step's line, and what to try when it had nothing to learn from."""
+    handle.report(line)
+    advice = step_advice(handle.folder, step)
+    if advice is not None:
+        handle.report(f"  {advice}")
 
 
 def validation_due(config: RunConfig, step: int) -> bool:
@@ -128,7 +146,8 @@ def run_training(handle: RunHandle) -> None:
     config, last = handle.config, handle.config.train.num_steps
     if handle.next_step() == last:  # trained: at most the last validation is left
         if validation_due(config, last):
-            validate(config, handle.root, last)  # what is done is not run again; no generator opened
+            # what is done is not run again; no generator opened
+            validate(config, handle.root, last, report=handle.report)
         return
     if config.rollout.max_steps_off_policy is not None:
         run_async_training(handle)
@@ -145,16 +164,17 @@ def run_lockstep_training(handle: RunHandle) -> None:
             if handle.step_finished(step):
                 continue
             if validation_due(config, step):
-                validate(config, root, step, generator, fan_out)
+                validate(config, root, step, generator, fan_out, handle.report)
             grpo_step(handle, step, rollout_from(config, generator, fan_out), trainer=trainer)
             seconds = handle.folder.stage_seconds(step)
-            handle.report(
+            report_step(
+                handle, step,
                 f"step {step + 1}/{last} done in {sum(seconds.values()):.1f}s: "
                 f"{step_outcome(handle.folder, step)} ("
-                + " ".join(f"{k}={v:.1f}s" for k, v in seconds.items()) + ")"
+                + " ".join(f"{k}={v:.1f}s" for k, v in seconds.items()) + ")",
             )
         if validation_due(config, last):
-            validate(config, root, last, generator, fan_out)
+            validate(config, root, last, generator, fan_out, handle.report)
 
 
 @contextmanager
@@ -194,12 +214,12 @@ def run_async_training(handle: RunHandle) -> None:
             for step in range(first, last):
                 if validation_due(config, step):
                     publisher.join()
-                    validate(config, root, step, generator.pinned_for_validation(step))
+                    validate(config, root, step, generator.pinned_for_validation(step), report=handle.report)
                 grpo_step(handle, step, admitted_from(config, workers), publish=publisher.publish, trainer=trainer)
-                handle.report(f"step {step + 1}/{last} done (async): {step_outcome(folder, step)}")
+                report_step(handle, step, f"step {step + 1}/{last} done (async): {step_outcome(folder, step)}")
             publisher.join()
             if validation_due(config, last):
-                validate(config, root, last, generator.pinned_for_validation(last))
+                validate(config, root, last, generator.pinned_for_validation(last), report=handle.report)
         finally:
             workers.stop()
             publisher.join(quiet=True)

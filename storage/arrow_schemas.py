@@ -16,7 +16,10 @@ key-value metadata (what readers check before trusting a file) and as a
   it lack it and still read, the column filled with nulls (``fill_optional_columns``);
   every new file has it. ``replica`` (optional the same way) is the index of the vLLM server
   that sampled the episode's last action (``[rollout].base_urls`` or the managed replicas),
-  null for policies without servers.
+  null for policies without servers. ``tool_calls`` and ``tool_errors`` (optional the same
+  way; null in older files) count the episode's tool messages and those that are
+  ``tool_error: ...`` replies, the model's own mistakes (``envs/tools.py``); derived on
+  write like the counts below, so ``unnest(messages)`` is not needed to count them.
 - ``num_actions`` and the token counts are derived on write, for SQL only; reading
   ignores them. Where the chat template re-rendered the prompt (an action with ``reset``)
   the context restarts, so the counts are: ``context_tokens``, the length of the final
@@ -115,6 +118,8 @@ EPISODE_SCHEMA = _schema(
         ("total_tokens", pa.int64()),
         ("node", pa.string()),  # optional (OPTIONAL_COLUMNS): null without a cluster
         ("replica", pa.int32()),  # optional: null for policies without servers
+        ("tool_calls", pa.int32()),  # optional: null in files written before it
+        ("tool_errors", pa.int32()),  # optional: null in files written before it
     ],
 )
 SCORE_SCHEMA = _schema(
@@ -198,7 +203,9 @@ SCHEMAS: dict[RecordKind, pa.Schema] = {
 
 # Columns added after SCHEMA_VERSION 2 without a bump, always last: a file written before
 # one lacks it and reads it as nulls; a file that has it must have it with its type.
-OPTIONAL_COLUMNS: dict[RecordKind, tuple[str, ...]] = {RecordKind.EPISODES: ("node", "replica")}
+OPTIONAL_COLUMNS: dict[RecordKind, tuple[str, ...]] = {
+    RecordKind.EPISODES: ("node", "replica", "tool_calls", "tool_errors"),
+}
 
 
 def readable_difference(actual: pa.Schema, kind: RecordKind) -> str | None:

@@ -17,6 +17,8 @@ The metrics are two SQL texts kept here as constants, one per family, so the pip
   the context an episode ended at (``context_tokens``, what the overlong penalty reads),
   not the tokens processed (``total_tokens``, which counts history again wherever the
   chat template re-rendered it).
+  ``tool_calls`` and ``tool_errors`` are the step's totals of the episodes' columns (the
+  ``tool_error`` replies the model read); NaN where the files predate those columns.
 - ``REWARD_METRICS_SQL``: statistics of ``final_reward`` (the reward with the overlong
   penalty or failed-parse reward applied: what GRPO optimises) over the *counted*
   episodes, those with no ``scoring_error`` (the scoring stage records there why it left
@@ -85,6 +87,8 @@ METRIC_NAMES = (
     "tokens_mean",
     "num_episodes",
     "num_groups",
+    "tool_calls",
+    "tool_errors",
 )
 
 _FILTER = """split = $split
@@ -107,7 +111,9 @@ SELECT
     count_if(truncation_cause IS NOT DISTINCT FROM 'parse_failure') / count(*) AS parse_failure_ratio,
     count_if(error IS NOT NULL) / count(*)                  AS error_ratio,
     avg(turns)                                              AS turns_mean,
-    avg(context_tokens)                                     AS tokens_mean
+    avg(context_tokens)                                     AS tokens_mean,
+    sum(tool_calls)                                         AS tool_calls,
+    sum(tool_errors)                                        AS tool_errors
 FROM episodes
 WHERE {_FILTER}
 GROUP BY run_id, step

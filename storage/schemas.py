@@ -19,6 +19,7 @@ from typing import Any
 import pyarrow as pa
 
 from rollflow.envs.episode import EpisodeRollout
+from rollflow.envs.tools import count_tool_messages
 from rollflow.envs.types import TruncationCause
 from rollflow.storage.arrow_schemas import (
     ACTION_TYPE,
@@ -100,6 +101,7 @@ def _episode_row(record: EpisodeRecord) -> dict[str, Any]:
     rollout = record.rollout
     where = f"episode {record.episode_id}"
     cause = rollout.truncation_cause
+    tool_calls, tool_errors = count_tool_messages(rollout.messages)
     return {
         "schema_version": SCHEMA_VERSION,
         "run_id": record.run_id,
@@ -130,6 +132,8 @@ def _episode_row(record: EpisodeRecord) -> dict[str, Any]:
         "total_tokens": rollout.total_tokens,
         "node": record.node,
         "replica": rollout.replica,
+        "tool_calls": tool_calls,
+        "tool_errors": tool_errors,
     }
 
 
@@ -175,7 +179,7 @@ def _row_to_episode(row: Mapping[str, Any]) -> EpisodeRecord:
 
 
 def table_to_episode_records(table: pa.Table) -> list[EpisodeRecord]:
-    table = fill_optional_columns(table, RecordKind.EPISODES)  # a table read before ``node`` or ``replica``
+    table = fill_optional_columns(table, RecordKind.EPISODES)  # a table from before an optional column
     _check_table(table, RecordKind.EPISODES)
     return [_row_to_episode(row) for row in table.to_pylist()]
 

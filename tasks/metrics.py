@@ -40,7 +40,7 @@ from rollflow.storage.runfolder import (  # noqa: F401  (METRICS_JSON re-exporte
 )
 from rollflow.storage.transcript import render_episode
 from rollflow.tasks.config import RunConfig, flatten_config
-from rollflow.tasks.step_health import step_summary
+from rollflow.tasks.step_health import step_hint, step_summary, validation_summary
 
 REWARD_CURVE = "reward_curve.png"
 TRANSCRIPTS_TXT = "transcripts.txt"
@@ -59,6 +59,8 @@ _EPISODE_KEYS = {
     "tokens_mean": "episodes/tokens_mean",
     "num_episodes": "episodes/count",
     "num_groups": "episodes/groups",
+    "tool_calls": "tools/calls",
+    "tool_errors": "tools/errors",
     "reward_mean": "reward/mean",
     "reward_std": "reward/std",
     "reward_min": "reward/min",
@@ -143,6 +145,16 @@ def metrics_stage(config: RunConfig, run_dir: Path, step: int) -> Path:
 def step_outcome(folder: RunFolder, step: int) -> str:
     """The step line's numbers (``tasks/step_health.py``'s ``step_summary``) from its ``metrics.json``."""
     return step_summary(folder.read_json(folder.step_paths(step).metrics_json))
+
+
+def step_advice(folder: RunFolder, step: int) -> str | None:
+    """What to try when the step had nothing to learn from (``step_hint``); None otherwise."""
+    return step_hint(folder.read_json(folder.step_paths(step).metrics_json))
+
+
+def validation_outcome(folder: RunFolder, step: int) -> str:
+    """The validation line's numbers (``validation_summary``) from the pass's ``metrics.json``."""
+    return validation_summary(folder.read_json(folder.step_paths(step, "validation").metrics_json))
 
 
 def validation_metrics_stage(config: RunConfig, run_dir: Path, step: int) -> Path:

@@ -20,8 +20,11 @@ never sinks a batch. Three things keep that from hiding a broken environment:
   Where episodes errored in the rollout itself, the step's episodes are also discarded
   (``discard_episodes``; an async step's admission with them), so the resume plays them
   again with the fixed environment.
-- **each step line** says the step's reward, pass rate, and failed and overflowed counts
-  (``step_summary``).
+- **each step line** says the step's reward, pass rate, failed and overflowed counts, its
+  tool calls and the tool errors among them, and how many groups had reward variance
+  (``step_summary``); a step where none had says plainly that it learned nothing, and what
+  to try (``NOTHING_TO_LEARN``). Each validation pass gets the same line but the groups
+  (``validation_summary``): nothing is trained on it.
 
 Simplified: an overflowed episode counts as useless whatever it sampled before the
 context filled; a step with any other ending in it trains and passes.
@@ -173,18 +176,52 @@ def _commonest(errors: Sequence[str]) -> str:
 
 # ---------------------------------------------------------------- the step line
 
+NOTHING_TO_LEARN = (
+    "nothing to learn: in every group all episodes scored alike, so GRPO had no advantage to follow "
+    "(grad_norm 0). Try a warm start (`rollflow sft`, then its [model].adapter), partial credit in the "
+    "reward (a near miss scoring above a blank), or a worked example in the prompt"
+)
+
 
 def step_summary(metrics: Mapping[str, float | None]) -> str:
-    """``reward 0.412 pass 25% failed 0/8 overflows 1/8`` from a step's ``metrics.json``."""
-    count = int(metrics.get("episodes/count") or 0)
+    """``reward 0.412 pass 25% errors 0/8 overflows 1/8 tool errors 3/12 calls groups with
+    reward variance 2/2`` from a training step's ``metrics.json``."""
+    line = _outcome(metrics, "")
+    groups, flat = metrics.get("episodes/groups"), metrics.get("reward/zero_variance_skip_ratio")
+    if groups is None or flat is None:
+        return line
+    varied = round(groups * (1.0 - flat))
+    line += f" groups with reward variance {varied}/{int(groups)}"
+    return line + (": nothing to learn" if varied == 0 and groups > 0 else "")
+
+
+def step_hint(metrics: Mapping[str, float | None]) -> str | None:
+    """What to try when no group of a training step had reward variance; None otherwise."""
+    groups, flat = metrics.get("episodes/groups"), metrics.get("reward/zero_variance_skip_ratio")
+    if not groups or flat is None or round(groups * (1.0 - flat)) > 0:
+        return None
+    return NOTHING_TO_LEARN
+
+
+def validation_summary(metrics: Mapping[str, float | None]) -> str:
+    """The step line's numbers for a validation pass, from its ``metrics.json`` (``val/`` keys)."""
+    return _outcome(metrics, "val/")
+
+
+def _outcome(metrics: Mapping[str, float | None], prefix: str) -> str:
+    count = int(metrics.get(prefix + "episodes/count") or 0)
 
     def share(key: str) -> int:
-        return round((metrics.get(key) or 0.0) * count)
+        return round((metrics.get(prefix + key) or 0.0) * count)
 
-    reward, passed = metrics.get("reward/mean"), metrics.get("reward/pass_rate")
+    reward, passed = metrics.get(prefix + "reward/mean"), metrics.get(prefix + "reward/pass_rate")
     shown_reward = "n/a" if reward is None else f"{reward:.3f}"
     shown_pass = "n/a" if passed is None else f"{passed:.0%}"
-    return (
+    line = (
         f"reward {shown_reward} pass {shown_pass} errors {share('episodes/failed_ratio')}/{count} "
         f"overflows {share('episodes/context_overflow_ratio')}/{count}"
     )
+    calls, errors = metrics.get(prefix + "tools/calls"), metrics.get(prefix + "tools/errors")
+    if calls is None:  # a step written before tool calls were counted
+        return line
+    return line + (f" tool errors {int(errors or 0)}/{int(calls)} calls" if calls else " tool calls 0")

@@ -1,5 +1,6 @@
-"""A test environment broken on purpose: its scorer or its step raises on every episode, or
-its prompt is too long for a small context (``tests/test_loud_failures.py``)."""
+"""A test environment broken on purpose: its scorer or its step raises on every episode, its
+prompt is too long for a small context, or its reward never varies (``flat_reward``: every
+episode scores 0, so no group has anything to teach) (``tests/test_loud_failures.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from varied_reward_env import LetterShareEnv
 
 from rollflow.envs.types import EnvironmentEpisode, EnvironmentStepResult, Message, RewardResult, TaskExample
 
-BROKEN_PARTS = ("score", "step", "long_prompt")
+BROKEN_PARTS = ("score", "step", "long_prompt", "flat_reward")
 REPAIRED: set[str] = set()  # a test "fixes" the environment by adding its broken part here
 
 
@@ -31,6 +32,8 @@ class BrokenEnv(LetterShareEnv):
     def score_episode(self, example: TaskExample, episode: EnvironmentEpisode) -> RewardResult:
         if self.broken == "score" and "score" not in REPAIRED:
             raise ValueError("the scorer is broken")
+        if self.broken == "flat_reward":
+            return RewardResult(score=0.0, threshold=0.5)
         return super().score_episode(example, episode)
 
 

@@ -106,6 +106,23 @@ def test_each_step_line_says_reward_pass_rate_errors_and_overflows(
     assert "errors 0/4" in lines[0] and "overflows 0/4" in lines[0]
 
 
+def test_a_step_that_learns_nothing_says_so_and_each_validation_pass_has_a_line(
+    tiny_model_dir: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Every episode scores 0 (``flat_reward``): the step line says no group had reward
+    variance and the next line what to try; validation before and after prints its own line."""
+    path = one_step_config(tmp_path, tiny_model_dir, broken="flat_reward")
+    config = load_config(path)
+    path.write_text(config_to_toml(replace(config, validation=replace(config.validation, validation_interval=1))))
+    train_flow(config_path=str(path), run_dir=str(tmp_path / "run"))
+    err = [line.split("] ", 1)[-1] for line in capfd.readouterr().err.splitlines() if line.startswith("[run] ")]
+    [at] = [i for i, line in enumerate(err) if line.startswith("step 1/1 done")]
+    assert "reward 0.000 pass 0% errors 0/4 overflows 0/4 tool calls 0 groups with reward variance 0/2: nothing to learn (" in err[at]
+    assert err[at + 1].startswith("  nothing to learn: in every group all episodes scored alike")
+    validations = [line for line in err if line.startswith("validation at step")]
+    assert validations == [f"validation at step {s}: reward 0.000 pass 0% errors 0/2 overflows 0/2 tool calls 0" for s in (0, 1)]
+
+
 # ---------------------------------------------------------------- async: the rollout workers' episodes
 
 

@@ -17,7 +17,9 @@ from rollflow.tasks.step_health import (
     check_step_outcome,
     keep_episode_errors,
     read_episode_errors,
+    step_hint,
     step_summary,
+    validation_summary,
 )
 
 WHERE = Path("run/steps/step=000000/errors.jsonl")
@@ -81,3 +83,32 @@ def test_the_step_summary_counts_errors_and_overflows() -> None:
                "episodes/failed_ratio": 0.25, "episodes/context_overflow_ratio": 0.125}
     assert step_summary(metrics) == "reward 0.250 pass 38% errors 2/8 overflows 1/8"
     assert step_summary({"episodes/count": 4.0, "reward/mean": None}) == "reward n/a pass n/a errors 0/4 overflows 0/4"
+
+
+def test_the_step_summary_counts_tool_errors_and_groups_with_reward_variance() -> None:
+    metrics = {"episodes/count": 16.0, "reward/mean": 0.5, "reward/pass_rate": 0.5, "episodes/failed_ratio": 0.0,
+               "episodes/context_overflow_ratio": 0.0, "tools/calls": 12.0, "tools/errors": 3.0,
+               "episodes/groups": 4.0, "reward/zero_variance_skip_ratio": 0.25}
+    assert step_summary(metrics) == ("reward 0.500 pass 50% errors 0/16 overflows 0/16 tool errors 3/12 calls "
+                                     "groups with reward variance 3/4")
+    assert step_hint(metrics) is None
+    no_calls = {**metrics, "tools/calls": 0.0, "tools/errors": 0.0}
+    assert " tool calls 0 groups" in step_summary(no_calls)
+
+
+def test_a_step_whose_groups_all_scored_alike_says_it_learned_nothing_and_what_to_try() -> None:
+    metrics = {"episodes/count": 16.0, "reward/mean": 0.0, "reward/pass_rate": 0.0, "episodes/failed_ratio": 0.0,
+               "episodes/context_overflow_ratio": 0.0, "tools/calls": 0.0, "tools/errors": 0.0,
+               "episodes/groups": 4.0, "reward/zero_variance_skip_ratio": 1.0}
+    assert step_summary(metrics).endswith("groups with reward variance 0/4: nothing to learn")
+    hint = step_hint(metrics)
+    assert hint is not None and hint.startswith("nothing to learn")
+    assert all(remedy in hint for remedy in ("rollflow sft", "partial credit", "worked example"))
+
+
+def test_the_validation_line_reads_the_val_metrics_without_groups() -> None:
+    metrics = {"val/episodes/count": 8.0, "val/reward/mean": 0.1, "val/reward/pass_rate": 0.125,
+               "val/episodes/failed_ratio": 0.25, "val/episodes/context_overflow_ratio": 0.875,
+               "val/tools/calls": 5.0, "val/tools/errors": 5.0, "val/episodes/groups": 8.0,
+               "val/reward/zero_variance_skip_ratio": 1.0}
+    assert validation_summary(metrics) == "reward 0.100 pass 12% errors 2/8 overflows 7/8 tool errors 5/5 calls"

@@ -120,6 +120,8 @@ def test_every_metric_matches_a_hand_count(run: RunFolder) -> None:
         "reward_max": 1.0,
         "pass_rate": 4 / 9,  # A0, B0 (> 0 with no threshold), C0, C1; the two errored ones failed
         "zero_variance_skip_ratio": 1 / 3,  # group C only
+        "tool_calls": 0.0,
+        "tool_errors": 0.0,
     }
     assert list(metrics) == list(METRIC_NAMES)
     assert metrics == pytest.approx(expected, abs=1e-12)
@@ -380,8 +382,10 @@ def test_bad_sql_is_a_query_error(run: RunFolder) -> None:
         run_query(con, "SELECT nope FROM episodes")
 
 
-def _written_before_the_node_column(table, dropped=("node", "replica")):  # noqa: ANN001, ANN202 - a pyarrow table
-    """``table`` as a rollflow that had no ``episodes.node`` column (nor the later ``replica``) wrote it."""
+def _written_before_the_node_column(  # noqa: ANN202 - a pyarrow table
+    table, dropped=("node", "replica", "tool_calls", "tool_errors"),  # noqa: ANN001
+):
+    """``table`` as a rollflow that had no ``episodes.node`` column (nor the later ones) wrote it."""
     return table.drop_columns(list(dropped)).replace_schema_metadata(table.schema.metadata)
 
 
@@ -396,7 +400,7 @@ def test_episode_files_from_before_the_replica_column_still_read(tmp_path: Path)
     second = dataclasses.replace(second, rollout=dataclasses.replace(second.rollout, replica=1))
     out = folder.parts_dir(0, "episodes")
     out.mkdir(parents=True)
-    old = _written_before_the_node_column(episode_records_to_table([first]), dropped=("replica",))
+    old = _written_before_the_node_column(episode_records_to_table([first]), dropped=("replica", "tool_calls", "tool_errors"))
     pq.write_table(old, out / "part-00000.parquet")
     pq.write_table(episode_records_to_table([second]), out / "part-00001.parquet")
     folder.seal_stage(0, "episodes")
