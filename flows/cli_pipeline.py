@@ -9,6 +9,7 @@ versions with their gate numbers, and ``--promote N`` moves the ``champion`` ali
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 
@@ -59,7 +60,11 @@ def run_registry(args: argparse.Namespace) -> int:
     champion = registry.champion()
     versions = registry.versions()
     if not versions:
-        raise UserError(f"no registered versions of {args.name!r} in {registry.tracking_uri}")
+        names = registry.model_names()
+        close = difflib.get_close_matches(args.name, names, n=3)
+        known = (f"; did you mean {' or '.join(map(repr, close))}?" if close
+                 else f"; it holds {', '.join(map(repr, names))}" if names else "; it holds no registered model")
+        raise UserError(f"no registered versions of {args.name!r} in {registry.tracking_uri}{known}")
     for version in versions:
         mark = "champion" if champion is not None and champion.version == version.version else ""
         tags = version.tags

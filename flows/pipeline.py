@@ -255,8 +255,11 @@ def _run_pipeline(config: RunConfig, root: Path, registry: PolicyRegistry) -> di
     log.info("gate: %s", decision.summary())
     policy = export_final_policy(grpo_dir, root / "policy")
     result = register(settings.model_name, config.tracking.tracking_uri, policy, root, grpo_dir, grpo, decision)
+    kept = registry.champion()
     log.info("registered %s version %d%s", settings.model_name, result.version,
-             " and made it the champion" if result.promoted else "; the champion stays")
+             " and made it the champion" if result.promoted
+             else f"; the champion stays (version {kept.version})" if kept is not None
+             else "; not made the champion (there is none yet: the gate saw no gain over GRPO's start)")
     return dict(result.__dict__)
 
 

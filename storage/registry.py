@@ -85,6 +85,13 @@ class PolicyRegistry:
             return []
         return sorted((self._policy_version(v) for v in found), key=lambda v: v.version)
 
+    def model_names(self) -> list[str]:
+        """Every registered model's name in this store (what a mistyped name may have meant)."""
+        try:
+            return sorted(m.name for m in self._client.search_registered_models())
+        except MlflowException:
+            return []
+
     def version(self, number: int) -> PolicyVersion:
         try:
             return self._policy_version(self._client.get_model_version(self.name, str(number)))

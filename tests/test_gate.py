@@ -196,6 +196,8 @@ def test_rollflow_registry_lists_versions_and_promote_moves_the_champion(
     assert "no version 9" in capsys.readouterr().err
     assert main(["registry", "unknown-policy", "--tracking-uri", uri]) == 1
     assert "no registered versions of 'unknown-policy'" in capsys.readouterr().err
+    assert main(["registry", "game-polcy", "--tracking-uri", uri]) == 1  # a typo: the name it may have meant
+    assert "did you mean 'game-policy'?" in capsys.readouterr().err
 
 
 def test_differences_on_no_lattice_get_random_flips_close_to_the_exact_p() -> None:
