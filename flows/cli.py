@@ -28,7 +28,7 @@ import duckdb
 
 from rollflow.flows.prefect_home import use_project_prefect_home
 from rollflow.policy.procs import start_watchdog
-from rollflow.policy.stopping import SIGTERM_EXIT_CODE, StopRequested, exit_on_sigterm
+from rollflow.policy.stopping import StopRequested, exit_on_sigterm, exit_on_stop_signals, stop_exit_code
 from rollflow.storage.errors import StorageError
 from rollflow.storage.query import describe_views, open_run_sql, run_query
 from rollflow.storage.runs import age_text, list_runs
@@ -212,7 +212,7 @@ register(Command("runs", "list runs with their status and last finished step", _
 # Subcommands kept in their own modules; each registers itself when imported.
 COMMAND_MODULES = (
     "rollflow.flows.cli_train", "rollflow.flows.cli_eval", "rollflow.flows.cli_serve", "rollflow.flows.cli_pipeline",
-    "rollflow.flows.cli_rescore",
+    "rollflow.flows.cli_rescore", "rollflow.flows.cli_env",
 )
 
 
@@ -250,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     if args.command in WATCHED_COMMANDS:
+        exit_on_stop_signals()  # Ctrl-C too; other commands keep KeyboardInterrupt (`chat` ends on it)
         start_watchdog()  # SIGKILL or OOM skips atexit: it stops what the run started (policy/procs.py)
     try:
         if args.command in PREFECT_COMMANDS:
@@ -258,9 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, StorageError) as exc:
         print(f"rollflow {args.command}: {exc}".splitlines()[0], file=sys.stderr)
         return 1
-    except StopRequested as stop:  # raised in a stage's thread, after SIGTERM
+    except StopRequested as stop:  # raised in a stage's thread, after SIGTERM or Ctrl-C
         print(f"rollflow {args.command}: {stop}", file=sys.stderr)
-        return SIGTERM_EXIT_CODE
+        return stop_exit_code()
     except BrokenPipeError:  # `rollflow sql ... | head`
         sys.stderr.close()
         return 0

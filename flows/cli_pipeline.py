@@ -35,6 +35,9 @@ def run_pipeline(args: argparse.Namespace) -> int:
     try:
         if args.config is not None:  # before Prefect starts and before a folder is made
             preflight(load_config(args.config))
+        from rollflow.flows.prefect_server import serve_prefect_in_own_session
+
+        serve_prefect_in_own_session()  # out of reach of a terminal's Ctrl-C
         result = pipeline_flow(config_path=args.config, run_dir=args.run_dir)
     except (ConfigError, RunSetupError, EnvironmentLoadError, ConfigMismatchError) as exc:
         raise UserError(str(exc)) from exc

@@ -291,7 +291,7 @@ def test_sigkill_mid_run_then_resume_equals_the_uninterrupted_run(
     try:
         wait_for(child, run_dir / kill_when)
     finally:
-        kill_group(child)  # SIGKILL skips atexit: its Prefect server goes with the group
+        kill_group(child)  # SIGKILL skips atexit: the run's watchdog ends its Prefect server
     assert_resume_equals_uninterrupted(run_dir, uninterrupted)
 
 

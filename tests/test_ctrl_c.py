@@ -1,0 +1,89 @@
+"""Ctrl-C on a real `rollflow train`, sent as a terminal sends it: SIGINT to the run's whole
+process group, mid-run, on the tiny model (tests/tiny_run.py).
+
+It must stop the run as ``kill`` (SIGTERM) does: exit status 130, one line on how to resume,
+no traceback, and nothing the run started left running (its Prefect server included, which
+used to get the SIGINT too and die under the engine, leaving it to retry for minutes). The
+time from the signal to the exit is printed, not asserted (`pytest -s` shows it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from test_kill_matrix import RunProcess, _cmdline
+
+PREFECT_SERVER = b"prefect.server.api.server:create_app"
+
+
+def _prefect_servers(run: RunProcess) -> list[int]:
+    return [p.pid for p in run.look().values() if PREFECT_SERVER in _cmdline(p.pid)]
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_run_with_status_130_one_resume_line_and_nothing_left(
+    tiny_config_path: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "interrupted"
+    log = tmp_path / "stderr.txt"
+    run = RunProcess(["train", str(tiny_config_path), "--run-dir", str(run_dir)], log)
+    try:
+        # Mid-run: step 0 is trained and step 1's rollout is under way, Prefect's server up.
+        run.wait_until(lambda: (run_dir / "checkpoints" / "step=000000").exists(), "step 0's checkpoint")
+        run.wait_until(lambda: bool(_prefect_servers(run)), "Prefect's temporary server in the run's tree")
+        signalled = time.monotonic()
+        os.killpg(run.child.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        status = run.finish()  # also: nothing the run was seen with outlives it
+        took = time.monotonic() - signalled
+    finally:
+        if run.child.poll() is None:
+            os.killpg(run.child.pid, signal.SIGKILL)
+            run.child.wait(timeout=60)
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"\nrollflow train exited {took:.1f} s after Ctrl-C, status {status} (load average {load})")
+    text = log.read_text()
+    assert status == 130, text[-3000:]
+    resume_lines = [line for line in text.splitlines() if "rollflow resume" in line]
+    assert len(resume_lines) == 1, text[-3000:]
+    assert resume_lines[0].endswith(f"continue with `rollflow resume {run_dir}`"), text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+
+
+def test_the_own_session_server_runs_prefects_own_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flows/prefect_server.py repeats Prefect's server command: it must still be Prefect's."""
+    import subprocess
+
+    from prefect.server.api.server import SubprocessASGIServer
+
+    from rollflow.flows.prefect_server import OwnSessionServer
+
+    calls: list[dict] = []
+    monkeypatch.setattr(subprocess, "Popen", lambda **kwargs: calls.append(kwargs))
+    for cls, port in ((SubprocessASGIServer, 1), (OwnSessionServer, 2)):
+        server = cls(port)
+        try:
+            server.port = 8999
+            server._run_uvicorn_command()
+        finally:
+            del SubprocessASGIServer._instances[port]
+    prefects, ours = calls
+    assert ours.pop("start_new_session") is True
+    ours.pop("preexec_fn")
+    assert ours == prefects
+
+
+def test_the_own_session_server_is_prefects_default_and_leaves_a_harness_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefect.server.api.server import SubprocessASGIServer
+
+    from rollflow.flows.prefect_server import OwnSessionServer, serve_prefect_in_own_session
+
+    monkeypatch.setattr(SubprocessASGIServer, "_instances", {})
+    server = serve_prefect_in_own_session()
+    assert isinstance(server, OwnSessionServer) and not server.running
+    assert SubprocessASGIServer() is server  # what Prefect's client, events and logs ask for
+    assert serve_prefect_in_own_session() is None  # one there already (e.g. the test harness)
