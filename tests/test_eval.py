@@ -32,7 +32,7 @@ def hand_count(run_dir: Path) -> dict[str, Any]:
     return {
         "num_episodes": len(episodes),
         "reward_mean": sum(finals[e.episode_id] for e in counted) / len(counted),
-        "pass_rate": sum(s["passed"] for s in scores) / len(counted),
+        "pass_rate": sum(s["passed"] for s in scores) / len(scores),  # an errored episode failed
         "terminated_ratio": sum(e.rollout.terminated for e in episodes) / len(episodes),
         "turns_mean": sum(e.rollout.turns for e in episodes) / len(episodes),
         "tokens_mean": sum(e.rollout.context_tokens for e in episodes) / len(episodes),
