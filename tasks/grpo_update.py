@@ -53,8 +53,8 @@ from rollflow.tasks.trainer_logprobs import (  # noqa: F401  (chosen_logprobs re
     train_without_dropout,
 )
 
-# (input_ids_BT, attention_mask_BT, wanted_BT) -> reference logprobs of tokens 1..T-1, (B, T-1)
-RefLogprobsFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (input_ids_BT, attention_mask_BT or None, wanted_BT) -> reference logprobs of tokens 1..T-1, (B, T-1)
+RefLogprobsFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,10 @@ class UpdateSettings:
     minibatches: int = 1  # optimizer steps per batch
     learning_rate: float = 2e-5  # the warm-up's target (unused without a warm-up)
     lr_warmup_steps: int = 0  # linear warm-up over the run's first N optimizer steps
+    # Pass the right padding's attention mask to the model (the path before issue 43). Off:
+    # no mask, SDPA's causal kernel; exact, since a real token never attends to a later pad
+    # and nothing reads a pad's output (``_model_mask``).
+    padding_mask: bool = False
 
     @classmethod
     def from_config(cls, config: RunConfig, pad_token_id: int) -> UpdateSettings:
@@ -146,6 +150,18 @@ def _microbatch_tensors(
         "sampler_logprobs": _pad([s.sampler_logprobs for s in batch], width, 0.0, torch.float32),
     }
     return {name: tensor.to(device) for name, tensor in tensors.items()}
+
+
+def _model_mask(t: Mapping[str, torch.Tensor], settings: UpdateSettings) -> torch.Tensor | None:
+    """The attention mask the model is given: None unless ``settings.padding_mask``.
+
+    The rows are right-padded, so under causal attention a real token only ever sees real
+    tokens before it and the model can run without a mask (SDPA's ``is_causal`` kernels).
+    The pads' own outputs then differ, but nothing reads them: their ``loss_mask`` is 0, so
+    their logprobs are never computed (``wanted_BT``) and the loss zeroes them
+    (``grpo_loss``'s ``torch.where``).
+    """
+    return t["attention_mask"] if settings.padding_mask else None
 
 
 def _has_signal(sample: SampleRecord) -> bool:
@@ -262,7 +278,7 @@ def proximal_logprobs(
                 t = _microbatch_tensors(batch, settings.pad_token_id, model.device)
                 wanted_BT = t["loss_mask"][:, 1:] > 0
                 logprobs_BT = token_logprobs(
-                    model, t["input_ids"], t["attention_mask"], settings.temperature, wanted_BT)
+                    model, t["input_ids"], _model_mask(t, settings), settings.temperature, wanted_BT)
                 for s, row_T in zip(batch, logprobs_BT, strict=True):
                     if s.sample_id in prox:
                         raise ValueError(f"sample id {s.sample_id!r} appears twice in one training batch")
@@ -306,8 +322,9 @@ def _optimizer_step(
         raise_if_stop_requested()  # SIGTERM: abandon the step; nothing of it is written
         t = _microbatch_tensors(batch, settings.pad_token_id, model.device)
         wanted_BT = t["loss_mask"][:, 1:] > 0  # action tokens: the only logprobs the loss reads
-        logprobs_BT = token_logprobs(model, t["input_ids"], t["attention_mask"], settings.temperature, wanted_BT)
-        ref_BT = ref_logprobs_fn(t["input_ids"], t["attention_mask"], wanted_BT) if ref_logprobs_fn else None
+        mask_BT = _model_mask(t, settings)  # None: right padding under causal attention needs none
+        logprobs_BT = token_logprobs(model, t["input_ids"], mask_BT, settings.temperature, wanted_BT)
+        ref_BT = ref_logprobs_fn(t["input_ids"], mask_BT, wanted_BT) if ref_logprobs_fn else None
         loss, batch_stats = grpo_loss(
             logprobs_BT, t["sampler_logprobs"][:, 1:], t["advantages"][:, 1:],
             t["loss_mask"][:, 1:], totals, settings.loss, ref_BT, _batch_proximal(prox, batch, logprobs_BT),

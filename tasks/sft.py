@@ -110,12 +110,17 @@ def pack_rows(rows: Sequence[SFTRow], max_tokens: int) -> list[list[SFTRow]]:
     return batches
 
 
-def completion_nll(model: PreTrainedModel, rows: Sequence[SFTRow], pad_token_id: int) -> torch.Tensor:
+def completion_nll(
+    model: PreTrainedModel, rows: Sequence[SFTRow], pad_token_id: int, padding_mask: bool = False
+) -> torch.Tensor:
     """Summed negative log-likelihood of the rows' trained tokens (right-padded batch).
 
     Logits are computed only from the first position that predicts a trained token on
     (``logits_to_keep``): over a long masked prompt, the vocabulary projection is most of
-    the cost.
+    the cost. The model runs without an attention mask unless ``padding_mask`` (the path
+    before issue 43): the rows are right-padded, so causal attention alone keeps every real
+    token from the pads after it, and the pads' own (finite) outputs are multiplied by
+    their 0 in the loss mask.
     """
     width = max(len(r.input_ids) for r in rows)
     device = model.device
@@ -128,7 +133,10 @@ def completion_nll(model: PreTrainedModel, rows: Sequence[SFTRow], pad_token_id:
     )
     start = min(r.loss_mask.index(1) for r in rows) - 1  # position start predicts token start + 1
     assert start >= 0, "token 0 has nothing to predict it: a row's prompt must not be empty"
-    logits_BKV = model(input_ids=input_ids_BT, attention_mask=attention_BT, logits_to_keep=width - start).logits
+    attention = attention_BT if padding_mask else None
+    logits_BKV = model(
+        input_ids=input_ids_BT, attention_mask=attention, logits_to_keep=width - start, use_cache=False
+    ).logits
     logits_BKV = logits_BKV[:, :-1].float()  # positions start .. T-2 predict tokens start+1 .. T-1
     nll_BK = torch.nn.functional.cross_entropy(
         logits_BKV.transpose(1, 2), input_ids_BT[:, start + 1 :], reduction="none"

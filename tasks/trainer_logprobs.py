@@ -18,10 +18,14 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 
 def token_logprobs(
-    model: PreTrainedModel, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
+    model: PreTrainedModel, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None,
     temperature: float, wanted_BT: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """log p(token t | tokens < t) for t = 1..T-1 under ``log_softmax(logits / temperature)``.
+
+    ``attention_mask_BT`` None: causal attention alone (SDPA's ``is_causal`` path), exact
+    for right-padded rows at every real position; a pad's entry is then not that of the
+    masked forward, so the caller must not read it (``wanted_BT`` False there).
 
     ``wanted_BT`` (bool, (B, T-1)) names the tokens whose logprob is needed (the action
     tokens); the vocabulary projection then runs only at the positions predicting them, and
