@@ -58,6 +58,7 @@ import duckdb
 
 from rollflow.storage.derived import DERIVED_KINDS
 from rollflow.storage.errors import NoDataError, StorageError
+from rollflow.storage.pass_at_k import create_pass_at_k_views
 from rollflow.storage.views import (
     VIEW_KINDS,
     admission_files,
@@ -209,6 +210,7 @@ def open_run_sql(run_dirs: Sequence[Path | str] | Path | str) -> duckdb.DuckDBPy
         derived = derived_view_files(folders, view)
         create_derived_view(con, view, derived)
         allowed.extend(str(p) for _, paths in derived for p in paths)
+    create_pass_at_k_views(con)  # over `scores`; storage/pass_at_k.py
     con.execute("SET allowed_paths = $paths", {"paths": allowed})
     con.execute("SET autoinstall_known_extensions = false")
     con.execute("SET autoload_known_extensions = false")
