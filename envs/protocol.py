@@ -142,6 +142,10 @@ def describe_tools(tool_specs: Sequence[ToolSpec]) -> str:
     passes ``tools=`` to the template: a tool-aware template (Qwen, Llama 3.1, Mistral)
     would ask for its own call syntax, which ``parse_action`` does not read. No tools gives
     the empty string: there is nothing to describe.
+
+    The example call is a call of the first tool (``example_call``), not a placeholder: a
+    small model copies the example, and a placeholder name (``TOOL_NAME``) it copies is an
+    ``unknown tool`` error every time, where a real name at least reaches a tool.
     Raises ``ValueError`` for a spec that is not an OpenAI-style function spec.
     """
     if not tool_specs:
@@ -150,20 +154,52 @@ def describe_tools(tool_specs: Sequence[ToolSpec]) -> str:
         "You can call tools. Each tool is listed with what it does and the JSON schema of its arguments:",
         "",
     ]
-    for index, spec in enumerate(tool_specs):
-        function = _spec_function(spec, index)
+    functions = [_spec_function(spec, index) for index, spec in enumerate(tool_specs)]
+    for function in functions:
         lines.append(f"- {function['name']}: {function.get('description', '').strip()}")
         schema = json.dumps(function.get("parameters", {}), ensure_ascii=False, sort_keys=True)
         lines.append(f"  arguments schema: {schema}")
     lines += [
         "",
-        "To call a tool, write exactly one block per call, like this:",
-        f'{OPEN_TAG}{{"name": "TOOL_NAME", "arguments": {{"ARGUMENT": "VALUE"}}}}{CLOSE_TAG}',
+        f"To call a tool, write exactly one block per call; a call of {functions[0]['name']} looks like this:",
+        example_call(functions[0]),
         "You may write several blocks in one reply. The results come back in the next "
         "messages. When you are done, reply without any tool call: that reply is your "
         "final answer.",
     ]
     return "\n".join(lines)
+
+
+def example_call(function: dict[str, Any]) -> str:
+    """A protocol block calling ``function`` (an OpenAI ``function`` object): its real name
+    and its arguments (the required ones, else all) with a value of each one's type."""
+    parameters = function.get("parameters")
+    parameters = parameters if isinstance(parameters, dict) else {}
+    properties = parameters.get("properties")
+    properties = properties if isinstance(properties, dict) else {}
+    required = parameters.get("required")
+    names = [name for name in required if name in properties] if isinstance(required, list) else []
+    arguments = {name: _example_value(properties[name]) for name in names or properties}
+    body = json.dumps({"name": function["name"], "arguments": arguments}, ensure_ascii=False)
+    return f"{OPEN_TAG}{_escape_tags(body)}{CLOSE_TAG}"
+
+
+_EXAMPLE_VALUES: dict[str, Any] = {"string": "...", "integer": 1, "number": 1, "boolean": True, "array": [], "object": {}}
+
+
+def _example_value(schema: Any) -> Any:
+    """A value a property's schema accepts, for the example: its first enum value or
+    example when it has one, else one of its type ("..." for text or an unknown type)."""
+    if not isinstance(schema, dict):
+        return "..."
+    for key in ("enum", "examples"):
+        values = schema.get(key)
+        if isinstance(values, list) and values:
+            return values[0]
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), None)
+    return _EXAMPLE_VALUES.get(kind, "...") if isinstance(kind, str) else "..."
 
 
 # ---------------------------------------------------------------- internals

@@ -302,7 +302,8 @@ def test_tool_calls_carried_in_the_content_are_rendered_once(
     parsed, message = codec.parse_action(CALL_TEXT)
     assert parsed.kind == "tool_calls" and "tool_calls" in message
     conversation: list[Message] = [{"role": "user", "content": "Go"}, message]
-    assert codec.render_text(conversation, [LOOKUP]).count('"lookup"') == 1  # the call, once
+    rendered = codec.render_text(conversation, [LOOKUP])
+    assert rendered.count('{"name": "lookup", "arguments": {"key": "depot"}}') == 1  # the call, once
 
     # A few-shot assistant turn written with structured calls only shows them in our format,
     # never in the template's own (newline-wrapped) one.

@@ -205,3 +205,44 @@ def test_describe_tools_names_each_tool_its_schema_and_the_call_format() -> None
     assert describe_tools([]) == ""
     with pytest.raises(ValueError, match="tool spec 0"):
         describe_tools([{"name": "lookup"}])  # type: ignore[list-item]
+
+
+def _function(name: str, properties: dict, required: list[str] | None = None) -> ToolSpec:
+    parameters: dict = {"type": "object", "properties": properties}
+    if required is not None:
+        parameters["required"] = required
+    return {"type": "function", "function": {"name": name, "description": "d", "parameters": parameters}}
+
+
+def test_the_example_call_is_a_call_of_a_real_tool_not_a_placeholder() -> None:
+    """A 135M model copies the example; a placeholder name is an unknown tool every time."""
+    convert = _function(
+        "conversion_factor",
+        {"from_unit": {"type": "string"}, "to_unit": {"type": "string"}, "digits": {"type": "integer"}},
+        required=["from_unit", "to_unit"],
+    )
+    multiply = _function("multiply", {"a": {"type": "number"}, "b": {"type": "number"}})
+    text = describe_tools([convert, multiply])
+    assert "TOOL_NAME" not in text and "ARGUMENT" not in text
+    examples = [line for line in text.splitlines() if line.startswith(OPEN_TAG)]
+    assert len(examples) == 1
+    parsed = parse_action(examples[0])
+    assert parsed.kind == "tool_calls"
+    (call,) = parsed.tool_calls
+    assert call["function"]["name"] == "conversion_factor"
+    assert json.loads(call["function"]["arguments"]) == {"from_unit": "...", "to_unit": "..."}  # the required ones
+
+
+def test_the_example_arguments_have_the_schema_types() -> None:
+    spec = _function("pick", {
+        "n": {"type": "integer"}, "x": {"type": ["null", "number"]}, "flag": {"type": "boolean"},
+        "color": {"type": "string", "enum": ["red", "blue"]}, "items": {"type": "array"}, "any": {},
+    })
+    text = describe_tools([spec])
+    (example,) = [line for line in text.splitlines() if line.startswith(OPEN_TAG)]
+    (call,) = parse_action(example).tool_calls
+    assert json.loads(call["function"]["arguments"]) == {
+        "n": 1, "x": 1, "flag": True, "color": "red", "items": [], "any": "...",
+    }
+    no_arguments = describe_tools([{"type": "function", "function": {"name": "ping"}}])
+    assert f'{OPEN_TAG}{{"name": "ping", "arguments": {{}}}}{CLOSE_TAG}' in no_arguments
