@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollflow.envs.type_names import type_mismatch
 from rollflow.envs.types import Message, StepResult, Task, ToolSpec
 
 
@@ -86,7 +87,7 @@ class AsyncEnvSuite:
         for name, tasks in (("tasks", self.tasks), ("val_tasks", self.val_tasks)):
             for index, task in enumerate(tasks):
                 if not isinstance(task, Task):
-                    raise TypeError(f"{name}[{index}] is a {type(task).__name__}, not an envs.types.Task")
+                    raise TypeError(f"{name}[{index}] is {type_mismatch(task, Task)}")
         if not self.tasks:
             raise ValueError("an AsyncEnvSuite needs at least one training task")
         if not callable(self.env_factory):

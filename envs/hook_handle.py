@@ -53,6 +53,7 @@ from rollflow.envs.hooks import (
     score_each,
 )
 from rollflow.envs.loop import play_episode, stage
+from rollflow.envs.type_names import type_mismatch
 from rollflow.envs.types import (
     EnvironmentEpisode,
     EnvironmentStepResult,
@@ -108,9 +109,7 @@ class HookEpisodeEnv(Env):
                 self.env.step_episode, self.example, list(self._messages), message["content"]
             )
             if not isinstance(result, EnvironmentStepResult):
-                raise TypeError(
-                    f"step_episode returned {type(result).__name__}, not an EnvironmentStepResult"
-                )
+                raise TypeError(f"step_episode returned {type_mismatch(result, EnvironmentStepResult)}")
             self._messages.extend(checked_messages(result.messages, "step_episode"))
             metadata = dict(result.metadata)
         return AnnotatedStepResult(
@@ -224,7 +223,7 @@ def _to_episode_score(outcome: object, scorer: str) -> EpisodeScore:
     if isinstance(outcome, Exception):
         return error_score(describe_error(outcome, scorer))
     if not isinstance(outcome, RewardResult):
-        return error_score(f"TypeError: scorer gave {type(outcome).__name__}, not a RewardResult")
+        return error_score(f"TypeError: scorer gave {type_mismatch(outcome, RewardResult)}")
     try:
         threshold = outcome.threshold
         return EpisodeScore(

@@ -42,6 +42,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
+from rollflow.envs.type_names import type_mismatch
 from rollflow.envs.types import (
     EnvironmentEpisode,
     EnvironmentStepResult,
@@ -198,7 +199,7 @@ def _score_one(
         if inspect.isawaitable(result):
             result = asyncio.run(_awaited(result))
         if not isinstance(result, RewardResult):
-            raise TypeError(f"score_episode returned {type(result).__name__}, not a RewardResult")
+            raise TypeError(f"score_episode returned {type_mismatch(result, RewardResult)}")
         return result
     except Exception as exc:  # kept as data: one bad score must not sink its group
         return exc

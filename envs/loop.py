@@ -45,6 +45,7 @@ from rollflow.envs.episode import ActionTokens, EpisodeRollout
 from rollflow.envs.handle import EpisodeLimits, checked_metrics, checked_score, describe_error
 from rollflow.envs.hooks import checked_messages
 from rollflow.envs.protocol import parse_action
+from rollflow.envs.type_names import type_mismatch
 from rollflow.envs.types import Message, StepResult, Task, TruncationCause
 
 
@@ -106,7 +107,7 @@ async def _step(env: Env, message: Message, trace: EpisodeTrace) -> StepResult:
     trace.stage = "Env.step"
     result = await env.step(message)
     if not isinstance(result, StepResult):
-        raise TypeError(f"Env.step returned {type(result).__name__}, not a StepResult")
+        raise TypeError(f"Env.step returned {type_mismatch(result, StepResult)}")
     trace.messages = extended_history(before, checked_messages(result.messages, "Env.step"), message)
     if isinstance(result, AnnotatedStepResult):
         trace.step_metadata.append(dict(result.metadata))

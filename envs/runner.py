@@ -48,6 +48,7 @@ from rollflow.envs.handle import (
 )
 from rollflow.envs.hook_handle import HookEnvironmentHandle, to_environment_episode
 from rollflow.envs.hooks import EnvironmentMultiTurn
+from rollflow.envs.type_names import type_mismatch
 from rollflow.envs.types import Task
 
 __all__ = [
@@ -100,10 +101,7 @@ def handle_for(loaded: object, where: str = "the environment") -> EnvironmentHan
         return HookEnvironmentHandle(loaded)
     if isinstance(loaded, AsyncEnvSuite):
         return AsyncEnvironmentHandle(loaded)
-    raise EnvironmentLoadError(
-        f"{where} returned a {type(loaded).__name__}; expected an EnvironmentMultiTurn (hook style) "
-        "or an AsyncEnvSuite (async style)"
-    )
+    raise EnvironmentLoadError(f"{where} returned {type_mismatch(loaded, EnvironmentMultiTurn, AsyncEnvSuite)}")
 
 
 def handle_from_async(

@@ -5,9 +5,15 @@
 ``test_environment.py``) and renames its environment class after ``NAME``. The copy is a
 package exposing ``load_environment``; its test plays it through the runner with a
 scripted policy, and finds it by its own package name, so it works wherever the folder
-lands (``envs/NAME`` -> spec ``envs.NAME:load_environment``; a top-level folder ->
-``NAME:load_environment``; ``starter_spec`` says which). The written code imports the
-reference docs' names the way a user's own code should: ``from rollflow import ...``.
+lands (the working directory -> spec ``NAME:load_environment``, which rollflow imports
+from there; ``my_envs/NAME`` -> ``my_envs.NAME:load_environment``; ``starter_spec`` says
+which). The written code imports the reference docs' names the way a user's own code
+should: ``from rollflow import ...``.
+
+It never writes into rollflow's own package folders (``envs/`` in a checkout is
+``rollflow.envs``): a module there sits beside ``envs/types.py``, so ``from envs.types
+import ToolResult`` imports a second copy whose ``ToolResult`` is not ``rollflow.ToolResult``
+and every return of it is refused.
 Beside them goes ``train.toml`` (from ``envs/starters/train.toml``): a config that
 ``rollflow train`` runs as is, its ``[env].name`` the spec for the working directory.
 Each starter keeps validation tasks apart from its training tasks.
@@ -18,6 +24,7 @@ and tested with the rest of the code (``tests/test_scaffold.py`` runs the writte
 
 from __future__ import annotations
 
+import importlib.util
 import keyword
 import re
 import sys
@@ -50,6 +57,7 @@ def write_starter(name: str, dest_dir: Path, style: StarterStyle) -> list[Path]:
             "or 'single' (--single-turn)"
         )
     _check_name(name)
+    _check_destination(Path(dest_dir))
     package_dir = Path(dest_dir) / name
     if package_dir.exists():
         raise FileExistsError(f"{package_dir} already exists; choose another name or remove it")
@@ -91,6 +99,28 @@ def starter_spec(name: str, dest_dir: Path) -> tuple[str, Path | None]:
     if not all(part.isidentifier() for part in parts):
         return f"{name}:load_environment", Path(dest_dir)
     return ".".join([*parts, name]) + ":load_environment", None
+
+
+def _own_folders() -> list[Path]:
+    """The folders rollflow's own modules are imported from (its package and subpackages)."""
+    import rollflow
+
+    folders = [Path(rollflow.__file__).parent]
+    for sub in ("envs", "tasks", "flows", "storage", "policy"):
+        spec = importlib.util.find_spec(f"rollflow.{sub}")
+        folders += [Path(path) for path in (spec.submodule_search_locations or [])] if spec else []
+    return [folder.resolve() for folder in folders]
+
+
+def _check_destination(dest_dir: Path) -> None:
+    target = dest_dir.resolve()
+    for own in _own_folders():
+        if target == own or own in target.parents:
+            raise ValueError(
+                f"{dest_dir} is inside rollflow's own package folder {own}: modules there can be imported "
+                "under a second name (envs.types.ToolResult beside rollflow.ToolResult); write the "
+                "environment into a folder of your own (the working directory, or --dir my_envs)"
+            )
 
 
 def _check_name(name: str) -> None:

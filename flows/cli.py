@@ -212,7 +212,7 @@ register(Command("runs", "list runs with their status and last finished step", _
 # Subcommands kept in their own modules; each registers itself when imported.
 COMMAND_MODULES = (
     "rollflow.flows.cli_train", "rollflow.flows.cli_eval", "rollflow.flows.cli_serve", "rollflow.flows.cli_pipeline",
-    "rollflow.flows.cli_rescore",
+    "rollflow.flows.cli_rescore", "rollflow.flows.cli_env",
 )
 
 

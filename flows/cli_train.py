@@ -1,17 +1,14 @@
-"""``rollflow train``, ``resume`` and ``env new``: the subcommands that start work.
+"""``rollflow train`` and ``resume``: the subcommands that start training.
 
 They register themselves in ``rollflow.flows.cli``'s table when this module is imported (the
-table's loader does that). ``env new`` ends by saying which ``[env].name`` loads what it
-wrote (on stderr: stdout lists the files, one a line). Prefect is imported only when a flow actually runs, so
-``rollflow sql`` stays fast.
+table's loader does that). Prefect is imported only when a flow actually runs, so
+``rollflow sql`` stays fast. (``env new`` / ``env show`` are in ``flows/cli_env.py``.)
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rollflow.flows.cli import Command, UserError, register
@@ -102,37 +99,5 @@ def _checked_run(config_path: str | None, run_dir: str | None) -> RunHandle:
     return open_run(config_path, run_dir)
 
 
-def _env_arguments(parser: argparse.ArgumentParser) -> None:
-    actions = parser.add_subparsers(dest="env_command", metavar="ACTION", required=True)
-    new = actions.add_parser("new", help="write a runnable starter environment with a test")
-    new.add_argument("name", help="a Python package name, e.g. my_agent_env")
-    style = new.add_mutually_exclusive_group()
-    style.add_argument("--multi-turn", dest="style", action="store_const", const="hook",
-                       help="hook style: start_episode / step_episode / score_episode (default)")
-    style.add_argument("--async", dest="style", action="store_const", const="async",
-                       help="async style: Env with reset / step / tool_specs")
-    style.add_argument("--single-turn", dest="style", action="store_const", const="single",
-                       help="single turn: build_prompt_messages / score_response, one reply per episode")
-    new.add_argument("--dest", default="envs", help="the folder to write the package into (default: envs, "
-                     "loaded as [env] name = 'envs.NAME:load_environment')")
-
-
-def run_env(args: argparse.Namespace) -> int:
-    from rollflow.envs.scaffold import starter_spec, write_starter
-
-    try:
-        written = write_starter(args.name, Path(args.dest), args.style or "hook")
-    except (ValueError, FileExistsError) as exc:
-        raise UserError(str(exc)) from exc
-    for path in written:
-        print(path)
-    spec, run_from = starter_spec(args.name, Path(args.dest))
-    where = f"; run rollflow from {run_from}" if run_from is not None else ""
-    print(f'train it: rollflow train {written[-1]} (its [env] has name = "{spec}"){where}; '
-          f"play it: python -m pytest {written[0].parent}", file=sys.stderr)
-    return 0
-
-
 register(Command("train", "train a policy with GRPO (a Prefect flow); prints the run folder", _train_arguments, run_train))
 register(Command("resume", "continue a stopped or failed run from where it stopped", _resume_arguments, run_resume))
-register(Command("env", "environment tools: `rollflow env new NAME --multi-turn|--async|--single-turn`", _env_arguments, run_env))

@@ -170,14 +170,22 @@ def prompt_tokens(config: RunConfig, handle: EnvironmentHandle, item: TaskItem) 
     from rollflow.policy.models import load_tokenizer
     from rollflow.tasks.models import base_model_ref
 
+    messages, tool_specs = opening_prompt(config.env.name, handle, item)
+    codec = ChatCodec(load_tokenizer(base_model_ref(config)))
+    return len(codec.render_prompt_ids(messages, tool_specs))
+
+
+def opening_prompt(
+    env_name: str, handle: EnvironmentHandle, item: TaskItem
+) -> tuple[list[Message], list[ToolSpec]]:
+    """The messages and tool specs of ``item``'s first policy call: the episode is played
+    up to its first action (its start and close really run), then ended there."""
     probe = _PromptProbe()
     rollout = asyncio.run(handle.play(item, probe, EpisodeLimits(max_turns=1)))
     if not probe.prompts:
         failure = rollout.error or "it never asked the policy for an action"
-        raise PreflightError(f"[env].name = {config.env.name!r}: task {item.task_id!r} cannot start: {failure}")
-    messages, tool_specs = probe.prompts[0]
-    codec = ChatCodec(load_tokenizer(base_model_ref(config)))
-    return len(codec.render_prompt_ids(messages, tool_specs))
+        raise PreflightError(f"[env].name = {env_name!r}: task {item.task_id!r} cannot start: {failure}")
+    return probe.prompts[0]
 
 
 class _PromptProbe:

@@ -203,7 +203,7 @@ def test_scores_are_the_ending_rewards() -> None:
 
 
 def test_suite_validation_and_splits() -> None:
-    with pytest.raises(TypeError, match=r"tasks\[0\] is a str"):
+    with pytest.raises(TypeError, match=r"tasks\[0\] is str, not rollflow\.envs\.types\.Task"):
         AsyncEnvSuite(tasks=["p"], val_tasks=[], env_factory=EchoEnv)  # type: ignore[list-item]
     with pytest.raises(ValueError, match="at least one training task"):
         AsyncEnvSuite(tasks=[], val_tasks=[], env_factory=EchoEnv)

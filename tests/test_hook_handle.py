@@ -220,7 +220,7 @@ def test_a_step_result_of_the_wrong_type_is_an_error() -> None:
             return {"done": True}
 
     rollout = _play(Sloppy(), constant_policy("done"))
-    assert rollout.error is not None and "not an EnvironmentStepResult" in rollout.error
+    assert rollout.error is not None and "dict, not rollflow.envs.types.EnvironmentStepResult" in rollout.error
 
 
 def test_async_hooks_are_awaited() -> None:

@@ -104,7 +104,7 @@ def test_score_episode_returning_the_wrong_type_is_an_error() -> None:
             return 1.0  # type: ignore[return-value]
 
     [outcome] = score_each(Wrong(), EXAMPLE, _episodes("a"))
-    assert isinstance(outcome, TypeError) and "not a RewardResult" in str(outcome)
+    assert isinstance(outcome, TypeError) and "float, not rollflow.envs.types.RewardResult" in str(outcome)
 
 
 def test_sft_completion_scalar_becomes_one_assistant_message() -> None:

@@ -79,19 +79,21 @@ def test_the_reference_names_import_from_rollflow_beside_the_user_s_tasks_and_st
 def test_env_new_then_train_with_the_rollflow_command_outside_the_checkout(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    """Bug 8: ``rollflow train`` on a user's ``envs.my_env`` from the user's own folder."""
+    """Bug 8: ``rollflow train`` on a user's ``my_env`` (written into the working directory)
+    from the user's own folder, by the console script, which has no working directory on its
+    ``sys.path`` of its own."""
     folder = user_folder(tmp_path)
     written = run_in(folder, ROLLFLOW, "env", "new", "my_env", "--multi-turn")
     assert written.returncode == 0, written.stderr
-    assert 'name = "envs.my_env:load_environment"' in written.stderr
-    played = run_in(folder, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "envs/my_env")
+    assert 'name = "my_env:load_environment"' in written.stderr
+    played = run_in(folder, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "my_env")
     assert played.returncode == 0 and "2 passed" in played.stdout, played.stdout + played.stderr
 
     config = load_config(REPO / "configs" / "tiny.toml")
     config = replace(
         config,
         model=replace(config.model, path=str(tiny_model_dir)),
-        env=replace(config.env, name="envs.my_env:load_environment"),
+        env=replace(config.env, name="my_env:load_environment"),
         rollout=replace(config.rollout, batch_size=1),
         train=replace(config.train, num_steps=1),
         validation=replace(config.validation, validation_interval=0),

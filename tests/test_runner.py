@@ -94,7 +94,7 @@ def test_a_spec_loads_a_hook_handle_with_kwargs(env_module: str) -> None:
             "has no 'load_env'; it has load_environment, load_nothing, load_raising",
         ),
         ("say_env_for_tests:not_a_function", None, "is a int, not a function"),
-        ("say_env_for_tests:load_nothing", None, "returned a int; expected an EnvironmentMultiTurn"),
+        ("say_env_for_tests:load_nothing", None, "returned int, not rollflow.envs.hooks.EnvironmentMultiTurn or rollflow.envs.env.AsyncEnvSuite"),
         ("say_env_for_tests:load_environment", {"colour": "red"}, "unexpected keyword argument 'colour'"),
         ("say_env_for_tests:load_raising", None, "missing a required argument: 'size'"),
         ("say_env_for_tests:load_raising", {"size": -1}, "raised ValueError: size must be positive, got -1"),
@@ -111,7 +111,7 @@ def test_bad_specs_name_the_problem(
 def test_handle_for_accepts_both_styles_only() -> None:
     suite = AsyncEnvSuite(tasks=[Task("p")], val_tasks=[], env_factory=lambda task: None)  # type: ignore[arg-type, return-value]
     assert handle_for(suite).style == "async"
-    with pytest.raises(EnvironmentLoadError, match="returned a dict"):
+    with pytest.raises(EnvironmentLoadError, match="returned dict, not"):
         handle_for({})
 
 

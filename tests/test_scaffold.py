@@ -120,12 +120,15 @@ def test_env_new_says_which_spec_loads_what_it_wrote(
 ) -> None:
     (tmp_path / "work").mkdir()
     monkeypatch.chdir(tmp_path / "work")
-    assert main(["env", "new", "my_env", "--multi-turn"]) == 0
+    assert main(["env", "new", "my_env", "--multi-turn"]) == 0  # the working directory, not envs/
     out, err = capsys.readouterr()
-    assert out.splitlines()[0] == str(Path("envs") / "my_env" / "__init__.py")
-    assert 'name = "envs.my_env:load_environment"' in err
+    assert out.splitlines()[0] == str(Path("my_env") / "__init__.py")
+    assert 'name = "my_env:load_environment"' in err
+    assert "rollflow env show my_env:load_environment" in err
     assert main(["env", "new", "top_env", "--async", "--dest", "."]) == 0
     assert 'name = "top_env:load_environment"' in capsys.readouterr().err
+    assert main(["env", "new", "mine_env", "--dir", "my_envs"]) == 0
+    assert 'name = "my_envs.mine_env:load_environment"' in capsys.readouterr().err
     assert main(["env", "new", "deep_env", "--dest", str(tmp_path / "work" / "my_envs")]) == 0
     assert 'name = "my_envs.deep_env:load_environment"' in capsys.readouterr().err
     assert main(["env", "new", "far_env", "--dest", str(tmp_path / "elsewhere")]) == 0
@@ -139,8 +142,42 @@ def test_env_new_single_turn_writes_a_single_turn_starter(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     assert main(["env", "new", "quiz_env", "--single-turn"]) == 0
-    source = (tmp_path / "envs" / "quiz_env" / "environment.py").read_text()
+    source = (tmp_path / "quiz_env" / "environment.py").read_text()
     assert "class QuizEnvEnv(EnvironmentSingleTurn)" in source
+
+
+def test_env_new_refuses_rollflow_own_package_folders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A package beside envs/types.py could import rollflow's classes under a second name."""
+    import rollflow.envs
+
+    own = Path(rollflow.envs.__file__).parent
+    monkeypatch.chdir(tmp_path)
+    for dest in (str(own), str(own / "my_envs"), str(Path(rollflow.__file__).parent)):
+        assert main(["env", "new", "stray_env", "--dir", dest]) == 1
+        assert "inside rollflow's own package folder" in capsys.readouterr().err
+    assert not (own / "stray_env").exists() and not (own / "my_envs").exists()
+
+
+def test_a_starter_in_the_working_directory_passes_its_test_and_rollflow_loads_it(tmp_path: Path) -> None:
+    """As a user does it: the `rollflow` console script (no working directory on its
+    sys.path) writes the starter, pytest plays it, and the written config's [env] loads."""
+    rollflow = Path(sys.executable).parent / "rollflow"
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+
+    made = run(str(rollflow), "env", "new", "unit_convert")
+    assert made.returncode == 0, made.stderr
+    assert (tmp_path / "unit_convert" / "environment.py").is_file()
+    assert 'name = "unit_convert:load_environment"' in made.stderr
+    tested = run(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "unit_convert")
+    assert tested.returncode == 0 and "2 passed" in tested.stdout, tested.stdout + tested.stderr
+    shown = run(str(rollflow), "env", "show", "--config", str(Path("unit_convert") / "train.toml"))
+    assert shown.returncode == 0, shown.stderr
+    assert "tools: count_letters" in shown.stderr and '{"name": "count_letters"' in shown.stdout
 
 
 @pytest.mark.parametrize("style", ["hook", "async", "single"])
@@ -177,8 +214,7 @@ def test_env_new_writes_a_config_the_train_flow_runs_on_the_starter(
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     flag = {"hook": "--multi-turn", "async": "--async", "single": "--single-turn"}[style]
-    # Not the default dest `envs`: in this process `envs` is the repository's own folder.
-    assert main(["env", "new", name, flag, "--dest", "my_envs"]) == 0
+    assert main(["env", "new", name, flag, "--dir", "my_envs"]) == 0
     config_path = Path("my_envs") / name / "train.toml"
     assert str(config_path) in capsys.readouterr().out.splitlines()
     config = load_config(config_path)

@@ -1,0 +1,111 @@
+"""``rollflow env new`` and ``rollflow env show``: start an environment of your own, and
+see the exact prompt it gives the model.
+
+``env new NAME`` writes a starter package (``envs/scaffold.py``) into the working directory,
+or into ``--dir``: a folder of the user's own, never rollflow's package folders, where the
+same classes could be imported under a second name. It ends by saying which
+``[env].name`` loads what it wrote (on stderr: stdout lists the files, one a line).
+
+``env show SPEC`` prints the rendered opening prompt of one task (``tasks/prompt_preview.py``)
+to stdout, exactly what the policy is given, and one line about it (task, tokens, model,
+tools) to stderr. ``--config`` renders it for that config's model, and without a SPEC
+shows that config's environment with its ``[env].kwargs``.
+
+The command registers itself in ``rollflow.flows.cli``'s table when this module is imported;
+torch and transformers load only when ``show`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rollflow.flows.cli import Command, UserError, register
+
+
+def _env_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="env_command", metavar="ACTION", required=True)
+    new = actions.add_parser("new", help="write a runnable starter environment with a test, in a folder of your own")
+    new.add_argument("name", help="a Python package name, e.g. my_agent_env")
+    style = new.add_mutually_exclusive_group()
+    style.add_argument("--multi-turn", dest="style", action="store_const", const="hook",
+                       help="hook style: start_episode / step_episode / score_episode (default)")
+    style.add_argument("--async", dest="style", action="store_const", const="async",
+                       help="async style: Env with reset / step / tool_specs")
+    style.add_argument("--single-turn", dest="style", action="store_const", const="single",
+                       help="single turn: build_prompt_messages / score_response, one reply per episode")
+    new.add_argument("--dir", "--dest", dest="dest", default=".",
+                     help="the folder to write the package into (default: the working directory, "
+                     "loaded as [env] name = 'NAME:load_environment')")
+    show = actions.add_parser("show", help="print the exact prompt the model is given for one task")
+    show.add_argument("spec", nargs="?", help="the environment as module:function (default: the --config's [env])")
+    show.add_argument("--task", type=int, default=0, metavar="N", help="the task's position in its split (default 0)")
+    show.add_argument("--split", choices=("train", "validation"), default="train", help="default: train")
+    show.add_argument("--kwargs", metavar="JSON", help="the environment's keyword arguments, a JSON object")
+    show.add_argument("--config", help="a run config: its [model]'s chat template (default: the bundled model)")
+
+
+def run_env(args: argparse.Namespace) -> int:
+    return run_env_show(args) if args.env_command == "show" else run_env_new(args)
+
+
+def run_env_new(args: argparse.Namespace) -> int:
+    from rollflow.envs.scaffold import starter_spec, write_starter
+
+    try:
+        written = write_starter(args.name, Path(args.dest), args.style or "hook")
+    except (ValueError, FileExistsError) as exc:
+        raise UserError(str(exc)) from exc
+    for path in written:
+        print(path)
+    spec, run_from = starter_spec(args.name, Path(args.dest))
+    where = f"; run rollflow from {run_from}" if run_from is not None else ""
+    print(f'train it: rollflow train {written[-1]} (its [env] has name = "{spec}"){where}; '
+          f"play it: python -m pytest {written[0].parent}; see its prompt: rollflow env show {spec}",
+          file=sys.stderr)
+    return 0
+
+
+def run_env_show(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from rollflow.envs.runner import EnvironmentLoadError, load_environment_handle
+    from rollflow.policy.models import ModelLoadError
+    from rollflow.tasks.config import ConfigError, EnvConfig, RunConfig, load_config
+    from rollflow.tasks.prompt_preview import describe_preview, preview_prompt
+
+    if args.spec is None and args.config is None:
+        raise UserError("give the environment (module:function) or a --config whose [env] to show")
+    try:
+        config = load_config(args.config) if args.config is not None else RunConfig()
+        kwargs = _kwargs(args.kwargs)
+        if args.spec is not None and args.spec != config.env.name:
+            config = replace(config, env=EnvConfig(name=args.spec, kwargs=kwargs or {}))
+        elif kwargs is not None:
+            config = replace(config, env=EnvConfig(name=config.env.name, kwargs=kwargs))
+        handle = load_environment_handle(config.env.name, config.env.kwargs)
+        preview = preview_prompt(config, handle, args.split, args.task)
+    except (ConfigError, EnvironmentLoadError, ModelLoadError) as exc:
+        raise UserError(str(exc)) from exc
+    sys.stdout.write(preview.text)
+    model = config.model.path or "the bundled SmolLM2-135M-Instruct"
+    print(describe_preview(preview, model), file=sys.stderr)
+    return 0
+
+
+def _kwargs(text: str | None) -> dict[str, object] | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise UserError(f"--kwargs is not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise UserError(f"--kwargs must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+register(Command("env", "environment tools: `rollflow env new NAME` writes a starter in a folder of your own, "
+                 "`rollflow env show SPEC` prints the prompt the model sees", _env_arguments, run_env))
