@@ -12,6 +12,10 @@ training run's ``val/`` curves.
 The report's numbers come from ``rollflow.storage.query.step_metrics``, the very SQL the training
 flow logs; the worst episodes (errored first, then by final reward) are listed by id for
 ``rollflow show``.
+pass@k (k up to the episodes per task) and avg@k come from the ``pass_at_k`` view
+(``storage/pass_at_k.py``), so any run's step reads the same way in ``rollflow sql``; the
+report names the environment, and the library and dataset or game for the adapters
+(``describe_environment``).
 
 Command-line overrides (``EvalOverrides``, ``flows/eval_config.py``) are applied to the
 config before the run folder freezes it, so ``config.toml`` says exactly what was
@@ -43,6 +47,7 @@ from rollflow.flows.concurrency import one_training_at_a_time
 from rollflow.flows.eval_config import EvalOverrides, checked_eval_config, eval_config
 from rollflow.flows.runs import freeze_config
 from rollflow.flows.train import validate
+from rollflow.storage.pass_at_k import overall_pass_at_k
 from rollflow.storage.query import open_run_sql, step_metrics
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.runs import mark_run_kind
@@ -137,6 +142,8 @@ class EvalReport:
     run_dir: Path
     metrics: Mapping[str, float]  # storage.query.METRIC_NAMES
     worst: tuple[WorstEpisode, ...]
+    pass_at_k: tuple[Mapping[str, float], ...] = ()  # storage.pass_at_k.overall_pass_at_k, by k
+    environment: str | None = None  # describe_environment of the frozen config
 
 
 def eval_report(run_dir: str | Path, worst: int = WORST_EPISODES) -> EvalReport:
@@ -145,13 +152,39 @@ def eval_report(run_dir: str | Path, worst: int = WORST_EPISODES) -> EvalReport:
     try:
         metrics = step_metrics(con, step=EVAL_STEP, split="validation")
         rows = con.execute(_WORST_SQL, {"step": EVAL_STEP, "limit": worst}).fetchall()
+        by_k = tuple(overall_pass_at_k(con, "validation", EVAL_STEP))
     finally:
         con.close()
     episodes = tuple(
         WorstEpisode(str(e), str(t), float(r), str(ending), int(turns), int(tokens or 0))
         for e, t, r, ending, turns, tokens in rows
     )
-    return EvalReport(Path(run_dir), metrics, episodes)
+    return EvalReport(Path(run_dir), metrics, episodes, by_k, _frozen_environment(Path(run_dir)))
+
+
+# The adapters of other libraries' environments, and the keyword naming what they play.
+_LIBRARIES = {
+    "rollflow.envs.reasoning_gym": ("reasoning-gym dataset", "dataset"),
+    "rollflow.envs.textarena": ("TextArena game", "game"),
+}
+
+
+def describe_environment(name: str, kwargs: Mapping[str, object]) -> str:
+    """``[env].name``, with the library and what it plays when it is one of the adapters."""
+    library = _LIBRARIES.get(name.split(":", 1)[0])
+    if library is None or library[1] not in kwargs:
+        return name
+    return f"{library[0]} {kwargs[library[1]]} ({name})"
+
+
+def _frozen_environment(run_dir: Path) -> str | None:
+    from rollflow.tasks.config import load_config
+
+    try:
+        config = load_config(RunFolder(run_dir).config_path)
+    except Exception:  # an unreadable config must not hide the numbers
+        return None
+    return describe_environment(config.env.name, config.env.kwargs)
 
 
 def describe_policy(config: RunConfig) -> str:
@@ -174,6 +207,7 @@ def format_report(report: EvalReport, policy: str | None = None) -> str:
     lines = [
         f"evaluation {report.run_dir}",
         *([f"  policy        {policy}"] if policy else []),
+        *([f"  environment   {report.environment}"] if report.environment else []),
         f"  episodes      {int(m['num_episodes'])} (validation tasks x [validation].episodes_per_task)",
         f"  pass rate     {_number(m['pass_rate'])}",
         f"  reward        mean {_number(m['reward_mean'])}  std {_number(m['reward_std'])}  "
@@ -185,6 +219,7 @@ def format_report(report: EvalReport, policy: str | None = None) -> str:
         f"env {_number(m['env_truncated_ratio'])}",
         f"  per episode   turns {_number(m['turns_mean'], 2)}  tokens {_number(m['tokens_mean'], 1)}",
     ]
+    lines.extend(_pass_at_k_lines(report))
     if report.worst:
         lines.append(f"  worst episodes (rollflow show {report.run_dir} EPISODE_ID):")
         width = max(len(w.episode_id) for w in report.worst)
@@ -194,3 +229,17 @@ def format_report(report: EvalReport, policy: str | None = None) -> str:
                 f"turns {w.turns}  tokens {w.tokens}  task {w.task_id}"
             )
     return "\n".join(lines) + "\n"
+
+
+def _pass_at_k_lines(report: EvalReport) -> list[str]:
+    """pass@k for each k up to the episodes per task (tasks with fewer are left out of a k),
+    and avg@k, the mean pass rate per task: one value for every k."""
+    if not report.pass_at_k:
+        return []
+    figures = "  ".join(f"@{int(r['k'])} {_number(r['pass_at_k'])}" for r in report.pass_at_k)
+    first = report.pass_at_k[0]
+    return [
+        f"  pass@k        {figures}  (tasks {int(first['tasks'])}; unbiased, from the episodes per task)",
+        f"  avg@k         {_number(first['avg_at_k'])}  (mean pass rate per task, any k; per task: "
+        f"rollflow sql {report.run_dir} \"SELECT * FROM task_pass_at_k\")",
+    ]

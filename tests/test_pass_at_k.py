@@ -12,6 +12,7 @@ import duckdb
 import pytest
 
 from rollflow.flows.cli import main
+from rollflow.flows.eval import eval_report, format_report
 from rollflow.storage.pass_at_k import MACRO_SQL, overall_pass_at_k, pass_at_k_exact
 from rollflow.storage.query import open_run_sql, run_query
 from rollflow.storage.runfolder import RunFolder
@@ -60,7 +61,10 @@ COUNTS = {0: (4, 0), 1: (4, 1), 2: (4, 4), 3: (2, 1)}
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     folder = RunFolder(tmp_path / "eval-run")
-    folder.write_config("[train]\nnum_steps = 1\n")
+    folder.write_config(
+        '[env]\nname = "rollflow.envs.reasoning_gym:load_environment"\n'
+        'kwargs = { dataset = "chain_sum", size = 8 }\n'
+    )
     episodes, scores = [], []
     for task, (n, c) in COUNTS.items():
         for index in range(n):
@@ -99,3 +103,15 @@ def test_rollflow_sql_reads_the_view(run_dir: Path, capsys: pytest.CaptureFixtur
     out, err = capsys.readouterr()
     assert (code, err) == (0, "")
     assert out.splitlines() == ["k,tasks,p", "1,4,0.4375", "2,4,0.625", "3,3,0.5833", "4,3,0.6667"]
+
+
+def test_the_eval_report_names_the_environment_and_gives_pass_at_k(run_dir: Path) -> None:
+    report = eval_report(run_dir)
+    assert report.environment == "reasoning-gym dataset chain_sum (rollflow.envs.reasoning_gym:load_environment)"
+    assert [row["k"] for row in report.pass_at_k] == [1, 2, 3, 4]
+    text = format_report(report, "tiny")
+    assert "  environment   reasoning-gym dataset chain_sum (" in text
+    assert "  pass@k        @1 0.438  @2 0.625  @3 0.583  @4 0.667  (tasks 4;" in text
+    assert "  avg@k         0.438  (mean pass rate per task" in text and "FROM task_pass_at_k" in text
+    # the pass rate weighs episodes (6 of 14), avg@k weighs tasks (0, 1/4, 1, 1/2)
+    assert f"{report.metrics['pass_rate']:.3f}" == "0.429"
