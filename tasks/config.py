@@ -227,6 +227,10 @@ class TrainConfig:
     overlong_buffer_tokens: int | None = None
     seed: int = 0
     gradient_checkpointing: bool = False
+    # The episodes of a GRPO group (and SFT rows) compute their shared opening prompt once
+    # per micro-batch, forward and backward (tasks/shared_prefix.py); exact within float32
+    # rounding. Ignored under gradient_checkpointing.
+    shared_prefix: bool = False
     keep_checkpoints: int = 2  # the newest N policy versions stay on disk (resume needs 1)
     # "grpo": the environment's group-relative advantage. "opd": on-policy distillation, the
     # per-token reverse-KL signal kl_penalty_coef * (teacher_logp - sampler_logp) from a

@@ -36,6 +36,7 @@ The train stage (``tasks/train.py``) loads the policy and its KL reference, call
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,14 +48,16 @@ from rollflow.policy.loss import BatchTotals, LossSettings, LossStats, grpo_loss
 from rollflow.policy.stopping import raise_if_stop_requested
 from rollflow.storage.records import SampleRecord
 from rollflow.tasks.config import RunConfig
+from rollflow.tasks.shared_prefix import SharedPrefix, first_trained, gradient_checkpointed, pack_by_prefix, plan_prefixes
 from rollflow.tasks.trainer_logprobs import (  # noqa: F401  (chosen_logprobs re-exported: the update's public names)
     chosen_logprobs,
     token_logprobs,
     train_without_dropout,
 )
 
-# (input_ids_BT, attention_mask_BT or None, wanted_BT) -> reference logprobs of tokens 1..T-1, (B, T-1)
-RefLogprobsFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
+# (input_ids_BT, attention: a mask, None or a SharedPrefix plan, wanted_BT) -> reference
+# logprobs of tokens 1..T-1, (B, T-1): the policy's own forward hands its attention on
+RefLogprobsFn = Callable[[torch.Tensor, torch.Tensor | SharedPrefix | None, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,10 @@ class UpdateSettings:
     # no mask, SDPA's causal kernel; exact, since a real token never attends to a later pad
     # and nothing reads a pad's output (``_model_mask``).
     padding_mask: bool = False
+    # Rows of a GRPO group compute their shared opening prompt once (tasks/shared_prefix.py),
+    # micro-batches packed so a group travels together; exact within float32 rounding. Off
+    # under gradient checkpointing, which drops the prefix's cache.
+    shared_prefix: bool = False
 
     @classmethod
     def from_config(cls, config: RunConfig, pad_token_id: int) -> UpdateSettings:
@@ -87,6 +94,7 @@ class UpdateSettings:
             minibatches=train.minibatches,
             learning_rate=train.learning_rate,
             lr_warmup_steps=train.lr_warmup_steps,
+            shared_prefix=train.shared_prefix and not train.gradient_checkpointing,
         )
 
 
@@ -164,6 +172,18 @@ def _model_mask(t: Mapping[str, torch.Tensor], settings: UpdateSettings) -> torc
     return t["attention_mask"] if settings.padding_mask else None
 
 
+def _attention(
+    batch: Sequence[SampleRecord], t: Mapping[str, torch.Tensor], settings: UpdateSettings
+) -> torch.Tensor | SharedPrefix | None:
+    """What the micro-batch's forwards attend with: each GRPO group's shared prefix
+    (``settings.shared_prefix``), else ``_model_mask``."""
+    if not settings.shared_prefix:
+        return _model_mask(t, settings)
+    plan = plan_prefixes([s.input_ids for s in batch], [first_trained(s.loss_mask) for s in batch],
+                         [s.group_id for s in batch])
+    return dataclasses.replace(plan, padding_mask=settings.padding_mask)
+
+
 def _has_signal(sample: SampleRecord) -> bool:
     return any(a != 0 for a, m in zip(sample.advantages, sample.loss_mask, strict=True) if m)
 
@@ -225,6 +245,8 @@ def grpo_update(
                            time.perf_counter() - start)
     use_reference = ref_logprobs_fn is not None and settings.loss.kl_coef > 0
     train_without_dropout(model)
+    if settings.shared_prefix and gradient_checkpointed(model):  # its layers would drop the prefix
+        settings = dataclasses.replace(settings, shared_prefix=False)
     prox: dict[str, torch.Tensor] | None = None
     if settings.loss.off_policy_correction != "none" and len(minibatches) > 1:
         prox = proximal_logprobs(model, [c for c, _ in minibatches], use_reference, settings)
@@ -259,6 +281,9 @@ def _trained_batches(
     whose advantages are all 0 (a zero-variance group) adds exactly 0 to the loss and its
     gradient, so it is left out; the step's totals still count it."""
     trained = samples if keep_all else [s for s in samples if _has_signal(s)]
+    if settings.shared_prefix:  # a group's episodes together: they share their opening prompt
+        return pack_by_prefix(trained, lambda s: s.input_ids, lambda s: s.loss_mask, lambda s: s.group_id,
+                              settings.max_tokens_per_microbatch)
     return pack_microbatches(trained, settings.max_tokens_per_microbatch) if trained else []
 
 
@@ -278,7 +303,7 @@ def proximal_logprobs(
                 t = _microbatch_tensors(batch, settings.pad_token_id, model.device)
                 wanted_BT = t["loss_mask"][:, 1:] > 0
                 logprobs_BT = token_logprobs(
-                    model, t["input_ids"], _model_mask(t, settings), settings.temperature, wanted_BT)
+                    model, t["input_ids"], _attention(batch, t, settings), settings.temperature, wanted_BT)
                 for s, row_T in zip(batch, logprobs_BT, strict=True):
                     if s.sample_id in prox:
                         raise ValueError(f"sample id {s.sample_id!r} appears twice in one training batch")
@@ -322,9 +347,9 @@ def _optimizer_step(
         raise_if_stop_requested()  # SIGTERM: abandon the step; nothing of it is written
         t = _microbatch_tensors(batch, settings.pad_token_id, model.device)
         wanted_BT = t["loss_mask"][:, 1:] > 0  # action tokens: the only logprobs the loss reads
-        mask_BT = _model_mask(t, settings)  # None: right padding under causal attention needs none
-        logprobs_BT = token_logprobs(model, t["input_ids"], mask_BT, settings.temperature, wanted_BT)
-        ref_BT = ref_logprobs_fn(t["input_ids"], mask_BT, wanted_BT) if ref_logprobs_fn else None
+        attention = _attention(batch, t, settings)  # None: right padding under causal attention needs no mask
+        logprobs_BT = token_logprobs(model, t["input_ids"], attention, settings.temperature, wanted_BT)
+        ref_BT = ref_logprobs_fn(t["input_ids"], attention, wanted_BT) if ref_logprobs_fn else None
         loss, batch_stats = grpo_loss(
             logprobs_BT, t["sampler_logprobs"][:, 1:], t["advantages"][:, 1:],
             t["loss_mask"][:, 1:], totals, settings.loss, ref_BT, _batch_proximal(prox, batch, logprobs_BT),

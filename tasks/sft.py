@@ -49,6 +49,8 @@ from rollflow.tasks.checkpoints import seed_everything
 from rollflow.tasks.config import RunConfig
 from rollflow.tasks.models import load_policy_for_training
 from rollflow.tasks.sft_rows import SFTDataError, SFTRow, examples_from_environment, examples_from_file, tokenize_example
+from rollflow.tasks.shared_prefix import first_trained, gradient_checkpointed, pack_by_prefix, plan_prefixes
+from rollflow.tasks.trainer_logprobs import token_logprobs
 
 SFT_DIR = "sft"
 POLICY_DIR = "policy"
@@ -99,8 +101,12 @@ def sft_rows(config: RunConfig, codec: ChatCodec) -> tuple[list[SFTRow], int]:
 # ---------------------------------------------------------------- the loss
 
 
-def pack_rows(rows: Sequence[SFTRow], max_tokens: int) -> list[list[SFTRow]]:
-    """Longest first, greedily, while rows x longest row stays within ``max_tokens``."""
+def pack_rows(rows: Sequence[SFTRow], max_tokens: int, shared_prefix: bool = False) -> list[list[SFTRow]]:
+    """Longest first, greedily, while rows x longest row stays within ``max_tokens``; with
+    ``shared_prefix`` while the positions the shared-prefix forward runs do
+    (``pack_by_prefix``, every row one group: they share the system prompt)."""
+    if shared_prefix:
+        return pack_by_prefix(rows, lambda r: r.input_ids, lambda r: r.loss_mask, lambda r: None, max_tokens)
     batches: list[list[SFTRow]] = []
     for row in sorted(rows, key=lambda r: len(r.input_ids), reverse=True):
         if batches and (len(batches[-1]) + 1) * len(batches[-1][0].input_ids) <= max_tokens:
@@ -111,7 +117,8 @@ def pack_rows(rows: Sequence[SFTRow], max_tokens: int) -> list[list[SFTRow]]:
 
 
 def completion_nll(
-    model: PreTrainedModel, rows: Sequence[SFTRow], pad_token_id: int, padding_mask: bool = False
+    model: PreTrainedModel, rows: Sequence[SFTRow], pad_token_id: int, padding_mask: bool = False,
+    shared_prefix: bool = False,
 ) -> torch.Tensor:
     """Summed negative log-likelihood of the rows' trained tokens (right-padded batch).
 
@@ -120,8 +127,11 @@ def completion_nll(
     the cost. The model runs without an attention mask unless ``padding_mask`` (the path
     before issue 43): the rows are right-padded, so causal attention alone keeps every real
     token from the pads after it, and the pads' own (finite) outputs are multiplied by
-    their 0 in the loss mask.
+    their 0 in the loss mask. ``shared_prefix``: the rows' common opening (the system prompt,
+    up to the first trained token) runs once (``_shared_prefix_nll``).
     """
+    if shared_prefix:
+        return _shared_prefix_nll(model, rows, pad_token_id)
     width = max(len(r.input_ids) for r in rows)
     device = model.device
     input_ids_BT = torch.tensor(
@@ -144,6 +154,20 @@ def completion_nll(
     return (nll_BK * mask_BT[:, start + 1 :]).sum()  # mask 0 = prompt or padding, never trained
 
 
+def _shared_prefix_nll(model: PreTrainedModel, rows: Sequence[SFTRow], pad_token_id: int) -> torch.Tensor:
+    """``completion_nll`` through the shared-prefix forward: the same sum within float32
+    rounding (``chosen_logprobs`` at temperature 1 in place of ``cross_entropy``)."""
+    width = max(len(r.input_ids) for r in rows)
+    input_ids_BT = torch.tensor(
+        [list(r.input_ids) + [pad_token_id] * (width - len(r.input_ids)) for r in rows], device=model.device
+    )
+    wanted_BT = torch.tensor(
+        [list(r.loss_mask[1:]) + [0] * (width - len(r.loss_mask)) for r in rows], device=model.device
+    ) > 0  # (B, T-1): token t is trained where loss_mask[t] is 1
+    plan = plan_prefixes([r.input_ids for r in rows], [first_trained(r.loss_mask) for r in rows], [None] * len(rows))
+    return -token_logprobs(model, input_ids_BT, plan, 1.0, wanted_BT).sum()
+
+
 def mean_completion_loss(
     model: PreTrainedModel, rows: Sequence[SFTRow], pad_token_id: int, max_tokens: int = 4096
 ) -> float:
@@ -157,17 +181,23 @@ def mean_completion_loss(
 
 def sft_update(
     model: PreTrainedModel, optimizer: torch.optim.Optimizer, rows: Sequence[SFTRow],
-    pad_token_id: int, max_tokens: int, max_grad_norm: float,
+    pad_token_id: int, max_tokens: int, max_grad_norm: float, shared_prefix: bool = False,
 ) -> float:
-    """One optimizer step on ``rows``; returns their mean loss per trained token."""
+    """One optimizer step on ``rows``; returns their mean loss per trained token.
+
+    ``shared_prefix``: the rows of a micro-batch compute their common opening once (not
+    under gradient checkpointing, whose layers would drop the prefix's cache).
+    """
     trained = sum(r.num_trained for r in rows)
     assert trained > 0, "an SFT batch with no trained token"
     model.train()
+    shared_prefix = shared_prefix and not gradient_checkpointed(model)
     optimizer.zero_grad(set_to_none=True)
     total = 0.0
-    for batch in pack_rows(rows, max_tokens):
+    for batch in pack_rows(rows, max_tokens, shared_prefix):
         raise_if_stop_requested()  # SIGTERM: abandon the step; nothing of it is written
-        loss = completion_nll(model, batch, pad_token_id) / trained  # its share of the batch mean
+        # its share of the batch mean
+        loss = completion_nll(model, batch, pad_token_id, shared_prefix=shared_prefix) / trained
         loss.backward()
         total += loss.item()
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -217,7 +247,7 @@ def train_epochs(
         for start in range(0, len(order), sft.batch_size):
             batch = order[start : start + sft.batch_size]
             loss = sft_update(model, optimizer, batch, pad_token_id, train.max_tokens_per_microbatch,
-                              train.max_grad_norm)
+                              train.max_grad_norm, train.shared_prefix)
             batch_tokens = sum(r.num_trained for r in batch)
             loss_sum, tokens, steps = loss_sum + loss * batch_tokens, tokens + batch_tokens, steps + 1
         losses.append(loss_sum / tokens)

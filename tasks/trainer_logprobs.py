@@ -2,7 +2,9 @@
 
 ``token_logprobs`` runs the model and takes ``log_softmax(logits / temperature)`` at each taken
 token, at the rollout's sampling temperature, so the importance ratio is 1 wherever trainer and
-sampler agree; given the wanted positions, the vocabulary projection runs only there.
+sampler agree; given the wanted positions, the vocabulary projection runs only there. Given a
+``SharedPrefix`` plan instead of a mask, rows that share an opening compute it once
+(``rollflow.tasks.shared_prefix``), with the same result within float32 rounding.
 ``chosen_logprobs`` is that log-softmax and its gradient, a few rows of logits at a time.
 ``train_without_dropout`` puts the model in eval mode for those forward passes (no dropout: the
 sampler has none either). ``top_p`` < 1 samples from a truncated distribution the trainer does
@@ -16,16 +18,20 @@ from torch.autograd.function import FunctionCtx
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from rollflow.tasks.shared_prefix import SharedPrefix, shared_prefix_logits
+
 
 def token_logprobs(
-    model: PreTrainedModel, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None,
+    model: PreTrainedModel, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | SharedPrefix | None,
     temperature: float, wanted_BT: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """log p(token t | tokens < t) for t = 1..T-1 under ``log_softmax(logits / temperature)``.
 
     ``attention_mask_BT`` None: causal attention alone (SDPA's ``is_causal`` path), exact
     for right-padded rows at every real position; a pad's entry is then not that of the
-    masked forward, so the caller must not read it (``wanted_BT`` False there).
+    masked forward, so the caller must not read it (``wanted_BT`` False there). A
+    ``SharedPrefix`` plan (right-padded rows, ``wanted_BT`` given and False on every row's
+    prefix): the prefixes run once each (``shared_prefix_logits``).
 
     ``wanted_BT`` (bool, (B, T-1)) names the tokens whose logprob is needed (the action
     tokens); the vocabulary projection then runs only at the positions predicting them, and
@@ -34,15 +40,20 @@ def token_logprobs(
     The log-softmax itself is ``chosen_logprobs``: float32 arithmetic, float32 result.
     """
     targets_BT = input_ids_BT[:, 1:]
+    if isinstance(attention_mask_BT, SharedPrefix):
+        assert wanted_BT is not None, "the shared-prefix forward computes the wanted positions only"
     if wanted_BT is None:
         logits_BTV = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False).logits
         logits_NV = logits_BTV[:, :-1].reshape(-1, logits_BTV.shape[-1])  # position t-1 predicts token t
         return chosen_logprobs(logits_NV, targets_BT.reshape(-1), temperature).view(targets_BT.shape)  # (B, T-1)
     keep_BT = torch.zeros_like(input_ids_BT, dtype=torch.bool)
     keep_BT[:, :-1] = wanted_BT  # position t-1 predicts token t
-    logits_NV = model(
-        input_ids=input_ids_BT, attention_mask=attention_mask_BT, logits_to_keep=keep_BT, use_cache=False
-    ).logits  # (N, V): one row per wanted token, row-major
+    if isinstance(attention_mask_BT, SharedPrefix):
+        logits_NV = shared_prefix_logits(model, input_ids_BT, attention_mask_BT, keep_BT)
+    else:
+        logits_NV = model(
+            input_ids=input_ids_BT, attention_mask=attention_mask_BT, logits_to_keep=keep_BT, use_cache=False
+        ).logits  # (N, V): one row per wanted token, row-major
     picked_N = chosen_logprobs(logits_NV, targets_BT[wanted_BT], temperature)
     logprobs_BT = torch.zeros(targets_BT.shape, dtype=picked_N.dtype, device=picked_N.device)
     return logprobs_BT.masked_scatter(wanted_BT, picked_N)

@@ -74,6 +74,12 @@ def max_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
 
 
+def scaled_max_diff(reference: Sequence[torch.Tensor], other: Sequence[torch.Tensor]) -> float:
+    """``max_diff`` over the reference's largest entry (at least 1): float32 rounding grows
+    with the size of the numbers summed, and full-weight gradients reach tens."""
+    return max_diff(reference, other) / max(1.0, max(float(x.abs().max()) for x in reference))
+
+
 def grouped_samples(
     vocab: int, groups: int = 2, per_group: int = 3, prompt: int = 30, seed: int = 0,
     shared_system: int = 0,
@@ -85,8 +91,8 @@ def grouped_samples(
     rng = random.Random(seed)
     system = [rng.randrange(3, vocab) for _ in range(shared_system)]
     samples = []
-    for g in range(groups):
-        opening = system + [rng.randrange(3, vocab) for _ in range(prompt - shared_system)]
+    for g in range(groups):  # group g's opening is 3 g tokens longer than group 0's
+        opening = system + [rng.randrange(3, vocab) for _ in range(prompt + 3 * g - shared_system)]
         for r in range(per_group):
             ids, mask = list(opening), [0] * len(opening)
             for _ in range(rng.randint(1, 3)):
