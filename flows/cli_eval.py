@@ -50,8 +50,10 @@ def run_eval(args: argparse.Namespace) -> int:
         check_eval(args.config, EvalOverrides(args.env, args.model, args.adapter, args.base_url,
                                               args.api_model, args.tasks))
         from rollflow.flows.eval import describe_policy, eval_flow, eval_report, format_report
+        from rollflow.flows.prefect_server import serve_prefect_in_own_session
         from rollflow.tasks.config import load_config
 
+        serve_prefect_in_own_session()  # out of reach of a terminal's Ctrl-C (flows/prefect_server.py)
         root = eval_flow(
             config_path=args.config, run_dir=args.run_dir, env=args.env, model=args.model,
             adapter=args.adapter, base_url=args.base_url, api_model=args.api_model, num_tasks=args.tasks,
@@ -76,7 +78,10 @@ def run_sft(args: argparse.Namespace) -> int:
         from rollflow.flows.sft import describe_sft, sft_flow
         from rollflow.tasks.config import load_config
 
+        from rollflow.flows.prefect_server import serve_prefect_in_own_session
+
         load_config(args.config)  # a bad config fails in one line, before Prefect starts
+        serve_prefect_in_own_session()  # out of reach of a terminal's Ctrl-C
         policy = sft_flow(config_path=args.config, run_dir=args.run_dir)
     except _user_errors() as exc:
         raise UserError(str(exc)) from exc
