@@ -1,0 +1,124 @@
+"""The TextArena adapter (envs/textarena.py) with the real library: games played through
+rollflow's runner end with the reward the library itself gives the same moves; splits
+never share a seed; an unknown game or one that cannot start offline is one line."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+textarena = pytest.importorskip("textarena", reason="the textarena extra is not installed")
+
+from rollflow.envs.runner import EnvironmentLoadError, EpisodeLimits, load_environment_handle, play_groups  # noqa: E402
+from rollflow.envs.scripted import ScriptedPolicy  # noqa: E402
+from rollflow.envs.textarena import make_game  # noqa: E402
+from rollflow.envs.types import Message  # noqa: E402
+from rollflow.flows.cli import main  # noqa: E402
+from rollflow.storage.query import open_run_sql, run_query  # noqa: E402
+from rollflow.tasks.config import config_to_toml, load_config  # noqa: E402
+
+SPEC = "rollflow.envs.textarena:load_environment"
+GAME = "GuessTheNumber-v0"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def binary_search(messages: Sequence[Message], turn: int) -> str:
+    low, high = 1, 20
+    guesses = [int(re.search(r"\[(\d+)\]", m["content"]).group(1)) for m in messages if m["role"] == "assistant"]
+    hints = [m["content"] for m in messages if m["role"] == "user"][1:]
+    for guess, hint in zip(guesses, hints, strict=False):
+        low, high = (guess + 1, high) if "higher" in hint else (low, guess - 1) if "lower" in hint else (low, high)
+    return f"I think it is [{(low + high) // 2}]."
+
+
+def stubborn(messages: Sequence[Message], turn: int) -> str:
+    return "[7]"  # a repeated guess is an invalid move; past the allowance the game ends
+
+
+def library_reward(seed: int, actions: Sequence[str]) -> float:
+    """The library's own reward for these moves, from a game driven without rollflow."""
+    game = make_game(GAME, {})
+    game.reset(num_players=1, seed=seed)
+    for action in actions:
+        done, _ = game.step(action)
+        if done:
+            break
+    rewards, _ = game.close()
+    return float(rewards[0])
+
+
+@pytest.mark.parametrize("script", [binary_search, stubborn])
+def test_rewards_are_the_librarys_for_the_same_moves(script) -> None:  # type: ignore[no-untyped-def]
+    handle = load_environment_handle(SPEC, {"game": GAME, "num_train": 6, "num_validation": 2, "seed": 10})
+    items = handle.tasks("train")
+    losses = False
+    groups = asyncio.run(play_groups(handle, items, 1, ScriptedPolicy(script), EpisodeLimits(max_turns=12), concurrency=6))
+    for item, (rollout,) in zip(items, groups, strict=True):
+        assert rollout.error is None and rollout.terminated
+        actions = [m["content"] for m in rollout.messages if m["role"] == "assistant"]
+        (score,) = asyncio.run(handle.score(item, [rollout]))
+        expected = library_reward(item.payload.metadata["seed"], actions)  # type: ignore[union-attr]
+        assert score.reward == expected
+        if script is binary_search:
+            assert expected == 1.0 and score.components["won"] == 1.0 and rollout.turns <= 5
+        elif expected < 1.0:  # (a game whose number is 7 is won at once)
+            assert rollout.turns == 3 and score.components["won"] == 0.0 and score.components["invalid_move"] == 1.0
+            assert "[7]" not in rollout.messages[2]["content"]  # the game's echo of the move is left out
+            losses = True
+    assert script is binary_search or losses
+
+
+def test_splits_are_disjoint_seeds() -> None:
+    handle = load_environment_handle(SPEC, {"game": GAME, "num_train": 5, "num_validation": 3, "seed": 2})
+    train = {item.payload.metadata["seed"] for item in handle.tasks("train")}  # type: ignore[union-attr]
+    validation = {item.payload.metadata["seed"] for item in handle.tasks("validation")}  # type: ignore[union-attr]
+    assert train == {2, 3, 4, 5, 6} and validation == {7, 8, 9}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"game": "GuessTheNumbr-v0"}, r"game = 'GuessTheNumbr-v0' is not a TextArena game; did you mean GuessTheNumber-v0"),
+        ({"game": GAME, "colour": 2}, r"could not be made with \{'colour': 2\}: TypeError"),
+        ({"game": "Wordle-v0"}, r"'Wordle-v0' could not be made .*LookupError: Resource 'words' not found"),
+        ({"game": "Mastermind-v0", "num_train": 0}, r"num_train must be a positive integer"),
+    ],
+)  # fmt: skip
+def test_bad_games_are_one_line(kwargs: dict, pattern: str) -> None:
+    with pytest.raises(EnvironmentLoadError, match=pattern) as raised:
+        load_environment_handle(SPEC, kwargs)
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.slow
+def test_two_steps_of_rollflow_train_on_the_tiny_model(
+    tiny_model_dir: Path, tmp_path: Path, prefect_harness: object
+) -> None:
+    config = load_config(REPO / "configs" / "tiny.toml")
+    config = replace(
+        config,
+        model=replace(config.model, path=str(tiny_model_dir)),
+        env=replace(config.env, name=SPEC, kwargs={"game": GAME, "num_train": 4, "num_validation": 2}),
+        rollout=replace(config.rollout, max_turns=2),
+        storage=replace(config.storage, runs_dir=str(tmp_path / "runs")),
+        tracking=replace(config.tracking, enabled=False),
+    )
+    path = tmp_path / "ta.toml"
+    path.write_text(config_to_toml(config))
+    run_dir = tmp_path / "run"
+    assert main(["train", str(path), "--run-dir", str(run_dir)]) == 0
+    con = open_run_sql(run_dir)
+    _, rows = run_query(
+        con,
+        "SELECT e.step, count(*), count_if(e.task_id LIKE 'textarena/GuessTheNumber-v0/%'), count_if(e.error IS NULL) "
+        "FROM episodes e JOIN scores s USING (run_id, split, step, episode_id) WHERE e.split = 'train' "
+        "GROUP BY ALL ORDER BY ALL",
+    )
+    assert rows == [(0, 4, 4, 4), (1, 4, 4, 4)]
+    _, steps = run_query(con, "SELECT count(*) FROM steps")
+    assert steps == [(2,)]
