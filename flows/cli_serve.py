@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from rollflow.flows.cli import Command, UserError, register
 
@@ -63,7 +64,8 @@ def _export_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     try:
-        from rollflow.flows.export import export_policy
+        from rollflow.flows.export import export_policy, serve_command
+        from rollflow.flows.export_serving import SERVING_FILE
 
         result = export_policy(args.run_dir, args.out, step=args.step, merged=args.merged)
     except _user_errors() as exc:
@@ -72,22 +74,13 @@ def run_export(args: argparse.Namespace) -> int:
           f"as {_format_text(result.format)} to {result.out}")
     if result.is_adapter:
         print(f"  base model: {result.base_model}")
-        print(f"  serve: vllm serve {result.base_model} --enable-lora "
-              f"--lora-modules policy={result.out} --max-lora-rank {vllm_lora_rank(result.lora_rank or 1)}")
-    else:
-        print(f"  serve: vllm serve {result.out}")
+    print(f"  serve: {serve_command(result)}")
+    guide = Path(result.out) / SERVING_FILE
+    if guide.is_file():
+        print(f"  trained with tools in its system prompt: {guide} says how to serve it to match")
     if result.format == "weights" and not args.merged:
         print("  (a full-weight run: the checkpoint's weights were copied, as with --merged)", file=sys.stderr)
     return 0
-
-
-# The values vLLM's --max-lora-rank accepts (vLLM 0.32), smallest first.
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def vllm_lora_rank(rank: int) -> int:
-    """The smallest ``--max-lora-rank`` vLLM accepts that holds an adapter of ``rank``."""
-    return next((limit for limit in VLLM_LORA_RANKS if limit >= rank), rank)
 
 
 def _format_text(kind: str) -> str:

@@ -17,8 +17,11 @@ and writes ``out``:
   copied (``merged`` is implied) without the training state (optimizer, RNG, results).
 
 Every export carries the tokenizer files and the chat template (``tokenizer.save_pretrained``
-of the run's tokenizer), so the folder renders prompts exactly as the rollouts did, and
-``export.json`` saying which run, step and policy version it holds.
+of the run's tokenizer), ``export.json`` saying which run, step and policy version it
+holds, and, for an environment with tools, what serving needs to match training: the
+system text with the tool descriptions, the tool specs and ``SERVING.md``
+(``flows/export_serving.py``: the policy read its tools in its system message, never
+through the template's ``tools=``).
 
 The folder is written under a hidden temporary name next to ``out`` and renamed into place
 whole; an ``out`` that exists and is not empty is refused, never overwritten.
@@ -35,6 +38,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rollflow.flows.export_serving import write_serving_files
 from rollflow.policy.models import load_causal_lm, load_tokenizer
 from rollflow.storage.filemodes import give_ordinary_modes
 from rollflow.storage.parquet import temporary_path
@@ -86,6 +90,7 @@ def export_policy(run_dir: str | Path, out: str | Path, step: int | None = None,
     try:
         result = _write_export(config, folder, checkpoint, tmp, final, merged)
         (tmp / EXPORT_FILE).write_text(json.dumps(asdict(result), indent=1) + "\n")
+        write_serving_files(config, tmp, serve_command(result))
         give_ordinary_modes(tmp)  # safetensors writes 0600, and copy2 keeps a mode
         if final.exists():
             final.rmdir()  # empty, checked above
@@ -94,6 +99,23 @@ def export_policy(run_dir: str | Path, out: str | Path, step: int | None = None,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return result
+
+
+def serve_command(result: ExportResult) -> str:
+    """The ``vllm serve`` line that serves ``result``."""
+    if result.is_adapter:
+        return (f"vllm serve {result.base_model} --enable-lora --lora-modules policy={result.out} "
+                f"--max-lora-rank {vllm_lora_rank(result.lora_rank or 1)}")
+    return f"vllm serve {result.out}"
+
+
+# The values vLLM's --max-lora-rank accepts (vLLM 0.32), smallest first.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts that holds a LoRA of rank ``rank``."""
+    return next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
 
 
 def find_checkpoint(folder: RunFolder, step: int | None) -> Checkpoint:

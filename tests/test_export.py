@@ -185,6 +185,33 @@ def test_the_cli_prints_the_vllm_line_for_an_adapter(
     assert f"--enable-lora --lora-modules policy={out} --max-lora-rank 8" in printed  # rank 4: vLLM's next accepted value
 
 
+def test_an_export_carries_the_system_text_that_serves_it_as_it_was_trained(
+    lora_run: RunFolder, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The newcomer's item 6: the export had only the model's own template, which ignores
+    ``tools=``; a server asked with tools sent a prompt the policy never saw. Its
+    ``system_prompt.txt``, sent as the first message without ``tools=``, renders with the
+    exported template exactly the prompt a rollout gave the policy."""
+    from rollflow.envs.runner import load_environment_handle
+    from rollflow.policy.codec import ChatCodec
+    from rollflow.tasks.preflight import opening_prompt
+
+    out = tmp_path / "served"
+    assert main(["export", str(lora_run.root), "--out", str(out), "--merged"]) == 0
+    assert f"{out / 'SERVING.md'} says how to serve it" in capsys.readouterr().out
+    system = (out / "system_prompt.txt").read_text()
+    config = load_config(lora_run.config_path)
+    handle = load_environment_handle(config.env.name, config.env.kwargs)
+    messages, tool_specs = opening_prompt(config.env.name, handle, handle.tasks("validation")[0])
+    trained = ChatCodec(AutoTokenizer.from_pretrained(str(out))).render_text(messages, tool_specs)
+    sent = [{"role": "system", "content": system}, *[m for m in messages if m["role"] != "system"]]
+    served = AutoTokenizer.from_pretrained(str(out)).apply_chat_template(sent, add_generation_prompt=True, tokenize=False)
+    assert served == trained
+    assert json.loads((out / "tools.json").read_text()) == [dict(spec) for spec in tool_specs]
+    guide = (out / "SERVING.md").read_text()
+    assert "Do **not** pass `tools=`" in guide and "--tools-in-system-prompt" in guide
+
+
 def _file_modes(folder: Path) -> dict[str, int]:
     return {str(p.relative_to(folder)): stat.S_IMODE(p.stat().st_mode) for p in folder.rglob("*") if p.is_file()}
 
