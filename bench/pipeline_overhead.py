@@ -49,7 +49,8 @@ from prefect import flow  # noqa: E402
 
 from rollflow.flows.runs import open_run  # noqa: E402
 from rollflow.flows.step import run_once, run_stage  # noqa: E402
-from rollflow.flows.train import train_flow, validation_due  # noqa: E402
+from rollflow.flows.runs import validation_due  # noqa: E402
+from rollflow.flows.train import train_flow  # noqa: E402
 from rollflow.policy.models import build_tiny_model  # noqa: E402
 from rollflow.storage.runfolder import RunFolder  # noqa: E402
 from rollflow.tasks.config import RunConfig, TrackingConfig, config_to_toml  # noqa: E402

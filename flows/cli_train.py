@@ -56,6 +56,12 @@ def _run_flow(config_path: str | None, run_dir: str | None) -> int:
         # before Prefect starts and before a new run folder is made; the flow then runs
         # on the frozen copy in the (new or existing) run folder.
         handle = _checked_run(config_path, run_dir)
+        if config_path is None and handle.nothing_left():  # no Prefect, no generator
+            steps = handle.config.train.num_steps
+            handle.report(f"complete: its {steps} steps and their last validation are written; nothing to do")
+            handle.close()
+            print(handle.root)
+            return 0
         from rollflow.flows.prefect_log import PREFECT_LOG, prefect_log_in
         from rollflow.flows.prefect_server import serve_prefect_in_own_session
         from rollflow.flows.train import train_flow

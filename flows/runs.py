@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollflow.storage.errors import ConfigMismatchError
-from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.runfolder import METRICS_JSON, RunFolder
 from rollflow.storage.runlock import (  # noqa: F401  (re-exported: flows use them from here)
     RunFolderBusyError,
     acquire_run_folder,
@@ -59,6 +59,14 @@ class RunHandle:
         """The first step not finished (``num_steps`` when every step is)."""
         steps = range(self.config.train.num_steps)
         return next((s for s in steps if not self.step_finished(s)), self.config.train.num_steps)
+
+    def nothing_left(self) -> bool:
+        """Every step trained and the last validation (where one is due) written."""
+        last = self.config.train.num_steps
+        if self.next_step() < last:
+            return False
+        validated = (self.folder.step_dir(last, "validation") / METRICS_JSON).exists()
+        return validated or not validation_due(self.config, last)
 
     def report(self, message: str) -> None:
         print(f"[{self.folder.run_id}] {message}", file=sys.stderr, flush=True)
@@ -133,3 +141,9 @@ def freeze_config(folder: RunFolder, config: RunConfig) -> None:
         f"{folder.config_path}: the run's config is frozen and differs from the one given in "
         f"{shown}{more}; start a new run folder to change it"
     )
+
+
+def validation_due(config: RunConfig, step: int) -> bool:
+    """Whether a validation pass runs before ``step`` (``num_steps``: after the last one)."""
+    interval = config.validation.validation_interval
+    return interval > 0 and (step % interval == 0 or step == config.train.num_steps)

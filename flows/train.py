@@ -47,7 +47,7 @@ from prefect.utilities.annotations import quote
 from rollflow.envs.agent import Policy
 from rollflow.flows.concurrency import one_training_at_a_time
 from rollflow.flows.ray_replicas import replica_host
-from rollflow.flows.runs import RunHandle, open_run
+from rollflow.flows.runs import RunHandle, open_run, validation_due
 from rollflow.flows.step import (
     RemoteTrainer,
     admitted_from,
@@ -101,11 +101,6 @@ def report_step(handle: RunHandle, step: int, line: str) -> None:
     advice = step_advice(handle.folder, step)
     if advice is not None:
         handle.report(f"  {advice}")
-
-
-def validation_due(config: RunConfig, step: int) -> bool:
-    interval = config.validation.validation_interval
-    return interval > 0 and (step % interval == 0 or step == config.train.num_steps)
 
 
 @flow(name="rollflow-train")

@@ -157,6 +157,14 @@ def test_a_failed_run_names_the_resume_command_and_the_resume_says_where_it_cont
     assert f"the curve: rollflow sql {run_dir} \"{CURVE_SQL}\"" in err, err
     columns, rows = run_query(open_run_sql(run_dir), CURVE_SQL)  # the printed query runs
     assert columns == ["step", "pass_rate", "episodes"] and [row[0] for row in rows] == [0, 2]
+    # resumed again, finished: said so, without starting Prefect (before: "only validation
+    # not yet written is left", then a flow run for nothing)
+    before = sorted(p.name for p in run_dir.iterdir())
+    assert main(["resume", str(run_dir)]) == 0
+    err = capsys.readouterr().err
+    assert "complete: its 2 steps and their last validation are written; nothing to do" in err, err
+    assert "only validation not yet written is left" not in err
+    assert sorted(p.name for p in run_dir.iterdir()) == before
 
 
 def test_a_stop_request_mid_rollout_records_no_episode_and_the_rollout_replays(
