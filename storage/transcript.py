@@ -56,7 +56,7 @@ def _header(e: Mapping[str, Any]) -> list[str]:
         f"group {e['group_id']}",
         f"policy version {e['policy_version']} · {e['turns']} turns · "
         f"{tokens}) · "
-        f"{e['latency_s']:.2f} s · {e['sampling_attempts']} sampling attempts",
+        f"{e['latency_s']:.2f} s · {_requests(e)}",
     ]
 
 
@@ -75,12 +75,23 @@ def _message_lines(message: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _requests(e: Mapping[str, Any]) -> str:
+    """How many actions were sampled and how many requests were tried again."""
+    actions, attempts = len(e["actions"] or ()), e["sampling_attempts"]
+    retried = attempts - actions
+    return f"{actions} actions, {retried} retried" if retried >= 0 else f"{attempts} sampling attempts"
+
+
 def _ending(e: Mapping[str, Any]) -> str:
     if e["error"] is not None:
         return f"Ended: error ({e['error']})"
     if e["truncated"]:
         return f"Ended: truncated ({e['truncation_cause']})"
-    return "Ended: terminated by the environment"
+    ended = "Ended: terminated by the environment"
+    actions = e["actions"] or ()
+    if actions and actions[-1]["finish_reason"] == "length":  # the environment judged a cut reply
+        ended += "; its last reply was cut off at [rollout].max_completion_tokens (finish_reason 'length')"
+    return ended
 
 
 def _format_map(values: Mapping[str, float] | None) -> str:

@@ -33,6 +33,7 @@ def test_transcript_shows_roles_tools_ending_and_score(run: RunFolder) -> None:
     assert lines[0] == "Episode train/3/0/1"
     assert "step 3 · train · task task-0 · group train/3/0" in lines[1]
     assert "2 turns · 41 tokens (35 context + 6 sampled)" in lines[2]
+    assert lines[2].endswith("s · 2 actions, 0 retried"), lines[2]  # before: "2 sampling attempts"
     order = ["[system]", "[user]", "[assistant]", "[tool calculator] (reply to call_0_1)", "[assistant]"]
     labels = [line for line in lines if line.startswith("[")]
     assert labels == order
@@ -56,3 +57,17 @@ def test_truncated_errored_and_unscored_episodes(run: RunFolder) -> None:
 def test_unknown_episode_names_what_ids_look_like(run: RunFolder) -> None:
     with pytest.raises(NoDataError, match="no episode 'train/9/9/9'; ids look like 'train/3/0/0'"):
         render_episode(run.root, "train/9/9/9")
+
+
+def test_a_final_reply_cut_at_the_token_limit_is_said_so(tmp_path: Path) -> None:
+    """The newcomer's item 15: an answer cut off at max_completion_tokens read as an
+    ordinary ending ("terminated by the environment") with nothing about the cut."""
+    episode = synthetic_episode("run-c", 0, 0, 0)  # terminated
+    actions = episode.rollout.actions
+    cut = dataclasses.replace(actions[-1], finish_reason="length")
+    episode = dataclasses.replace(episode, rollout=dataclasses.replace(episode.rollout, actions=(*actions[:-1], cut)))
+    folder = RunFolder(tmp_path / "run-c")
+    folder.write_stage(episode_records_to_table([episode]), 0, "episodes")
+    text = render_episode(folder.root, episode.episode_id)
+    assert ("Ended: terminated by the environment; its last reply was cut off at "
+            "[rollout].max_completion_tokens (finish_reason 'length')") in text.splitlines()
