@@ -116,6 +116,13 @@ def _check_adapter(key: str, value: str | None) -> None:
 # ---------------------------------------------------------------- the environment
 
 
+def _about_kwargs(error: EnvironmentLoadError) -> bool:
+    """The loader refused its arguments: by its signature, or by a ``TypeError`` about an
+    argument raised inside it (a constructor it passes ``**kwargs`` on to)."""
+    cause = error.__cause__
+    return str(error).startswith("bad arguments") or (isinstance(cause, TypeError) and "argument" in str(cause))
+
+
 def check_environment(config: RunConfig, splits: Sequence[Split] | None = None) -> EnvironmentHandle:
     """The loaded environment, or one line naming ``[env].name`` / ``[env].kwargs``.
 
@@ -129,7 +136,7 @@ def check_environment(config: RunConfig, splits: Sequence[Split] | None = None) 
     try:
         handle = load_environment_handle(env.name, env.kwargs)
     except EnvironmentLoadError as exc:
-        setting = f"[env].kwargs = {dict(env.kwargs)!r}" if str(exc).startswith("bad arguments") else "[env].name"
+        setting = f"[env].kwargs = {dict(env.kwargs)!r}" if _about_kwargs(exc) else "[env].name"
         raise PreflightError(f"{setting}: {exc}".splitlines()[0]) from exc
     if not handle.tasks(splits[0]):
         kind = "training" if splits[0] == "train" else splits[0]

@@ -41,3 +41,8 @@ def load_environment(broken: str) -> BrokenEnv:
     if broken not in BROKEN_PARTS:
         raise ValueError(f"broken must be one of {BROKEN_PARTS}, got {broken!r}")
     return BrokenEnv(broken)
+
+
+def load_forwarding(**kwargs: str) -> BrokenEnv:
+    """A loader that hands its arguments on to the constructor, which refuses a wrong one."""
+    return BrokenEnv(**kwargs)

@@ -84,6 +84,16 @@ def test_wrong_env_kwargs_name_the_setting(tiny_model_dir: Path, tmp_path: Path)
         preflight(config)
 
 
+def test_kwargs_a_constructor_refuses_name_the_kwargs_setting(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The newcomer's item 14: a loader passing **kwargs on to a constructor that refuses
+    one was reported under [env].name."""
+    config = tiny_config(tmp_path, tiny_model_dir, env={"name": "broken_env:load_forwarding",
+                                                        "kwargs": {"brokn": "score"}})
+    with pytest.raises(PreflightError, match=r"^\[env\]\.kwargs = \{'brokn': 'score'\}: broken_env:load_forwarding\(.*"
+                       r"raised TypeError: .*unexpected keyword argument 'brokn'"):
+        preflight(config)
+
+
 def test_a_missing_gguf_file_says_it_looked_inside_the_model_path(tiny_model_dir: Path, tmp_path: Path) -> None:
     config = tiny_config(tmp_path, tiny_model_dir, model={"gguf_file": "model-q4.gguf"})
     with pytest.raises(PreflightError) as missing:
