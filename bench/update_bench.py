@@ -138,7 +138,9 @@ class _ScriptedExpert:
             pass
 
 
-def play_batch(config: RunConfig, tokenizer: object, model: torch.nn.Module, tasks: int, episodes: int) -> list[SampleRecord]:
+def play_batch(
+    config: RunConfig, tokenizer: object, model: torch.nn.Module, tasks: int, episodes: int
+) -> list[SampleRecord]:
     """``tasks`` x ``episodes`` episodes of the config's game, played by ``_ScriptedExpert``."""
     handle = load_environment_handle(config.env.name, config.env.kwargs)
     examples = {e.row_id: e for e in examples_from_environment(config.env.name, config.env.kwargs, tasks)}
@@ -257,7 +259,8 @@ def print_tables(results: dict[tuple[str, int], dict], legs: Sequence[str], repe
 
 
 def _load() -> str:
-    return "load average (1, 5, 15 min): " + ", ".join(f"{v:.2f}" for v in os.getloadavg()) + f" on {os.cpu_count()} CPUs"
+    figures = ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    return f"load average (1, 5, 15 min): {figures} on {os.cpu_count()} CPUs"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -283,9 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         tiny_dir = build_tiny_model(Path(tmp) / "tiny") if args.tiny else None
         tasks, episodes = (2, 4) if args.tiny else (args.tasks, args.episodes)
         config = bench_config(args.config, tiny_dir)
-        batch_path = args.batch or (
-            Path(tmp) / "batch.parquet" if args.tiny else cache_root() / "bench" / f"update_batch-t{tasks}-e{episodes}.parquet"
-        )
+        saved = cache_root() / "bench" / f"update_batch-t{tasks}-e{episodes}.parquet"
+        batch_path = args.batch or (Path(tmp) / "batch.parquet" if args.tiny else saved)
         batch = fixed_batch(batch_path, config, tasks, episodes)
         lengths = [len(s.input_ids) for s in batch]
         print(f"batch {batch_path}: {len(batch)} episodes, {sum(lengths)} tokens "

@@ -1,7 +1,9 @@
 """One GRPO update on a batch of samples: packing, log-probabilities, loss, optimizer steps.
 
 ``grpo_update`` is the algorithm: it packs samples into micro-batches by a padded-token
-budget (right padding), computes each taken token's log-probability, hands them to
+budget (right padding; with ``[train].shared_prefix`` a group's episodes together, their
+opening prompt computed once: ``tasks/shared_prefix.py``), computes each taken token's
+log-probability (no attention mask: right padding under causal attention needs none), hands them to
 ``rollflow.policy.loss.grpo_loss`` with whole-batch totals (so the summed micro-batch gradients do
 not depend on the split), clips the gradient norm and takes one optimizer step.
 
@@ -48,7 +50,13 @@ from rollflow.policy.loss import BatchTotals, LossSettings, LossStats, grpo_loss
 from rollflow.policy.stopping import raise_if_stop_requested
 from rollflow.storage.records import SampleRecord
 from rollflow.tasks.config import RunConfig
-from rollflow.tasks.shared_prefix import SharedPrefix, first_trained, gradient_checkpointed, pack_by_prefix, plan_prefixes
+from rollflow.tasks.shared_prefix import (
+    SharedPrefix,
+    first_trained,
+    gradient_checkpointed,
+    pack_by_prefix,
+    plan_prefixes,
+)
 from rollflow.tasks.trainer_logprobs import (  # noqa: F401  (chosen_logprobs re-exported: the update's public names)
     chosen_logprobs,
     token_logprobs,

@@ -57,13 +57,14 @@ from rollflow.tasks.grpo_update import (  # noqa: F401  (UpdateStats ... re-expo
 )
 from rollflow.tasks.models import base_model_ref, load_policy_for_training, torch_device, training_dtype
 from rollflow.tasks.objectives import objective_samples
+from rollflow.tasks.shared_prefix import SharedPrefix
 
 
 def adapter_off_reference(model: PreTrainedModel, temperature: float) -> RefLogprobsFn:
     """The KL reference with LoRA: the same model, adapter disabled (no second copy)."""
 
     def reference(
-        input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None, wanted_BT: torch.Tensor
+        input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | SharedPrefix | None, wanted_BT: torch.Tensor
     ) -> torch.Tensor:
         with torch.no_grad(), model.disable_adapter():
             return token_logprobs(model, input_ids_BT, attention_mask_BT, temperature, wanted_BT)
@@ -86,7 +87,7 @@ def start_adapter_reference(model: PreTrainedModel, adapter: Path, temperature: 
     trained = model.active_adapter
 
     def reference(
-        input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None, wanted_BT: torch.Tensor
+        input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | SharedPrefix | None, wanted_BT: torch.Tensor
     ) -> torch.Tensor:
         model.set_adapter(REFERENCE_ADAPTER, inference_mode=True)  # freezes every adapter
         try:
@@ -104,7 +105,7 @@ def frozen_model_reference(reference_model: PreTrainedModel, temperature: float)
     reference_model.eval()
 
     def reference(
-        input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None, wanted_BT: torch.Tensor
+        input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | SharedPrefix | None, wanted_BT: torch.Tensor
     ) -> torch.Tensor:
         with torch.no_grad():
             return token_logprobs(reference_model, input_ids_BT, attention_mask_BT, temperature, wanted_BT)
