@@ -164,7 +164,7 @@ def run_lockstep_training(handle: RunHandle) -> None:
             seconds = handle.folder.stage_seconds(step)
             report_step(
                 handle, step,
-                f"step {step + 1}/{last} done in {sum(seconds.values()):.1f}s: "
+                f"step {step} done ({step + 1} of {last}) in {sum(seconds.values()):.1f}s: "
                 f"{step_outcome(handle.folder, step)} ("
                 + " ".join(f"{k}={v:.1f}s" for k, v in seconds.items()) + ")",
             )
@@ -211,7 +211,7 @@ def run_async_training(handle: RunHandle) -> None:
                     publisher.join()
                     validate(config, root, step, generator.pinned_for_validation(step), report=handle.report)
                 grpo_step(handle, step, admitted_from(config, workers), publish=publisher.publish, trainer=trainer)
-                report_step(handle, step, f"step {step + 1}/{last} done (async): {step_outcome(folder, step)}")
+                report_step(handle, step, f"step {step} done ({step + 1} of {last}, async): {step_outcome(folder, step)}")
             publisher.join()
             if validation_due(config, last):
                 validate(config, root, last, generator.pinned_for_validation(last), report=handle.report)

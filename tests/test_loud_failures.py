@@ -98,7 +98,7 @@ def test_each_step_line_says_reward_pass_rate_errors_and_overflows(
 ) -> None:
     config = one_step_config(tmp_path, tiny_model_dir, broken=None)
     train_flow(config_path=str(config), run_dir=str(tmp_path / "run"))
-    lines = [line for line in capfd.readouterr().err.splitlines() if "step 1/1 done" in line]
+    lines = [line for line in capfd.readouterr().err.splitlines() if "step 0 done (1 of 1)" in line]
     assert len(lines) == 1, lines
     metrics = json.loads((RunFolder(tmp_path / "run").step_dir(0) / "metrics.json").read_text())
     assert f"reward {metrics['reward/mean']:.3f}" in lines[0]
@@ -116,7 +116,7 @@ def test_a_step_that_learns_nothing_says_so_and_each_validation_pass_has_a_line(
     path.write_text(config_to_toml(replace(config, validation=replace(config.validation, validation_interval=1))))
     train_flow(config_path=str(path), run_dir=str(tmp_path / "run"))
     err = [line.split("] ", 1)[-1] for line in capfd.readouterr().err.splitlines() if line.startswith("[run] ")]
-    [at] = [i for i, line in enumerate(err) if line.startswith("step 1/1 done")]
+    [at] = [i for i, line in enumerate(err) if line.startswith("step 0 done (1 of 1)")]
     assert "reward 0.000 pass 0% errors 0/4 overflows 0/4 tool calls 0 groups with reward variance 0/2: nothing to learn (" in err[at]
     assert err[at + 1].startswith("  nothing to learn: in every group all episodes scored alike")
     validations = [line for line in err if line.startswith("validation at step")]
