@@ -377,14 +377,18 @@ def start_together(servers: Sequence[ManagedServer]) -> None:
     """Start every server, the replicas at once: each spawned here (so that it dies with this
     process, ``VLLMServer.spawn``), then all waited for together; the first failure raises
     once every wait has ended (the caller stops them all)."""
+    what = "the managed vLLM server" if len(servers) == 1 else f"{len(servers)} managed vLLM replicas"
+    print(f"  vLLM: starting {what} (tens of seconds on a CPU)", file=sys.stderr, flush=True)
     for server in servers:
         server.spawn()
     if len(servers) == 1:
         servers[0].wait_ready()
-        return
-    with ThreadPoolExecutor(max_workers=len(servers), thread_name_prefix="vllm-start") as pool:
-        for ready in [pool.submit(server.wait_ready) for server in servers]:
-            ready.result()
+    else:
+        with ThreadPoolExecutor(max_workers=len(servers), thread_name_prefix="vllm-start") as pool:
+            for ready in [pool.submit(server.wait_ready) for server in servers]:
+                ready.result()
+    slowest = max((t for t in (getattr(s, "startup_s", None) for s in servers) if t is not None), default=None)
+    print("  vLLM: serving" + (f" after {slowest:.1f} s" if slowest is not None else ""), file=sys.stderr, flush=True)
 
 
 def managed_policy(

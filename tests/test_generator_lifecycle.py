@@ -151,3 +151,16 @@ def test_a_lent_generator_serves_the_runs_that_fit_it_and_only_its_owner_stops_i
         with open_generator(config, folder, versions_in_flight=1) as fresh:
             assert fresh is not owned, "a closed generator is never handed out"
     assert [s.running for s in fake_server] == [False, False, False]
+
+
+def test_starting_managed_servers_says_so_before_the_wait_and_after(
+    tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The newcomer's item 12: a managed server's start (25-100 s on a CPU) printed nothing."""
+    from rollflow.policy.vllm_server import VLLMServerSpec
+
+    servers = [FakeServer(VLLMServerSpec(str(tiny_model_dir))) for _ in range(2)]
+    servers[1].startup_s = 41.5
+    vllm_generator.start_together(servers)
+    assert capsys.readouterr().err.splitlines() == [
+        "  vLLM: starting 2 managed vLLM replicas (tens of seconds on a CPU)", "  vLLM: serving after 41.5 s"]
