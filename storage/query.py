@@ -273,10 +273,16 @@ def _refuse_writes(statement: duckdb.Statement) -> None:
 
 
 def describe_views(con: duckdb.DuckDBPyConnection) -> dict[str, list[tuple[str, str]]]:
-    """Each view's columns as (name, DuckDB type)."""
+    """Each view's columns as (name, DuckDB type): the stored tables' views first, then every
+    other one the connection has (``admissions``, ``rescores``, ``replays``, the pass@k
+    ones), by name; the helpers whose names start with ``_`` are left out."""
+    others = sorted(
+        row[0] for row in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()
+        if not row[0].startswith("_") and row[0] not in VIEW_KINDS
+    )
     return {
         view: [(row[0], row[1]) for row in con.execute(f"DESCRIBE {view}").fetchall()]
-        for view in VIEW_KINDS
+        for view in (*VIEW_KINDS, *others)
     }
 
 
