@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 from rollflow.envs.agent import Policy, PolicySession
 from rollflow.envs.hooks import example_prompt_text
 from rollflow.envs.protocol import parse_action
-from rollflow.envs.tools import TOOL_ERROR_PREFIX, execute_tool_calls
+from rollflow.envs.tools import TOOL_ERROR_PREFIX, BrokenToolError, execute_tool_calls
 from rollflow.envs.types import Message, Tool, ToolCall, ToolSpec
 
 if TYPE_CHECKING:  # loaded on use: torch and transformers cost seconds to import
@@ -126,7 +126,12 @@ class Conversation:
             calls = self._reply(action.text, write)
             if not calls:
                 return
-            results = await self._run_tools(calls)
+            try:
+                results = await self._run_tools(calls)
+            except BrokenToolError as error:  # the environment's bug: said to the user, not fed to the model
+                self.messages.pop()  # the reply whose calls could not run
+                write(f"(a tool is broken, a bug in the environment, not the model: {error}; /reset or fix it)")
+                return
             for result in results:
                 write(f"  tool result [{result.get('name', '?')}]: {result['content']}")
             self.messages.extend(results)

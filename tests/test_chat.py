@@ -115,6 +115,25 @@ def test_a_tool_call_is_run_shown_and_its_result_answered() -> None:
     assert policy.opened_tool_specs == [tuple(environment.tool_specs)]
 
 
+class _DictCalculator(CalculatorTool):
+    """A tool with the bug the newcomer met: it returns a dict, not a ToolResult."""
+
+    async def execute(self, arguments: str) -> object:  # type: ignore[override]
+        return {"value": 42}
+
+
+def test_a_broken_tool_is_said_to_the_user_and_the_chat_goes_on() -> None:
+    """Before: the tool's bug (now a BrokenToolError, as in a rollout) ended the chat with a traceback."""
+    from dataclasses import replace
+
+    environment = replace(calculator_environment(), tools={"calculator": _DictCalculator()})
+    policy, seen = calculate_then_answer()
+    written = play(policy, environment, ["What is 6 * 7?", "again?"])
+    broken = [line for line in written if line.startswith("(a tool is broken")]
+    assert len(broken) == 2 and "returned dict" in broken[0] and "a bug in the environment, not the model" in broken[0]
+    assert [m["role"] for m in seen[-1]] == ["system", "user", "user"], "the unanswered call was kept"
+
+
 def test_reset_starts_over_from_the_system_prompt_and_end_of_input_ends() -> None:
     policy, seen = calculate_then_answer()
     written = play(policy, calculator_environment(), ["first", "/reset", "second", "/bogus", "   "])
