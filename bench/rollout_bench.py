@@ -179,7 +179,7 @@ def fresh_adapter(model_path: str | None, rank: int, alpha: float, dest: Path) -
 def open_engine(config: RunConfig, folder: RunFolder) -> Iterator[Generator]:
     """The leg's generator (a vLLM one started here, or the in-process one), lent while
     open, so that opening it again for the step's own folder finds the warm server."""
-    from rollflow.tasks.generator import open_generator
+    from rollflow.tasks.run_generator import open_generator
     from rollflow.tasks.vllm_generator import VLLMGenerator, lend
 
     with open_generator(config, folder, versions_in_flight=1) as engine:
@@ -231,7 +231,7 @@ def reset_prefix_cache(engine: object) -> None:
 def run_leg(leg: Leg, workdir: Path, quick: bool, repeat: int) -> LegResult:
     from rollflow.policy.models import build_tiny_model
     from rollflow.storage.runfolder import RunFolder
-    from rollflow.tasks.generator import open_generator
+    from rollflow.tasks.run_generator import open_generator
 
     model_path = None
     if quick:  # vLLM's CPU attention needs heads of at least 32

@@ -63,7 +63,8 @@ from rollflow.tasks.async_generator import open_async_generator
 from rollflow.tasks.collect import Publisher, RolloutWorkers, write_collector_report
 from rollflow.tasks.config import RunConfig
 from rollflow.tasks.cpu_split import async_cpu_split, trainer_threads
-from rollflow.tasks.generator import Generator, open_generator
+from rollflow.tasks.generator import Generator
+from rollflow.tasks.run_generator import open_generator
 from rollflow.tasks.metrics import (
     finish_tracking,
     start_tracking,

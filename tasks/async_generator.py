@@ -47,7 +47,7 @@ from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.checkpoints import prune_checkpoints, reading_versions
 from rollflow.tasks.config import RunConfig
 from rollflow.tasks.generator import GeneratorFault, RestartBudget
-from rollflow.tasks.generator import open_generator as open_run_generator
+from rollflow.tasks.run_generator import open_generator as open_run_generator
 from rollflow.tasks.policy_io import ActingPolicy, step_checkpoint
 from rollflow.tasks.vllm_generator import ServerHost, VLLMGenerator
 

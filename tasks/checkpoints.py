@@ -156,12 +156,11 @@ def checkpoints_to_keep(folder: RunFolder, keep: int) -> set[int]:
       publication in flight (``reading_versions``).
     """
     from rollflow.storage.async_groups import admission_path
-    from rollflow.tasks.metrics import METRICS_JSON  # not at the top: tasks.metrics imports this module
 
     found = folder.checkpoints()
     needed = {step for step, _ in found[-keep:]}  # keep >= 1 ([train] checks it)
     first = 0
-    while (folder.step_dir(first) / METRICS_JSON).exists():
+    while folder.step_finished(first):
         first += 1
     if first > 0 and admission_path(folder, first).exists():
         needed.add(first - 1)

@@ -1,6 +1,7 @@
 """The run's generator: what samples the policy's versions, held for a whole run.
 
 A tasks-level helper, not a stage. ``open_generator(config, folder, versions_in_flight=N)``
+(``tasks/run_generator.py``, which picks the class; this module is what every class shares)
 yields a ``Generator`` for the whole run (lockstep: 1 version in flight; async:
 ``max_steps_off_policy + 2``) and closes it after, also on failure. Its face:
 
@@ -58,11 +59,9 @@ import hashlib
 import os
 import re
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from rollflow.envs.agent import Policy
 from rollflow.policy.models import load_causal_lm
@@ -71,9 +70,6 @@ from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.checkpoints import read_checkpoint
 from rollflow.tasks.config import RunConfig
 from rollflow.tasks.models import policy_model_ref, torch_device, torch_dtype
-
-if TYPE_CHECKING:
-    from rollflow.tasks.vllm_generator import ServerHost
 
 BATCH_WINDOW_S = 10.0
 MAX_GENERATOR_RESTARTS = 2  # per budget: a server that keeps dying is not a transient fault
@@ -219,33 +215,6 @@ def openai_generator(config: RunConfig) -> FixedGenerator:
         raise ValueError("[rollout] backend = \"openai\" needs base_url and api_model")
     policy = OpenAIChatPolicy(base_url=rollout.base_url, model=rollout.api_model, settings=sampling_settings(config))
     return FixedGenerator(policy, "an OpenAI-compatible server ([rollout].backend = 'openai')")
-
-
-@contextmanager
-def open_generator(
-    config: RunConfig, folder: RunFolder | None, *, versions_in_flight: int, host: ServerHost | None = None,
-    cpus: Sequence[int] = (),
-) -> Iterator[Generator]:  # fmt: skip
-    """The run's generator (see the module docstring), closed afterwards, also on failure;
-    a vLLM generator lent by the caller (``vllm_generator.lend``) is used and left running.
-    ``host``: where a vLLM generator's managed servers start (None: this machine); ``cpus``:
-    the cores they are bound to (empty: every core; an async run's split)."""
-    if config.rollout.backend == "openai":
-        generator: Generator = openai_generator(config)
-    elif config.rollout.backend == "vllm":
-        from rollflow.tasks.vllm_generator import lent_generator, start_vllm_generator
-
-        lent = lent_generator(config, folder, versions_in_flight=versions_in_flight, cpus=cpus)
-        if lent is not None:
-            yield lent
-            return
-        generator = start_vllm_generator(config, folder, versions_in_flight=versions_in_flight, host=host, cpus=cpus)
-    else:
-        generator = LocalGenerator(config)
-    try:
-        yield generator
-    finally:
-        generator.close()
 
 
 # ---------------------------------------------------------------- shared

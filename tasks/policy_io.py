@@ -34,10 +34,10 @@ from rollflow.tasks.generator import (  # noqa: F401 - UNMANAGED_SERVER, run_ada
     Generator,
     GeneratorError,
     GeneratorFault,
-    open_generator,
     run_adapter_prefix,
     sampling_settings,
 )
+from rollflow.tasks.run_generator import open_generator
 from rollflow.tasks.vllm_generator import VLLM_LOG  # noqa: F401 - re-exported
 
 

@@ -16,10 +16,11 @@ import pytest
 from fake_vllm import FakePolicy, FakeServer
 
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks import generator as generator_module
+from rollflow.tasks import run_generator
 from rollflow.tasks import vllm_generator
 from rollflow.tasks.config import ModelConfig, RolloutConfig, RunConfig, TrainConfig, config_to_toml, load_config
-from rollflow.tasks.generator import LocalGenerator, open_generator
+from rollflow.tasks.generator import LocalGenerator
+from rollflow.tasks.run_generator import open_generator
 from rollflow.tasks.vllm_generator import VLLMGenerator, lend
 
 
@@ -46,7 +47,7 @@ class CountingLocal(LocalGenerator):
 @pytest.fixture
 def counting(monkeypatch: pytest.MonkeyPatch) -> type[CountingLocal]:
     CountingLocal.opened = []
-    monkeypatch.setattr(generator_module, "LocalGenerator", CountingLocal)
+    monkeypatch.setattr(run_generator, "LocalGenerator", CountingLocal)
     return CountingLocal
 
 

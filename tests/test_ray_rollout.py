@@ -46,7 +46,7 @@ from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_episode_records
 from rollflow.tasks.config import RunConfig, config_to_toml, load_config
 from rollflow.tasks.config_cluster import ClusterConfig
-from rollflow.tasks.generator import open_generator
+from rollflow.tasks.run_generator import open_generator
 from rollflow.tasks.vllm_generator import VLLMGenerator, lend
 
 TESTS = Path(__file__).resolve().parent

@@ -33,7 +33,8 @@ from rollflow.policy.vllm_backend import VLLMPolicy, VLLMPolicyError, adapter_na
 from rollflow.policy.vllm_server import VLLMServer, VLLMServerError, VLLMServerSpec, free_port
 from rollflow.policy.vllm_weights import write_lm_head_shard
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.generator import open_generator, run_adapter_prefix
+from rollflow.tasks.generator import run_adapter_prefix
+from rollflow.tasks.run_generator import open_generator
 from rollflow.tasks.policy_io import step_policy
 from rollflow.tasks.vllm_generator import VLLMGenerator, lend
 from rollflow.tasks.config import ModelConfig, RolloutConfig, RunConfig, TrainConfig

@@ -42,7 +42,7 @@ from rollflow.policy.models import ModelRef, hf_model_folder
 from rollflow.policy.sampling import sampling_logprobs
 from rollflow.policy.vllm_backend import VLLMPolicy
 from rollflow.policy.vllm_weights import untied_serving_folder
-from rollflow.tasks.generator import open_generator
+from rollflow.tasks.run_generator import open_generator
 from rollflow.tasks.policy_io import step_policy
 from rollflow.tasks.config import RolloutConfig, RunConfig, TrainConfig
 from rollflow.tasks.vllm_generator import VLLMGenerator

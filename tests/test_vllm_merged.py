@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM
 from rollflow.policy.vllm_backend import VLLMPolicy
 from rollflow.storage.async_groups import finished_groups, read_group
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.generator import open_generator
+from rollflow.tasks.run_generator import open_generator
 from rollflow.tasks.policy_io import step_policy
 from rollflow.tasks.vllm_generator import SERVING_DIR, VLLM_LOG
 

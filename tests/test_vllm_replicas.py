@@ -26,7 +26,7 @@ from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_episode_records
 from rollflow.tasks.config import ConfigError, EnvConfig, ModelConfig, RolloutConfig, RunConfig, TrainConfig
-from rollflow.tasks.generator import open_generator
+from rollflow.tasks.run_generator import open_generator
 from rollflow.tasks.rollout import rollout_stage
 from rollflow.tasks.vllm_generator import VLLMGenerator, lend, replica_log, server_specs
 

@@ -34,7 +34,7 @@ from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_episode_records
 from rollflow.tasks import generator
-from rollflow.tasks.generator import open_generator
+from rollflow.tasks.run_generator import open_generator
 from rollflow.tasks.config import EnvConfig, ModelConfig, RolloutConfig, RunConfig, TrainConfig
 from rollflow.tasks.policy_io import VLLM_LOG, GeneratorError
 from rollflow.tasks.rollout import rollout_stage
