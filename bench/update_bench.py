@@ -19,9 +19,12 @@ once to ``$ROLLFLOW_CACHE/bench/`` and reused. Not sampled by the model (a vLLM 
 learning config is a long job on 2 cores): each episode is **played through the real game**
 (its real opening messages and tool results, rendered by the real tokenizer's chat codec as
 a rollout renders them) by a scripted policy that sends the game's expert actions
-(``sft_completion``), episode 0 of a task verbatim and the others with ~10% of each action's
-tokens replaced by random ones, so a group's episodes share their opening prompt and then
-differ, the game answering their broken calls as it would. Advantages alternate +1/-1 within
+(``sft_completion``), episode 0 of a task verbatim and the others varied the way a trained
+policy's episodes differ: each digit redrawn with probability 1/2 (other calculator
+expressions and answers) and each call of a several-call action dropped with probability
+1/4 (fewer lookups), the structure kept, so a group's episodes share their opening prompt,
+then differ in content and length while still playing the game to its end (random tokens
+instead broke the first call and ended most episodes after one action). Advantages alternate +1/-1 within
 a group (every episode trains: the update's worst case). The sampler logprobs are the
 config's policy's own at the rollout temperature (one no-grad pass when the batch is built),
 so the ratio starts at 1 as on-policy. The policy is the config's; a ``[model].adapter`` that
@@ -43,6 +46,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import resource
 import statistics
 import subprocess
@@ -75,7 +79,7 @@ LEGS = {  # leg -> (padding_mask, shared_prefix)
     "shared-prefix": (True, True),
     "exact": (False, True),
 }
-PERTURB = 0.1  # share of an action's tokens replaced in episodes 1.. of a task
+BATCH_VERSION = 2  # in the saved batch's name: a batch made by another generator is not reused
 
 
 # ---------------------------------------------------------------- the config and the policy
@@ -106,14 +110,21 @@ def load_policy(config: RunConfig) -> tuple[torch.nn.Module, object]:
 # ---------------------------------------------------------------- the fixed batch
 
 
+def vary_action(text: str, rng: random.Random) -> str:
+    """The expert's action with digits redrawn (p 1/2) and calls dropped (p 1/4, one kept)."""
+    lines = text.split("\n")
+    kept = [line for line in lines if rng.random() >= 0.25] or lines[:1]
+    return re.sub(r"\d", lambda m: str(rng.randrange(10)) if rng.random() < 0.5 else m.group(), "\n".join(kept))
+
+
 class _ScriptedExpert:
-    """Sends the expert's actions as tokens (with ``rate`` of them replaced at random), keeping
-    the context exactly as a rollout does (the chat codec)."""
+    """Sends the expert's actions (varied unless ``vary`` is False) as tokens, keeping the
+    context exactly as a rollout does (the chat codec)."""
 
     version = 0
 
-    def __init__(self, codec: ChatCodec, actions: Sequence[str], rate: float, rng: random.Random) -> None:
-        self.codec, self.actions, self.rate, self.rng = codec, list(actions), rate, rng
+    def __init__(self, codec: ChatCodec, actions: Sequence[str], vary: bool, rng: random.Random) -> None:
+        self.codec, self.actions, self.vary, self.rng = codec, list(actions), vary, rng
 
     def open_session(self, tool_specs: Sequence[ToolSpec]) -> _ScriptedExpert._Session:
         return _ScriptedExpert._Session(self, list(tool_specs))
@@ -128,11 +139,10 @@ class _ScriptedExpert:
             self.state, delta, reset = codec.next_prompt(self.state, messages, self.tools)
             text = p.actions[min(self.turn, len(p.actions) - 1)]
             self.turn += 1
-            vocab = len(codec.tokenizer)
-            ids = [p.rng.randrange(vocab) if p.rng.random() < p.rate else t for t in codec.encode(text)]
-            ids.append(codec.tokenizer.eos_token_id)
+            text = vary_action(text, p.rng) if p.vary else text
+            ids = (*codec.encode(text), codec.tokenizer.eos_token_id)
             self.state = codec.record_action(self.state, ids)
-            return PolicyAction(codec.tokenizer.decode(ids[:-1]), tuple(ids), (0.0,) * len(ids), delta, reset, "stop")
+            return PolicyAction(text, ids, (0.0,) * len(ids), delta, reset, "stop")
 
         async def close(self) -> None:
             pass
@@ -150,7 +160,7 @@ def play_batch(
     for t, item in enumerate(handle.tasks("train")[:tasks]):
         actions = [m["content"] for m in examples[item.task_id].target if m["role"] == "assistant"]
         for k in range(episodes):
-            policy = _ScriptedExpert(codec, actions, PERTURB if k else 0.0, random.Random(f"{t}/{k}"))
+            policy = _ScriptedExpert(codec, actions, k > 0, random.Random(f"{t}/{k}"))
             rollout = asyncio.run(handle.play(item, policy, limits))
             ids = [i for a in rollout.actions for i in (*a.prompt_delta_ids, *a.token_ids)]
             mask = [m for a in rollout.actions for m in (*[0] * len(a.prompt_delta_ids), *[1] * len(a.token_ids))]
@@ -286,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tiny_dir = build_tiny_model(Path(tmp) / "tiny") if args.tiny else None
         tasks, episodes = (2, 4) if args.tiny else (args.tasks, args.episodes)
         config = bench_config(args.config, tiny_dir)
-        saved = cache_root() / "bench" / f"update_batch-t{tasks}-e{episodes}.parquet"
+        saved = cache_root() / "bench" / f"update_batch-v{BATCH_VERSION}-t{tasks}-e{episodes}.parquet"
         batch_path = args.batch or (Path(tmp) / "batch.parquet" if args.tiny else saved)
         batch = fixed_batch(batch_path, config, tasks, episodes)
         lengths = [len(s.input_ids) for s in batch]
