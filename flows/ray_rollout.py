@@ -317,11 +317,12 @@ def node_import_env() -> dict[str, str]:
     """The environment that makes a local node's workers import what this process imports:
     this rollflow (its folder first) and the working directory's modules (an environment
     module beside the config)."""
+    import importlib.util
     import os
 
-    import rollflow
-
-    root = str(Path(rollflow.__file__).resolve().parent.parent)
+    spec = importlib.util.find_spec("rollflow")  # where it is, without importing its public API
+    assert spec is not None and spec.origin is not None, "rollflow is not installed"
+    root = str(Path(spec.origin).resolve().parent.parent)
     paths = [os.getcwd(), root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     return {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
 

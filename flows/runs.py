@@ -31,11 +31,11 @@ from rollflow.storage.runlock import (  # noqa: F401  (re-exported: flows use th
 from rollflow.tasks.config import (
     ConfigError,
     RunConfig,
-    check_run_config,
     config_to_toml,
     flatten_config,
     load_config,
 )
+from rollflow.tasks.config_checks import check_run_config
 
 
 

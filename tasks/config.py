@@ -33,12 +33,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rollflow.policy.loss import LossName, OffPolicyCorrection
-from rollflow.tasks.config_checks import (  # noqa: F401  (the rules across sections live there)
-    check_async,
-    check_run_config,
-    check_training_backend,
-    check_training_sampling,
-)
 from rollflow.tasks.config_parsing import (
     ConfigError,
     at_least,

@@ -42,7 +42,8 @@ from rollflow.tasks.checkpoints import (
     save_checkpoint,
     seed_everything,
 )
-from rollflow.tasks.config import RunConfig, check_training_sampling
+from rollflow.tasks.config import RunConfig
+from rollflow.tasks.config_checks import check_training_sampling
 from rollflow.tasks.grpo_update import (  # noqa: F401  (UpdateStats ... re-exported: the update's public names)
     RefLogprobsFn,
     UpdateSettings,

@@ -32,11 +32,10 @@ from rollflow.tasks.config import (
     TrackingConfig,
     TrainConfig,
     ValidationConfig,
-    check_async,
-    check_run_config,
     config_to_toml,
     parse_config,
 )
+from rollflow.tasks.config_checks import check_async, check_run_config
 from tiny_run import build_vllm_tiny_model
 
 TESTS = Path(__file__).parent

@@ -51,7 +51,7 @@ def test_an_async_run_keeping_one_checkpoint_resumes_after_dying_between_train_a
     serves version 1: checkpoint 0."""
     from rollflow.flows.runs import RunHandle
     from rollflow.flows.train import run_async_training
-    from rollflow.tasks.config import check_run_config
+    from rollflow.tasks.config_checks import check_run_config
 
     class ServerStarted(Exception):
         pass

@@ -137,7 +137,7 @@ def test_train_multi_turn_checks_before_the_flow_starts(tmp_path: Path) -> None:
 
 def test_the_rules_across_sections_come_first(tiny_model_dir: Path, tmp_path: Path) -> None:
     """``preflight`` is the one check before Prefect starts: a training run's cross-section rules
-    (``tasks.config.check_run_config``) fail there too, not later inside the flow."""
+    (``tasks.config_checks.check_run_config``) fail there too, not later inside the flow."""
     nucleus = tiny_config(tmp_path, tiny_model_dir, rollout={"top_p": 0.9}, model={"path": "models/nope"})
     with pytest.raises(ConfigError, match=r"^\[rollout\]\.top_p = 0\.9: training needs 1\.0"):
         preflight(nucleus)

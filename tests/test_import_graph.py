@@ -1,0 +1,114 @@
+"""The package's import graph has no circle (issue 46).
+
+Every ``import`` and ``from ... import`` of a ``rollflow`` module counts, wherever it stands:
+at the top, inside a function (a deferred import that only dodges a circle still makes
+one), or under ``if TYPE_CHECKING:`` (two modules that need each other's types belong
+together or apart, not in a loop). The graph is read from the source with ``ast``, so the
+test imports nothing and sees the modules a test run would never load.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+FOLDERS = ("envs", "tasks", "flows", "storage", "policy")
+
+
+def package_modules() -> dict[str, Path]:
+    """``rollflow.<folder>.<module>`` -> its file, for every module the package installs."""
+    modules = {"rollflow": REPO / "rollflow" / "__init__.py"}
+    for folder in FOLDERS:
+        for path in (REPO / folder).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            name = ".".join(("rollflow", *parts))
+            modules[name.removesuffix(".__init__")] = path
+    return modules
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (a package's ``__init__`` for its name)."""
+
+    def known(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                # `from pkg import module` names a module; `from module import name` does not
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                           for a in node.names]  # fmt: skip
+            for target in targets:
+                found = known(target) if target.startswith("rollflow") else None
+                if found is not None and found != name:
+                    graph[name].add(found)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_finder_sees_a_circle_and_a_deferred_import() -> None:
+    """The checker itself: a loop closed by an import inside a function is found."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+    tree = import_graph({"rollflow.tasks.x": Path(__file__), "rollflow.tasks.import_graph_probe": Path(__file__)})
+    assert tree["rollflow.tasks.x"] == set()  # this file imports no rollflow module
+
+
+def test_no_module_of_the_package_is_in_an_import_circle() -> None:
+    modules = package_modules()
+    assert len(modules) > 100, "the package's modules were not found"
+    graph = import_graph(modules)
+    assert "rollflow.tasks.checkpoints" in graph["rollflow.tasks.train"], "the graph misses plain imports"
+    found = circles(graph)
+    assert not found, "import circles (each a list of modules that reach each other):\n" + "\n".join(
+        ", ".join(m.removeprefix("rollflow.") for m in circle) for circle in found
+    )
