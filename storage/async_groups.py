@@ -104,6 +104,21 @@ def read_admission(folder: RunFolder, step: int) -> Admission | None:
     )
 
 
+def async_step_metrics(folder: RunFolder, step: int) -> dict[str, float]:
+    """``async/*`` of an async step (``{}`` for a lockstep one): read from its admission."""
+    path = admission_path(folder, step)
+    if not path.exists():
+        return {}
+    data = folder.read_json(path)
+    ages = [g["staleness"] for g in data["groups"] if g["admitted"]]
+    return {
+        "async/train_wait_s": float(data["train_wait_s"]),
+        "async/dropped_stale_groups": float(sum(not g["admitted"] for g in data["groups"])),
+        "async/staleness_mean": sum(ages) / len(ages) if ages else 0.0,
+        "async/staleness_max": float(max(ages, default=0)),
+    }
+
+
 def write_admission(folder: RunFolder, admission: Admission, stamps: dict[int, GroupStamp]) -> Path:
     """``admission.json``: one row per group the step took or dropped, with its age."""
     rows = []

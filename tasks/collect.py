@@ -90,7 +90,6 @@ from rollflow.envs.tracebacks import keeping_tracebacks
 from rollflow.storage.async_groups import (
     Admission,
     GroupStamp,
-    admission_path,
     consumed_groups,
     finished_groups,
     group_paths,
@@ -106,7 +105,7 @@ from rollflow.storage.schemas import episode_records_to_table
 from rollflow.storage.stage_outputs import write_output
 from rollflow.tasks.async_generator import POLL_S, AsyncGenerator
 from rollflow.tasks.config import RunConfig
-from rollflow.tasks.rollout import derive_seed, episode_limits, select_train_tasks
+from rollflow.tasks.schedule import derive_seed, episode_limits, select_train_tasks
 from rollflow.tasks.step_health import EpisodeError, keep_episode_errors, read_episode_errors, write_episode_errors
 
 
@@ -392,21 +391,6 @@ def replay_failed_groups(folder: RunFolder, waiting: Sequence[int]) -> None:
     if failed:
         print(f"  rollout workers: playing again {len(failed)} finished group(s) whose every episode errored: "
               f"{failed}", file=sys.stderr, flush=True)  # fmt: skip
-
-
-def async_step_metrics(folder: RunFolder, step: int) -> dict[str, float]:
-    """``async/*`` of an async step (``{}`` for a lockstep one): read from its admission."""
-    path = admission_path(folder, step)
-    if not path.exists():
-        return {}
-    data = folder.read_json(path)
-    ages = [g["staleness"] for g in data["groups"] if g["admitted"]]
-    return {
-        "async/train_wait_s": float(data["train_wait_s"]),
-        "async/dropped_stale_groups": float(sum(not g["admitted"] for g in data["groups"])),
-        "async/staleness_mean": sum(ages) / len(ages) if ages else 0.0,
-        "async/staleness_max": float(max(ages, default=0)),
-    }
 
 
 COLLECTOR_JSON = Path("async") / "collector.json"

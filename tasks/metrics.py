@@ -27,11 +27,11 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from rollflow.storage.async_groups import async_step_metrics
 from rollflow.storage.errors import NoDataError
 from rollflow.storage.parquet import write_bytes_atomic
 from rollflow.storage.query import open_run_sql, run_query, step_metrics, teacher_metrics
 from rollflow.storage.records import TrainResult
-from rollflow.tasks.collect import async_step_metrics
 from rollflow.storage.runfolder import (  # noqa: F401  (METRICS_JSON re-exported)
     METRICS_JSON,
     OPTIONAL_TIMED_STAGES,

@@ -130,7 +130,7 @@ def check_environment(config: RunConfig, splits: Sequence[Split] | None = None) 
     ``splits`` are the ones to be played (by default training's: train, and validation when
     it is on); the first of them must have tasks.
     """
-    from rollflow.tasks.rollout import episode_limits
+    from rollflow.tasks.schedule import episode_limits
 
     env = config.env
     splits = _measured_splits(config) if splits is None else tuple(splits)

@@ -41,7 +41,7 @@ from rollflow.storage.derived import REPLAY_SCHEMA
 from rollflow.storage.nested import message_to_row, row_to_message
 from rollflow.storage.records import SCHEMA_VERSION, EpisodeRecord
 from rollflow.tasks.rescore import DerivedSummary, StoredRun, derive_run
-from rollflow.tasks.rollout import episode_limits
+from rollflow.tasks.schedule import episode_limits
 
 
 @dataclass(frozen=True)

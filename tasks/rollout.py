@@ -15,7 +15,8 @@ so a replayed chunk is the same chunk.
 Simplified, and why:
 - Task order: each epoch over the training tasks is a fresh permutation seeded by
   (seed, epoch), and steps take consecutive slices of it, so every task is seen once per
-  epoch and a resumed run draws the same tasks.
+  epoch and a resumed run draws the same tasks (``tasks/schedule.py``, which the async
+  collector follows too).
 - A chunk holds as many groups as fit in ``concurrency`` episodes: the whole chunk is
   generated as one batch, and a crash loses at most one chunk of work.
 
@@ -47,8 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import hashlib
-import random
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -63,7 +62,6 @@ from rollflow.envs.runner import (
     EnvironmentHandle,
     EpisodeLimits,
     EpisodeScore,
-    Style,
     TaskItem,
     load_environment_handle,
     play_groups,
@@ -76,53 +74,13 @@ from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import episode_records_to_table
 from rollflow.storage.stage_outputs import locate_output
-from rollflow.tasks.config import ConfigError, RunConfig
+from rollflow.tasks.config import RunConfig
 from rollflow.tasks.generator import Generator, RestartBudget
 from rollflow.tasks.policy_io import ActingPolicy, open_policy
+from rollflow.tasks.schedule import chunk_seed, episode_limits, select_train_tasks, select_validation_tasks
 from rollflow.tasks.step_health import episode_errors, errors_path, keep_episode_errors
 
 PROGRESS_EVERY_S = 15.0
-
-
-def derive_seed(*parts: object) -> int:
-    """A 31-bit seed that depends on every part (stable across processes, unlike hash())."""
-    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
-
-
-def select_train_tasks(items: Sequence[TaskItem], step: int, batch_size: int, seed: int) -> list[TaskItem]:
-    """``batch_size`` tasks for ``step``: consecutive slices of per-epoch permutations."""
-    if not items:
-        raise ValueError("the environment has no training tasks")
-    chosen: list[TaskItem] = []
-    for position in range(step * batch_size, (step + 1) * batch_size):
-        epoch, index = divmod(position, len(items))
-        order = list(range(len(items)))
-        random.Random(derive_seed(seed, "epoch", epoch)).shuffle(order)
-        chosen.append(items[order[index]])
-    return chosen
-
-
-def select_validation_tasks(items: Sequence[TaskItem], num_tasks: int | None) -> list[TaskItem]:
-    return list(items if num_tasks is None else items[:num_tasks])
-
-
-def episode_limits(config: RunConfig, split: str, style: Style) -> EpisodeLimits:
-    """The turn cap of ``split``'s episodes (a ``ConfigError`` when an async env has none).
-
-    Unset, a hook environment plays its own ``max_episode_turns``; set, the cap bounds it.
-    An async environment has no budget of its own, so it needs the cap, as in the reference.
-    """
-    max_turns = config.rollout.max_turns if split == "train" else config.val_max_turns
-    if max_turns is None and style == "async":
-        key = "[rollout].max_turns"
-        if split != "train":
-            key = f"[validation].val_max_turns or {key}"
-        raise ConfigError(
-            f"{config.env.name} is an async-style environment, which has no turn limit of its own: "
-            f"set {key} (the assistant actions allowed per episode)"
-        )
-    return EpisodeLimits(max_turns=max_turns)
 
 
 @dataclass(frozen=True)
@@ -154,10 +112,6 @@ def stage_plan(config: RunConfig, step: int, split: str) -> StagePlan:
     groups_per_chunk = max(1, concurrency // group_size)
     chunks = [items[i : i + groups_per_chunk] for i in range(0, len(items), groups_per_chunk)]
     return StagePlan(handle, chunks, group_size, concurrency, groups_per_chunk, limits)
-
-
-def chunk_seed(config: RunConfig, split: str, step: int, index: int) -> int:
-    return derive_seed(config.train.seed, split, step, index)
 
 
 def rollout_stage(

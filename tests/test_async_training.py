@@ -316,7 +316,7 @@ def test_a_killed_async_lora_run_resumed_trains_every_group_once_stamped_with_th
     Resume in-process: no group trained twice, none finished lost, every episode's tokens
     scored by hand under the version its stamp names."""
     from rollflow.flows.train import train_flow
-    from rollflow.tasks.rollout import select_train_tasks
+    from rollflow.tasks.schedule import select_train_tasks
     from test_flow_train import kill_group, start_train_process
 
     sys.path.insert(0, str(TESTS))

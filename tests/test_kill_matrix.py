@@ -251,7 +251,7 @@ def test_a_lockstep_run_killed_at_every_point_leaves_nothing_and_resumes_to_the_
     vllm_model_dir: Path, tmp_path: Path
 ) -> None:
     from rollflow.tasks.config import load_config
-    from rollflow.tasks.rollout import select_train_tasks
+    from rollflow.tasks.schedule import select_train_tasks
 
     config_path = _config(vllm_model_dir, tmp_path, lockstep=True)
     run_dir = tmp_path / "run"
@@ -290,7 +290,7 @@ def test_an_async_run_killed_at_every_point_leaves_nothing_and_resumes_to_the_sa
     vllm_model_dir: Path, tmp_path: Path
 ) -> None:
     from rollflow.tasks.config import load_config
-    from rollflow.tasks.rollout import select_train_tasks
+    from rollflow.tasks.schedule import select_train_tasks
 
     config_path = _config(vllm_model_dir, tmp_path, lockstep=False)
     run_dir = tmp_path / "run"

@@ -1,0 +1,62 @@
+"""Which tasks a step plays, with which seeds and turn caps: the schedule both the rollout
+stage and the async collector follow.
+
+Not a stage: the rollout stage (``tasks/rollout.py``), the async collector
+(``tasks/collect.py``), preflight and replay all ask it, so no stage imports another for
+these. Every seed is derived from the run's seed and names (``derive_seed``), stable across
+processes and machines, so a resumed or re-run step draws the same tasks and samples.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Sequence
+
+from rollflow.envs.runner import EpisodeLimits, Style, TaskItem
+from rollflow.tasks.config import ConfigError, RunConfig
+
+
+def derive_seed(*parts: object) -> int:
+    """A 31-bit seed that depends on every part (stable across processes, unlike hash())."""
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+def select_train_tasks(items: Sequence[TaskItem], step: int, batch_size: int, seed: int) -> list[TaskItem]:
+    """``batch_size`` tasks for ``step``: consecutive slices of per-epoch permutations."""
+    if not items:
+        raise ValueError("the environment has no training tasks")
+    chosen: list[TaskItem] = []
+    for position in range(step * batch_size, (step + 1) * batch_size):
+        epoch, index = divmod(position, len(items))
+        order = list(range(len(items)))
+        random.Random(derive_seed(seed, "epoch", epoch)).shuffle(order)
+        chosen.append(items[order[index]])
+    return chosen
+
+
+def select_validation_tasks(items: Sequence[TaskItem], num_tasks: int | None) -> list[TaskItem]:
+    return list(items if num_tasks is None else items[:num_tasks])
+
+
+def episode_limits(config: RunConfig, split: str, style: Style) -> EpisodeLimits:
+    """The turn cap of ``split``'s episodes (a ``ConfigError`` when an async env has none).
+
+    Unset, a hook environment plays its own ``max_episode_turns``; set, the cap bounds it.
+    An async environment has no budget of its own, so it needs the cap, as in the reference.
+    """
+    max_turns = config.rollout.max_turns if split == "train" else config.val_max_turns
+    if max_turns is None and style == "async":
+        key = "[rollout].max_turns"
+        if split != "train":
+            key = f"[validation].val_max_turns or {key}"
+        raise ConfigError(
+            f"{config.env.name} is an async-style environment, which has no turn limit of its own: "
+            f"set {key} (the assistant actions allowed per episode)"
+        )
+    return EpisodeLimits(max_turns=max_turns)
+
+
+def chunk_seed(config: RunConfig, split: str, step: int, index: int) -> int:
+    return derive_seed(config.train.seed, split, step, index)
