@@ -6,10 +6,11 @@ actor (``ReplicaHost``) on its node instead of by the run's process: replica i o
 ``generator_nodes[i % n]`` (hard placement, through the node's ``rollflow_node_<name>``
 resource), with ``generator_gpus`` GPUs (Ray sets the actor's ``CUDA_VISIBLE_DEVICES``, which
 the server inherits) and ``generator_cpus`` CPUs of Ray's accounting. The server listens on
-its node's address, so the driver and every node reach it. Replicas placed on one node deal
-its cores among them (``deal_cores``: each binds every n-th of the cores given in the spec,
-else of those its actor may use), as replicas started on one machine do; a replica replaced
-onto another node keeps the share it had. Its log is the run folder's
+its node's address, so the driver and every node reach it. Replicas that share cores deal
+them among them (``deal_cores``: each binds every n-th of the cores given in the spec, else
+of those its actor may use), as replicas started on one machine do: those placed on one
+node of a remote cluster, and all of a local cluster's (its nodes are this machine); a
+replica replaced onto another node keeps the share it had. Its log is the run folder's
 ``logs/vllm-server[-i].log`` (a shared filesystem), and it reads the base model, the merged
 versions and the adapters at the run's paths.
 
@@ -257,9 +258,13 @@ class RemoteServer:
 
 
 def node_share(config: RunConfig, index: int) -> tuple[int, int]:
-    """(replica ``index``'s place among the replicas ``generator_nodes`` puts on its node,
-    how many it puts there); (0, 1) where no node is named (each goes where its GPUs are)."""
+    """(replica ``index``'s place among the replicas that share its cores, how many share
+    them): on a local cluster every node is this machine, so all the replicas; on a remote
+    one those ``generator_nodes`` puts on its node; (0, 1) where no node is named (each
+    goes where its GPUs are)."""
     nodes = config.cluster.generator_nodes
+    if config.cluster.mode == "local":
+        return index, config.rollout.num_generator_replicas
     if not nodes:
         return 0, 1
     node_of = [nodes[i % len(nodes)] for i in range(config.rollout.num_generator_replicas)]

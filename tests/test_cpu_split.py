@@ -93,13 +93,16 @@ def test_replicas_on_a_cluster_node_deal_that_nodes_cores_among_them(tiny_model_
     from rollflow.flows.ray_replicas import node_share
     from rollflow.tasks.config import parse_config
 
-    def placed(nodes: list[str], replicas: int) -> RunConfig:
-        return parse_config({"cluster": {"mode": "local", "num_worker_nodes": 1, "generator_nodes": nodes},
+    def placed(nodes: list[str], replicas: int, mode: str = "address") -> RunConfig:
+        cluster = {"mode": "local", "num_worker_nodes": 1} if mode == "local" else {"mode": "address", "address": "10.0.0.5:6379"}
+        return parse_config({"cluster": {**cluster, "generator_nodes": nodes},
                              "rollout": {"backend": "vllm", "num_generator_replicas": replicas}})  # fmt: skip
 
     assert [node_share(placed(["head"], 2), i) for i in range(2)] == [(0, 2), (1, 2)]
     assert [node_share(placed(["head", "worker-1"], 4), i) for i in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
     assert [node_share(placed(["head", "worker-1"], 2), i) for i in range(2)] == [(0, 1), (0, 1)]
+    # a local cluster's nodes are this machine: every replica shares its cores
+    assert [node_share(placed(["head", "worker-1"], 2, "local"), i) for i in range(2)] == [(0, 2), (1, 2)]
     assert cpu_split.deal_cores((0, 1, 2, 3), 1, 2) == (1, 3)
     assert cpu_split.deal_cores((0, 1), 1, 3) == (0, 1), "fewer cores than replicas: they share"
 
