@@ -28,17 +28,8 @@ from rollflow.envs.agent import Policy
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.checkpoints import Checkpoint, CheckpointError, latest_checkpoint
 from rollflow.tasks.config import ConfigError, RunConfig
-from rollflow.tasks.generator import (  # noqa: F401 - UNMANAGED_SERVER, run_adapter_prefix, sampling_settings: re-exported
-    UNMANAGED_SERVER,
-    FixedGenerator,
-    Generator,
-    GeneratorError,
-    GeneratorFault,
-    run_adapter_prefix,
-    sampling_settings,
-)
+from rollflow.tasks.generator import FixedGenerator, Generator, GeneratorError, GeneratorFault
 from rollflow.tasks.run_generator import open_generator
-from rollflow.tasks.vllm_generator import VLLM_LOG  # noqa: F401 - re-exported
 
 
 @dataclass

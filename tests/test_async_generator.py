@@ -139,7 +139,7 @@ def test_async_validation_against_a_dead_server_raises_and_seals_nothing(
 ) -> None:
     from rollflow.policy.models import ModelRef, load_tokenizer
     from rollflow.policy.vllm_backend import VLLMPolicy
-    from rollflow.tasks.policy_io import GeneratorError, sampling_settings
+    from rollflow.tasks.generator import GeneratorError, sampling_settings
     from rollflow.tasks.rollout import rollout_stage
 
     config = _config(tiny_model_dir, lora=True, lora_serving="adapter")  # the user's servers get adapters

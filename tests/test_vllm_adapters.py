@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from rollflow.policy.vllm_backend import VLLMPolicy, VLLMPolicyError, adapter_name
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.policy_io import run_adapter_prefix
+from rollflow.tasks.generator import run_adapter_prefix
 
 
 class AdapterServer(ThreadingHTTPServer):

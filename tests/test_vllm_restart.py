@@ -36,9 +36,9 @@ from rollflow.storage.schemas import table_to_episode_records
 from rollflow.tasks import generator
 from rollflow.tasks.run_generator import open_generator
 from rollflow.tasks.config import EnvConfig, ModelConfig, RolloutConfig, RunConfig, TrainConfig
-from rollflow.tasks.policy_io import VLLM_LOG, GeneratorError
+from rollflow.tasks.generator import GeneratorError
 from rollflow.tasks.rollout import rollout_stage
-from rollflow.tasks.vllm_generator import VLLMGenerator, lend
+from rollflow.tasks.vllm_generator import VLLM_LOG, VLLMGenerator, lend
 
 MAX_LEN = 1024
 LORA_RANK = 8
