@@ -32,12 +32,7 @@ from rollflow.storage.errors import NoDataError
 from rollflow.storage.parquet import write_bytes_atomic
 from rollflow.storage.query import open_run_sql, run_query, step_metrics, teacher_metrics
 from rollflow.storage.records import TrainResult
-from rollflow.storage.runfolder import (  # noqa: F401  (METRICS_JSON re-exported)
-    METRICS_JSON,
-    OPTIONAL_TIMED_STAGES,
-    TIMED_STAGES,
-    RunFolder,
-)
+from rollflow.storage.runfolder import OPTIONAL_TIMED_STAGES, TIMED_STAGES, RunFolder
 from rollflow.storage.transcript import render_episode
 from rollflow.tasks.config import RunConfig, flatten_config
 from rollflow.tasks.step_health import step_hint, step_summary, validation_summary
