@@ -33,7 +33,7 @@ from) on tonight's ``[model]``, so it must be the base the adapter was made for:
 ``[model]`` before anything runs, and a mismatch is refused naming both bases.
 
 **One training at a time**: the whole chain holds the machine's training slot
-(``rollflow.flows.concurrency``), and the pipeline folder's lock (``rollflow.flows.runs``):
+(``rollflow.flows.concurrency``), and the pipeline folder's lock (``rollflow.storage.runlock``):
 a second process on the same folder is refused at once.
 
 Simplified, and why: the champion is re-evaluated every night rather than trusting its
@@ -52,9 +52,10 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from rollflow.flows.concurrency import one_training_at_a_time
-from rollflow.flows.runs import RunSetupError, freeze_config, run_folder_lock
+from rollflow.flows.runs import RunSetupError, freeze_config
 from rollflow.storage.registry import PolicyRegistry, PolicyVersion
 from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.runlock import run_folder_lock
 from rollflow.storage.runs import mark_run_kind
 from rollflow.tasks.config import RunConfig, config_to_toml, load_config
 from rollflow.tasks.gate import GATE_FILE, GateDecision, GateSettings, gate_stage, read_decision

@@ -22,12 +22,7 @@ from pathlib import Path
 
 from rollflow.storage.errors import ConfigMismatchError
 from rollflow.storage.runfolder import METRICS_JSON, RunFolder
-from rollflow.storage.runlock import (  # noqa: F401  (re-exported: flows use them from here)
-    RunFolderBusyError,
-    acquire_run_folder,
-    release_run_folder,
-    run_folder_lock,
-)
+from rollflow.storage.runlock import acquire_run_folder, release_run_folder
 from rollflow.tasks.config import (
     ConfigError,
     RunConfig,

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from tiny_run import kill_group
 
-from rollflow.flows.runs import RunFolderBusyError, freeze_config, open_run
+from rollflow.flows.runs import freeze_config, open_run
 from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.runlock import RunFolderBusyError
 from rollflow.tasks.config import load_config
 
 HOLD = """
