@@ -40,7 +40,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rollflow.policy.vllm_server import VLLMServer, VLLMServerSpec
+from rollflow.policy.vllm_server import VLLMServer
+from rollflow.policy.vllm_spec import VLLMServerSpec
 from rollflow.tasks.config import RunConfig
 from rollflow.tasks.cpu_split import deal_cores
 

@@ -1,7 +1,7 @@
 """Start, health-check and stop a vLLM OpenAI-compatible server as a subprocess.
 
 Which server runs (its Python, command line and environment) is a ``VLLMServerSpec``:
-``rollflow.policy.vllm_spec``, whose names are re-exported here.
+``rollflow.policy.vllm_spec``.
 
 Lifetime: the server runs in its own session (``start_new_session=True``), so a Ctrl-C in
 the terminal reaches only rollflow, which then stops it; its output goes to a log file (the
@@ -57,17 +57,7 @@ import httpx
 from rollflow.policy.procs import group_gone, parent_death_signal, signal_group
 from rollflow.policy.stopping import exit_on_sigterm
 from rollflow.policy.vllm_cpu import EngineFailure, cpu_attention_problem, engine_failure, is_cpu_vllm
-from rollflow.policy.vllm_spec import (  # re-exported: the spec's names still import from here
-    CPU_PREFILL_STEP_TOKENS,
-    DEFAULT_PYTHON,
-    LORA_RANKS,
-    PYTHON_ENV,
-    REPO_ROOT,
-    VLLMServerError,
-    VLLMServerSpec,
-    lora_rank_limit,
-    resolve_python,
-)
+from rollflow.policy.vllm_spec import VLLMServerError, VLLMServerSpec, resolve_python
 
 LOG_TAIL_CHARS = 3000
 _POLL_S = 0.5

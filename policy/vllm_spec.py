@@ -1,7 +1,7 @@
 """What a managed vLLM server runs: its Python, its command line and its environment.
 
 ``VLLMServerSpec`` is the server's whole description; ``rollflow.policy.vllm_server``
-starts, watches and stops the process (and re-exports these names).
+starts, watches and stops the process.
 
 rollflow never imports vLLM: the server runs from its own Python environment, because vLLM
 0.32 pins ``transformers < 5.20`` and older setuptools than the project uses. Our code only

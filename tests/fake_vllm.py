@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from rollflow.policy.vllm_server import VLLMServerSpec
+from rollflow.policy.vllm_spec import VLLMServerSpec
 
 DEAD_URL = "http://127.0.0.1:9/v1"  # the discard port: nothing listens, connections are refused
 

@@ -16,7 +16,7 @@ import pytest
 
 from rollflow.policy.models import ModelRef, load_tokenizer
 from rollflow.policy.vllm_backend import VLLMPolicy
-from rollflow.policy.vllm_server import VLLMServerSpec
+from rollflow.policy.vllm_spec import VLLMServerSpec
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.async_generator import AsyncGenerator
 from rollflow.tasks.generator import GeneratorError, sampling_settings

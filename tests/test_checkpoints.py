@@ -11,7 +11,7 @@ import torch
 from test_vllm_server import _vllm_loads
 
 from rollflow.policy.models import ModelRef, load_causal_lm
-from rollflow.policy.vllm_server import DEFAULT_PYTHON
+from rollflow.policy.vllm_spec import DEFAULT_PYTHON
 from rollflow.policy.vllm_weights import LM_HEAD_SHARD
 from rollflow.storage.records import TrainResult
 from rollflow.storage.runfolder import RunFolder

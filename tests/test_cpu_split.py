@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollflow.policy.vllm_server import VLLMServerSpec
+from rollflow.policy.vllm_spec import VLLMServerSpec
 from rollflow.tasks import cpu_split
 from rollflow.tasks.config import ModelConfig, RolloutConfig, RunConfig
 from rollflow.tasks.cpu_split import async_cpu_split, trainer_threads

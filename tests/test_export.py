@@ -21,6 +21,7 @@ from rollflow.flows.export import ExportError, export_policy
 from rollflow.policy.models import ModelRef, load_causal_lm
 from rollflow.policy.sampling import SamplingSettings
 from rollflow.policy.transformers_backend import TransformersPolicy
+from rollflow.policy.vllm_spec import VLLMServerError, VLLMServerSpec, lora_rank_limit, resolve_python
 from rollflow.storage.records import TrainResult
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.checkpoints import OPTIMIZER_FILE, latest_checkpoint, read_checkpoint, save_checkpoint
@@ -284,8 +285,8 @@ def _vllm_server_module():  # noqa: ANN202 - the module, or a skip
     server = pytest.importorskip("rollflow.policy.vllm_server",
                                  reason="the vLLM server manager (policy/vllm_server.py) is not here")
     try:
-        server.resolve_python(None)
-    except server.VLLMServerError as missing:
+        resolve_python(None)
+    except VLLMServerError as missing:
         pytest.skip(str(missing))
     return server
 
@@ -308,7 +309,7 @@ def test_vllm_serves_the_merged_export_with_the_trained_policys_greedy_output(
     out = tmp_path / "merged"
     export_policy(vllm_lora_run.root, out, merged=True)
     prompt, trained = policy_greedy(load_config(vllm_lora_run.config_path), vllm_lora_run)
-    spec = server.VLLMServerSpec(model_dir=str(out), max_model_len=512)
+    spec = VLLMServerSpec(model_dir=str(out), max_model_len=512)
     with server.VLLMServer(spec, log_path=tmp_path / "vllm.log") as running:
         served_prompt, served = _served_greedy(running.base_url, spec.served_model_name)
     assert served_prompt == prompt  # the exported chat template renders as the rollouts did
@@ -327,8 +328,8 @@ def test_vllm_serves_the_adapter_export_on_its_base_with_the_trained_policys_gre
     result = export_policy(vllm_lora_run.root, out)
     assert result.base_model is not None and result.lora_rank is not None
     prompt, trained = policy_greedy(load_config(vllm_lora_run.config_path), vllm_lora_run)
-    spec = server.VLLMServerSpec(model_dir=result.base_model, max_model_len=512, enable_lora=True,
-                                 max_lora_rank=server.lora_rank_limit(result.lora_rank))
+    spec = VLLMServerSpec(model_dir=result.base_model, max_model_len=512, enable_lora=True,
+                          max_lora_rank=lora_rank_limit(result.lora_rank))
     with server.VLLMServer(spec, log_path=tmp_path / "vllm.log") as running:
         # the runtime twin of --lora-modules trained=OUT: the same adapter loader
         loaded = httpx.post(f"{running.base_url}/load_lora_adapter",

@@ -158,7 +158,7 @@ def test_starting_managed_servers_says_so_before_the_wait_and_after(
     tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The newcomer's item 12: a managed server's start (25-100 s on a CPU) printed nothing."""
-    from rollflow.policy.vllm_server import VLLMServerSpec
+    from rollflow.policy.vllm_spec import VLLMServerSpec
 
     servers = [FakeServer(VLLMServerSpec(str(tiny_model_dir))) for _ in range(2)]
     servers[1].startup_s = 41.5

@@ -371,7 +371,8 @@ def test_a_vllm_teachers_prompt_logprobs_equal_the_local_teachers(tmp_path: Path
     """The server teacher reads the real vLLM answer: the same logprobs as the same model
     scored in process at temperature 1, aligned the same way, and the same tokenizer."""
     from rollflow.policy.teacher import LocalTeacher, ServerTeacher, check_same_tokenizer
-    from rollflow.policy.vllm_server import VLLMServer, VLLMServerSpec
+    from rollflow.policy.vllm_server import VLLMServer
+    from rollflow.policy.vllm_spec import VLLMServerSpec
 
     tiny_model_dir = build_tiny_model(tmp_path / "model", num_heads=2)  # CPU vLLM: head_dim 16 is unsupported
 

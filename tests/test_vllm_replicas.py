@@ -79,7 +79,8 @@ def test_the_generators_cores_are_dealt_to_the_replicas(tmp_path: Path, monkeypa
 _TIED_TO_ITS_PROCESS = """
 import sys, time
 sys.path.insert(0, sys.argv[1])
-from rollflow.policy.vllm_server import VLLMServer, VLLMServerSpec
+from rollflow.policy.vllm_server import VLLMServer
+from rollflow.policy.vllm_spec import VLLMServerSpec
 from rollflow.tasks.vllm_generator import start_together
 servers = [VLLMServer(VLLMServerSpec(sys.argv[2]), startup_timeout_s=60.0) for _ in range(2)]
 start_together(servers)
@@ -99,7 +100,7 @@ def test_replicas_started_together_die_with_the_process_that_started_them(tmp_pa
     import rollflow
     from test_vllm_server import _alive, _fake_python
 
-    from rollflow.policy.vllm_server import PYTHON_ENV
+    from rollflow.policy.vllm_spec import PYTHON_ENV
 
     model = tmp_path / "model"
     model.mkdir()

@@ -29,7 +29,8 @@ from test_vllm_server import CAPTURED_LOG, HEAD_DIM_16_FATAL, _fake_python
 
 from rollflow.policy import vllm_server
 from rollflow.policy.models import build_tiny_model
-from rollflow.policy.vllm_server import PYTHON_ENV, VLLMServer, VLLMServerError, VLLMServerSpec
+from rollflow.policy.vllm_server import VLLMServer
+from rollflow.policy.vllm_spec import PYTHON_ENV, VLLMServerError, VLLMServerSpec
 from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_episode_records

@@ -21,7 +21,8 @@ import pytest
 
 from rollflow.policy.models import build_tiny_model
 from rollflow.policy.vllm_cpu import engine_failure
-from rollflow.policy.vllm_server import DEFAULT_PYTHON, LOG_TAIL_CHARS, PYTHON_ENV, VLLMServer, VLLMServerError, VLLMServerSpec
+from rollflow.policy.vllm_server import LOG_TAIL_CHARS, VLLMServer
+from rollflow.policy.vllm_spec import DEFAULT_PYTHON, PYTHON_ENV, VLLMServerError, VLLMServerSpec
 from rollflow.policy.vllm_weights import LM_HEAD_SHARD, untied_serving_folder
 
 
