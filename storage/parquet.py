@@ -32,15 +32,7 @@ from typing import IO
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rollflow.storage.errors import (
-    CorruptFileError,
-    SchemaMismatchError,
-    SchemaVersionError,
-    StageExistsError,
-    StorageError,
-)
-from rollflow.storage.records import SCHEMA_VERSION
-from rollflow.storage.schemas import (
+from rollflow.storage.arrow_schemas import (
     KIND_KEY,
     SCHEMAS,
     VERSION_KEY,
@@ -49,6 +41,14 @@ from rollflow.storage.schemas import (
     readable_difference,
     schema_difference,
 )
+from rollflow.storage.errors import (
+    CorruptFileError,
+    SchemaMismatchError,
+    SchemaVersionError,
+    StageExistsError,
+    StorageError,
+)
+from rollflow.storage.records import SCHEMA_VERSION
 
 __all__ = [
     "COMPLETE_MARKER",

@@ -42,6 +42,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from rollflow.storage.arrow_schemas import KIND_KEY, RecordKind
 from rollflow.storage.errors import (
     ConfigMismatchError,
     CorruptFileError,
@@ -64,7 +65,7 @@ from rollflow.storage.parquet import (
     write_table_atomic,
 )
 from rollflow.storage.records import TrainResult
-from rollflow.storage.schemas import KIND_KEY, RecordKind, train_result_from_json, train_result_to_json
+from rollflow.storage.schemas import train_result_from_json, train_result_to_json
 
 SPLIT_DIRS = {"train": "steps", "validation": "validation"}
 DERIVED_DIRS = ("rescores", "replays")  # outputs other commands derive from the run (storage/derived.py)

@@ -1,9 +1,8 @@
 """Exact conversions between the stage records and their Arrow tables, and ``train.json``.
 
-The Arrow schemas, their metadata keys and the optional-column rules are defined in
-``storage/arrow_schemas.py`` and re-exported here. A table that does not match its kind's
-schema is refused with ``SchemaMismatchError``; records that cannot be stored, with
-``ValueError``.
+The Arrow schemas, their metadata keys and the optional-column rules live in
+``storage/arrow_schemas.py``. A table that does not match its kind's schema is refused
+with ``SchemaMismatchError``; records that cannot be stored, with ``ValueError``.
 
 Simplified on purpose:
 - ``step_metadata`` must be JSON data: tuples come back as lists; other objects, non-text
@@ -22,21 +21,14 @@ from rollflow.envs.episode import EpisodeRollout
 from rollflow.envs.tools import count_tool_messages
 from rollflow.envs.types import TruncationCause
 from rollflow.storage.arrow_schemas import (
-    ACTION_TYPE,
     EPISODE_SCHEMA,
-    KIND_KEY,
-    MESSAGE_TYPE,
-    OPTIONAL_COLUMNS,
     SAMPLE_SCHEMA,
     SCHEMAS,
     SCORE_SCHEMA,
     TEACHER_SCHEMA,
-    TOOL_CALL_TYPE,
     TRAIN_RESULT_SCHEMA,
-    VERSION_KEY,
     RecordKind,
     fill_optional_columns,
-    readable_difference,
     schema_difference,
 )
 from rollflow.storage.errors import SchemaMismatchError
@@ -51,24 +43,8 @@ from rollflow.storage.records import (
 )
 
 __all__ = [
-    "ACTION_TYPE",
-    "EPISODE_SCHEMA",
-    "KIND_KEY",
-    "MESSAGE_TYPE",
-    "OPTIONAL_COLUMNS",
-    "SAMPLE_SCHEMA",
-    "SCHEMAS",
-    "SCORE_SCHEMA",
-    "TEACHER_SCHEMA",
-    "TOOL_CALL_TYPE",
-    "TRAIN_RESULT_SCHEMA",
-    "VERSION_KEY",
-    "RecordKind",
     "episode_records_to_table",
-    "fill_optional_columns",
-    "readable_difference",
     "sample_records_to_table",
-    "schema_difference",
     "score_records_to_table",
     "table_to_episode_records",
     "table_to_sample_records",

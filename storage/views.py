@@ -34,12 +34,12 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rollflow.storage.arrow_schemas import OPTIONAL_COLUMNS, SCHEMAS, TRAIN_RESULT_SCHEMA, RecordKind
 from rollflow.storage.derived import DERIVED_SCHEMAS, derived_files
 from rollflow.storage.errors import SchemaMismatchError, StorageError
 from rollflow.storage.parquet import check_file
 from rollflow.storage.runfolder import OPTIONAL_STAGES, SPLIT_DIRS, STAGES, RunFolder, parse_step_dirname
 from rollflow.storage.runs import looks_like_run
-from rollflow.storage.schemas import OPTIONAL_COLUMNS, SCHEMAS, TRAIN_RESULT_SCHEMA, RecordKind
 
 VIEW_KINDS = {
     "episodes": RecordKind.EPISODES,

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import rollflow.storage.parquet as parquet
+from rollflow.storage.arrow_schemas import KIND_KEY, VERSION_KEY, RecordKind
 from rollflow.storage.errors import (
     CorruptFileError,
     SchemaMismatchError,
@@ -30,7 +31,7 @@ from rollflow.storage.parquet import (
     write_table_atomic,
 )
 from rollflow.storage.records import SCHEMA_VERSION
-from rollflow.storage.schemas import KIND_KEY, VERSION_KEY, RecordKind, episode_records_to_table, table_to_episode_records
+from rollflow.storage.schemas import episode_records_to_table, table_to_episode_records
 from rollflow.storage.synthetic import synthetic_episode
 
 

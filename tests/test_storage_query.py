@@ -12,6 +12,7 @@ import pytest
 
 from rollflow.envs.episode import ActionTokens, EpisodeRollout
 from rollflow.envs.types import TruncationCause
+from rollflow.storage.arrow_schemas import VERSION_KEY
 from rollflow.storage.errors import CorruptFileError, NoDataError, SchemaVersionError, StorageError
 from rollflow.storage.parquet import temporary_path
 from rollflow.storage.query import (
@@ -26,7 +27,7 @@ from rollflow.storage.query import (
 )
 from rollflow.storage.records import SCHEMA_VERSION, EpisodeRecord, ScoreRecord, TrainResult
 from rollflow.storage.runfolder import RunFolder
-from rollflow.storage.schemas import VERSION_KEY, episode_records_to_table, score_records_to_table
+from rollflow.storage.schemas import episode_records_to_table, score_records_to_table
 from rollflow.storage.synthetic import synthetic_episode, synthetic_score
 
 MAX_TURNS, OVERFLOW, ENV, PARSE = (

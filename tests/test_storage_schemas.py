@@ -12,12 +12,10 @@ from hypothesis import strategies as st
 
 from rollflow.envs.episode import ActionTokens, EpisodeRollout
 from rollflow.envs.types import TruncationCause
+from rollflow.storage.arrow_schemas import EPISODE_SCHEMA, KIND_KEY, VERSION_KEY
 from rollflow.storage.errors import SchemaMismatchError
 from rollflow.storage.records import SCHEMA_VERSION, TrainResult
 from rollflow.storage.schemas import (
-    EPISODE_SCHEMA,
-    KIND_KEY,
-    VERSION_KEY,
     episode_records_to_table,
     sample_records_to_table,
     score_records_to_table,
