@@ -1,6 +1,6 @@
 """The records and the interface the episode runner shares across both environment styles.
 
-``rollflow.envs.runner`` re-exports everything public here; import from there. The one
+The runner (``rollflow.envs.runner``) loads and plays environments through these. The one
 episode loop both styles play through, and what it records per episode, is
 ``rollflow.envs.loop``; the checks here (``checked_score``, ``describe_error``, ...) are
 shared by that loop and the scorers.

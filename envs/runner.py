@@ -37,36 +37,25 @@ from rollflow.envs.async_handle import AsyncEnvironmentHandle
 from rollflow.envs.checks import require_int
 from rollflow.envs.env import AsyncEnvSuite, Env
 from rollflow.envs.episode import EpisodeRollout
-from rollflow.envs.handle import (
+from rollflow.envs.handle import (  # noqa: F401 - task_id_for re-exported for tasks/sft_rows.py
     NO_TURN_LIMIT,
     EnvironmentHandle,
     EpisodeLimits,
-    EpisodeScore,
-    Style,
     TaskItem,
     task_id_for,
 )
-from rollflow.envs.hook_handle import HookEnvironmentHandle, to_environment_episode
+from rollflow.envs.hook_handle import HookEnvironmentHandle
 from rollflow.envs.hooks import EnvironmentMultiTurn
 from rollflow.envs.type_names import type_mismatch
 from rollflow.envs.types import Task
 
 __all__ = [
-    "AsyncEnvironmentHandle",
-    "EnvironmentHandle",
     "EnvironmentLoadError",
-    "EpisodeLimits",
-    "EpisodeScore",
-    "HookEnvironmentHandle",
-    "Style",
-    "TaskItem",
     "handle_for",
     "handle_from_async",
     "handle_from_hook",
     "load_environment_handle",
     "play_groups",
-    "task_id_for",
-    "to_environment_episode",
 ]
 
 

@@ -194,7 +194,9 @@ def chat_environment(spec: str | None, kwargs: Mapping[str, object] | None = Non
     """Instructions and tools of environment ``spec`` (``None`` or ``"none"``: a bare chat)."""
     if spec is None or spec == NO_ENV:
         return ChatEnvironment(name="none")
-    from rollflow.envs.runner import AsyncEnvironmentHandle, HookEnvironmentHandle, load_environment_handle
+    from rollflow.envs.async_handle import AsyncEnvironmentHandle
+    from rollflow.envs.hook_handle import HookEnvironmentHandle
+    from rollflow.envs.runner import load_environment_handle
 
     handle = load_environment_handle(spec, kwargs)
     if isinstance(handle, HookEnvironmentHandle):

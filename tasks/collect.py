@@ -85,7 +85,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rollflow.envs.episode import EpisodeRollout
-from rollflow.envs.runner import EnvironmentHandle, TaskItem, load_environment_handle, play_groups
+from rollflow.envs.handle import EnvironmentHandle, TaskItem
+from rollflow.envs.runner import load_environment_handle, play_groups
 from rollflow.envs.tracebacks import keeping_tracebacks
 from rollflow.storage.async_groups import (
     Admission,

@@ -34,13 +34,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rollflow.envs.agent import PolicyAction
-from rollflow.envs.runner import (
-    EnvironmentHandle,
-    EnvironmentLoadError,
-    EpisodeLimits,
-    TaskItem,
-    load_environment_handle,
-)
+from rollflow.envs.handle import EnvironmentHandle, EpisodeLimits, TaskItem
+from rollflow.envs.runner import EnvironmentLoadError, load_environment_handle
 from rollflow.envs.types import Message, Split, ToolSpec
 from rollflow.tasks.config import ConfigError, RunConfig
 from rollflow.tasks.config_checks import check_run_config

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollflow.envs.runner import EnvironmentHandle
+from rollflow.envs.handle import EnvironmentHandle
 from rollflow.envs.types import Split
 from rollflow.tasks.config import ConfigError, RunConfig
 

@@ -33,8 +33,7 @@ import pyarrow as pa
 
 from rollflow.envs.agent import PolicyAction
 from rollflow.envs.episode import EpisodeRollout
-from rollflow.envs.handle import EpisodeLimits
-from rollflow.envs.runner import EnvironmentHandle, TaskItem
+from rollflow.envs.handle import EnvironmentHandle, EpisodeLimits, TaskItem
 from rollflow.envs.scripted import ScriptedPolicy
 from rollflow.envs.types import Message, Split, TruncationCause
 from rollflow.storage.derived import REPLAY_SCHEMA

@@ -35,7 +35,8 @@ from typing import Any, cast
 
 import pyarrow as pa
 
-from rollflow.envs.runner import EnvironmentHandle, load_environment_handle
+from rollflow.envs.handle import EnvironmentHandle
+from rollflow.envs.runner import load_environment_handle
 from rollflow.envs.types import Split
 from rollflow.storage.derived import RESCORE_SCHEMA, DerivedOutput
 from rollflow.storage.query import QueryError, open_run_sql, run_query

@@ -58,14 +58,8 @@ from typing import Protocol
 
 from rollflow.envs.agent import Policy
 from rollflow.envs.episode import EpisodeRollout
-from rollflow.envs.runner import (
-    EnvironmentHandle,
-    EpisodeLimits,
-    EpisodeScore,
-    TaskItem,
-    load_environment_handle,
-    play_groups,
-)
+from rollflow.envs.handle import EnvironmentHandle, EpisodeLimits, EpisodeScore, TaskItem
+from rollflow.envs.runner import load_environment_handle, play_groups
 from rollflow.envs.tracebacks import keeping_tracebacks
 from rollflow.envs.types import Split
 from rollflow.storage.errors import StageExistsError

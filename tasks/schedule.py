@@ -13,7 +13,7 @@ import hashlib
 import random
 from collections.abc import Sequence
 
-from rollflow.envs.runner import EpisodeLimits, Style, TaskItem
+from rollflow.envs.handle import EpisodeLimits, Style, TaskItem
 from rollflow.tasks.config import ConfigError, RunConfig
 
 

@@ -78,7 +78,8 @@ from types import MappingProxyType
 from typing import cast
 
 from rollflow.envs.episode import EpisodeRollout
-from rollflow.envs.runner import EnvironmentHandle, EpisodeScore, TaskItem, load_environment_handle
+from rollflow.envs.handle import EnvironmentHandle, EpisodeScore, TaskItem
+from rollflow.envs.runner import load_environment_handle
 from rollflow.envs.tracebacks import keeping_tracebacks
 from rollflow.envs.types import Split, TruncationCause
 from rollflow.storage.records import EpisodeRecord, ScoreRecord

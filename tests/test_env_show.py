@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from rollflow.envs.runner import EpisodeLimits, load_environment_handle
+from rollflow.envs.handle import EpisodeLimits
+from rollflow.envs.runner import load_environment_handle
 from rollflow.envs.scripted import ScriptedPolicy
 from rollflow.flows.cli import main
 from rollflow.policy.codec import ChatCodec

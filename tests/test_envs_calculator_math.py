@@ -11,14 +11,9 @@ from hypothesis import strategies as st
 
 from rollflow.envs.arithmetic import CalculatorTool, safe_eval
 from rollflow.envs.calculator_math import CalculatorMathEnv, expert_policy, generate_tasks, load_environment
+from rollflow.envs.handle import EpisodeLimits
 from rollflow.envs.protocol import make_tool_call, render_tool_calls
-from rollflow.envs.runner import (
-    EnvironmentLoadError,
-    EpisodeLimits,
-    handle_from_async,
-    load_environment_handle,
-    play_groups,
-)
+from rollflow.envs.runner import EnvironmentLoadError, handle_from_async, load_environment_handle, play_groups
 from rollflow.envs.scripted import ScriptedPolicy, constant_policy
 from rollflow.envs.tools import execute_tool_calls
 from rollflow.envs.types import Task, TruncationCause

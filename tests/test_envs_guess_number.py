@@ -8,7 +8,8 @@ import math
 import pytest
 
 from rollflow.envs.guess_number import HIGHER, LOWER, binary_search_policy, load_environment
-from rollflow.envs.runner import EnvironmentLoadError, EpisodeLimits, load_environment_handle, play_groups
+from rollflow.envs.handle import EpisodeLimits
+from rollflow.envs.runner import EnvironmentLoadError, load_environment_handle, play_groups
 from rollflow.envs.scripted import ScriptedPolicy, constant_policy
 from rollflow.envs.types import TruncationCause
 

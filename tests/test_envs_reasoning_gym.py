@@ -16,8 +16,9 @@ import pytest
 reasoning_gym = pytest.importorskip("reasoning_gym", reason="the reasoning-gym extra is not installed")
 from reasoning_gym.utils import extract_answer  # noqa: E402
 
+from rollflow.envs.handle import EpisodeLimits  # noqa: E402
 from rollflow.envs.reasoning_gym import dataset_names, expert_policy, load_environment  # noqa: E402
-from rollflow.envs.runner import EnvironmentLoadError, EpisodeLimits, load_environment_handle, play_groups  # noqa: E402
+from rollflow.envs.runner import EnvironmentLoadError, load_environment_handle, play_groups  # noqa: E402
 from rollflow.envs.scripted import ScriptedPolicy, latest_user_content  # noqa: E402
 from rollflow.flows.cli import main  # noqa: E402
 from rollflow.storage.query import open_run_sql, run_query  # noqa: E402

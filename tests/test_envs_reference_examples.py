@@ -20,8 +20,9 @@ from typing import Any
 
 from rollflow.envs.arithmetic import safe_eval
 from rollflow.envs.env import Env
+from rollflow.envs.handle import EpisodeLimits
 from rollflow.envs.hooks import EnvironmentMultiTurn
-from rollflow.envs.runner import EpisodeLimits, handle_from_async, load_environment_handle, play_groups
+from rollflow.envs.runner import handle_from_async, load_environment_handle, play_groups
 from rollflow.envs.scripted import ScriptedPolicy, constant_policy
 from rollflow.envs.types import (
     EnvironmentEpisode,

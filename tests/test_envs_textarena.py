@@ -14,7 +14,8 @@ import pytest
 
 textarena = pytest.importorskip("textarena", reason="the textarena extra is not installed")
 
-from rollflow.envs.runner import EnvironmentLoadError, EpisodeLimits, load_environment_handle, play_groups  # noqa: E402
+from rollflow.envs.handle import EpisodeLimits  # noqa: E402
+from rollflow.envs.runner import EnvironmentLoadError, load_environment_handle, play_groups  # noqa: E402
 from rollflow.envs.scripted import ScriptedPolicy  # noqa: E402
 from rollflow.envs.textarena import make_game  # noqa: E402
 from rollflow.envs.types import Message  # noqa: E402

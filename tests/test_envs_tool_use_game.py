@@ -8,8 +8,9 @@ import re
 
 import pytest
 
+from rollflow.envs.handle import EpisodeLimits
 from rollflow.envs.protocol import describe_tools, make_tool_call, render_tool_calls
-from rollflow.envs.runner import EnvironmentLoadError, EpisodeLimits, load_environment_handle, play_groups
+from rollflow.envs.runner import EnvironmentLoadError, load_environment_handle, play_groups
 from rollflow.envs.scripted import ScriptedPolicy, constant_policy
 from rollflow.envs.tool_use_game import (
     WEIGHTS,

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from rollflow.envs.episode import EpisodeRollout
-from rollflow.envs.runner import EpisodeLimits, load_environment_handle, play_groups
+from rollflow.envs.handle import EpisodeLimits
+from rollflow.envs.runner import load_environment_handle, play_groups
 from rollflow.policy.codec import ChatCodec
 from rollflow.policy.models import ModelRef
 from rollflow.policy.sampling import SamplingSettings

@@ -12,10 +12,9 @@ import pytest
 
 from rollflow.envs.agent import PolicyAction
 from rollflow.envs.env import AsyncEnvSuite
-from rollflow.envs.handle import task_id_for
+from rollflow.envs.handle import EpisodeLimits, task_id_for
 from rollflow.envs.runner import (
     EnvironmentLoadError,
-    EpisodeLimits,
     handle_for,
     handle_from_async,
     load_environment_handle,

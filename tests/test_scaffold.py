@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from rollflow.envs.runner import EpisodeLimits, load_environment_handle
+from rollflow.envs.handle import EpisodeLimits
+from rollflow.envs.runner import load_environment_handle
 from rollflow.envs.scaffold import write_starter
 from rollflow.envs.scripted import constant_policy
 from rollflow.flows.cli import main
@@ -21,9 +22,9 @@ from rollflow.storage.query import open_run_sql, run_query
 from rollflow.tasks.config import config_to_toml, load_config
 from rollflow.tasks.preflight import preflight
 
-# What a written test may import besides ``rollflow`` itself: the runner and scripted
-# policies that play the environment (not reference-doc names, so not re-exported).
-TEST_HELPERS = {"rollflow.envs.runner", "rollflow.envs.scripted"}
+# What a written test may import besides ``rollflow`` itself: the runner, its episode limits
+# and scripted policies that play the environment (not reference-doc names, so not re-exported).
+TEST_HELPERS = {"rollflow.envs.handle", "rollflow.envs.runner", "rollflow.envs.scripted"}
 
 
 @pytest.mark.parametrize(("style", "expected_style"), [("hook", "hook"), ("async", "async"), ("single", "hook")])

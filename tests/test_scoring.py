@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from rollflow.envs.episode import ActionTokens, EpisodeRollout
+from rollflow.envs.handle import EpisodeLimits, EpisodeScore
 from rollflow.envs.hook_handle import to_environment_episode
 from rollflow.envs.hooks import EnvironmentMultiTurn
-from rollflow.envs.runner import EpisodeLimits, EpisodeScore, handle_from_hook
+from rollflow.envs.runner import handle_from_hook
 from rollflow.envs.scripted import constant_policy
 from rollflow.envs.types import (
     EnvironmentEpisode,

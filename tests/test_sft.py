@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from rollflow.envs.agent import PolicyAction
+from rollflow.envs.handle import EpisodeLimits
 from rollflow.envs.hooks import EnvironmentMultiTurn
 from rollflow.envs.registry import register_environment
-from rollflow.envs.runner import EpisodeLimits, load_environment_handle
+from rollflow.envs.runner import load_environment_handle
 from rollflow.envs.types import EnvironmentStepResult, Message, RewardResult, TaskExample, ToolSpec
 from rollflow.policy.codec import ChatCodec, TokenState
 from rollflow.policy.models import ModelRef, load_causal_lm

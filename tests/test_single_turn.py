@@ -12,9 +12,9 @@ import pytest
 from rollflow import EnvironmentSingleTurn
 from rollflow.envs.arithmetic_answer import SYSTEM_PROMPT, expert_policy, load_environment
 from rollflow.envs.episode import EpisodeRollout
-from rollflow.envs.handle import EpisodeScore
+from rollflow.envs.handle import EnvironmentHandle, EpisodeLimits, EpisodeScore
 from rollflow.envs.registry import register_environment
-from rollflow.envs.runner import EnvironmentHandle, EpisodeLimits, load_environment_handle, play_groups
+from rollflow.envs.runner import load_environment_handle, play_groups
 from rollflow.envs.scripted import ScriptedPolicy, constant_policy
 from rollflow.envs.types import EnvironmentStepResult, Message, RewardResult, TaskExample
 from rollflow.policy.codec import ChatCodec

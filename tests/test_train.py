@@ -12,8 +12,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from rollflow.envs.handle import EpisodeLimits
 from rollflow.envs.hooks import EnvironmentMultiTurn
-from rollflow.envs.runner import EpisodeLimits, handle_from_hook, play_groups
+from rollflow.envs.runner import handle_from_hook, play_groups
 from rollflow.envs.types import EnvironmentEpisode, EnvironmentStepResult, Message, RewardResult, TaskExample
 from rollflow.policy.loss import LossSettings
 from rollflow.policy.sampling import SamplingSettings

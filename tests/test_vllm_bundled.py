@@ -37,7 +37,8 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rollflow.envs.episode import ActionTokens
-from rollflow.envs.runner import EpisodeLimits, load_environment_handle, play_groups
+from rollflow.envs.handle import EpisodeLimits
+from rollflow.envs.runner import load_environment_handle, play_groups
 from rollflow.policy.models import ModelRef, hf_model_folder
 from rollflow.policy.sampling import sampling_logprobs
 from rollflow.policy.vllm_backend import VLLMPolicy

@@ -8,7 +8,8 @@ import re
 from collections.abc import Sequence
 
 from rollflow import Message
-from rollflow.envs.runner import EpisodeLimits, load_environment_handle, play_groups
+from rollflow.envs.handle import EpisodeLimits
+from rollflow.envs.runner import load_environment_handle, play_groups
 from rollflow.envs.scripted import ScriptedPolicy
 
 SPEC = f"{__package__}:load_environment"
