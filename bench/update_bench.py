@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import os
 import random
 import re
@@ -60,7 +59,8 @@ import pyarrow.parquet as pq
 import torch
 
 from rollflow.envs.agent import PolicyAction
-from rollflow.envs.runner import EpisodeLimits, load_environment_handle
+from rollflow.envs.handle import EpisodeLimits
+from rollflow.envs.runner import load_environment_handle
 from rollflow.envs.types import Message, ToolSpec
 from rollflow.policy.codec import ChatCodec, TokenState
 from rollflow.policy.models import build_tiny_model, cache_root, generation_stop_ids
