@@ -52,7 +52,7 @@ from rollflow.storage.query import open_run_sql, step_metrics
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.runs import mark_run_kind
 from rollflow.tasks.config import RunConfig
-from rollflow.tasks.metrics import finish_tracking, start_tracking
+from rollflow.tasks.tracking import finish_tracking, start_tracking
 
 __all__ = ["EvalOverrides", "eval_config", "eval_flow", "eval_report", "format_report", "open_eval_run"]
 

@@ -23,8 +23,8 @@ from rollflow.flows.runs import freeze_config
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.runs import mark_run_kind
 from rollflow.tasks.config import RunConfig, load_config
-from rollflow.tasks.metrics import finish_tracking, start_tracking
 from rollflow.tasks.sft import log_sft_metrics, read_sft_result, sft_stage
+from rollflow.tasks.tracking import finish_tracking, start_tracking
 
 
 @task(name="sft", task_run_name="sft", cache_policy=NO_CACHE, persist_result=False)

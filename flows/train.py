@@ -65,17 +65,12 @@ from rollflow.tasks.config import RunConfig
 from rollflow.tasks.cpu_split import async_cpu_split, trainer_threads
 from rollflow.tasks.generator import Generator
 from rollflow.tasks.run_generator import open_generator
-from rollflow.tasks.metrics import (
-    finish_tracking,
-    start_tracking,
-    step_advice,
-    step_outcome,
-    validation_outcome,
-)
+from rollflow.tasks.metrics import step_advice, step_outcome, validation_outcome
 from rollflow.tasks.policy_io import ActingPolicy
 from rollflow.tasks.rollout import ChunkFanOut
 from rollflow.tasks.run_summary import learning_summary
 from rollflow.tasks.teacher import check_teacher
+from rollflow.tasks.tracking import finish_tracking, start_tracking
 
 
 def validate(

@@ -1,4 +1,5 @@
-"""Metrics stage: one dict of slash-namespaced numbers per step, logged once to MLflow.
+"""Metrics stage: one dict of slash-namespaced numbers per step, logged once to MLflow
+(``tasks/tracking.py``).
 
 The episode and reward numbers are the DuckDB queries of ``storage/query.py`` over the
 step's Parquet files (one definition each, shared with ``rollflow sql`` users); the
@@ -24,20 +25,19 @@ of their best and worst episodes as an artifact.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
 from rollflow.storage.async_groups import async_step_metrics
-from rollflow.storage.errors import NoDataError
 from rollflow.storage.parquet import write_bytes_atomic
 from rollflow.storage.query import open_run_sql, run_query, step_metrics, teacher_metrics
 from rollflow.storage.records import TrainResult
 from rollflow.storage.runfolder import OPTIONAL_TIMED_STAGES, TIMED_STAGES, RunFolder
 from rollflow.storage.transcript import render_episode
-from rollflow.tasks.config import RunConfig, flatten_config
+from rollflow.tasks.config import RunConfig
 from rollflow.tasks.step_health import step_hint, step_summary, validation_summary
+from rollflow.tasks.tracking import log_step, log_traces
 
-REWARD_CURVE = "reward_curve.png"
 TRANSCRIPTS_TXT = "transcripts.txt"
 SAMPLE_TRANSCRIPTS = 2  # best and worst validation episodes each logged as text
 
@@ -133,7 +133,7 @@ def metrics_stage(config: RunConfig, run_dir: Path, step: int) -> Path:
     metrics.update(optim_metrics(folder.read_train_result(step)))
     metrics.update(time_metrics(folder, step))
     metrics.update(async_step_metrics(folder, step))
-    _log(config, folder, step, metrics)
+    log_step(config, folder, step, metrics)
     return folder.write_json_atomic(path, _json_safe(metrics))
 
 
@@ -159,25 +159,9 @@ def validation_metrics_stage(config: RunConfig, run_dir: Path, step: int) -> Pat
     path = folder.step_paths(step, "validation").metrics_json
     metrics = {f"val/{key}": value for key, value in rollout_metrics(run_dir, step, "validation").items()}
     transcripts = write_sample_transcripts(folder, step)
-    _log(config, folder, step, metrics, artifacts=[transcripts])
-    _log_traces(config, folder, step)
+    log_step(config, folder, step, metrics, artifacts=[transcripts])
+    log_traces(config, folder, step)
     return folder.write_json_atomic(path, _json_safe(metrics))
-
-
-def _log_traces(config: RunConfig, folder: RunFolder, step: int) -> None:
-    """The pass's best, worst and a sample of episodes as MLflow traces of the run."""
-    if not config.tracking.enabled:
-        return
-    from rollflow.storage.schemas import table_to_episode_records, table_to_score_records
-    from rollflow.storage.traces import TraceSelection, log_validation_traces
-    from rollflow.storage.tracking import RunTracker
-
-    tracker = RunTracker.open(folder, experiment=config.tracking.experiment, tracking_uri=config.tracking.tracking_uri)
-    episodes = table_to_episode_records(folder.read_stage(step, "episodes", "validation"))
-    scores = table_to_score_records(folder.read_stage(step, "scores", "validation"))
-    ref = tracker.ref
-    log_validation_traces(ref.tracking_uri, ref.experiment_id, ref.mlflow_run_id, folder.step_dir(step, "validation"),
-                          episodes, scores, TraceSelection(seed=config.train.seed))
 
 
 def write_sample_transcripts(folder: RunFolder, step: int, count: int = SAMPLE_TRANSCRIPTS) -> Path:
@@ -196,51 +180,6 @@ def write_sample_transcripts(folder: RunFolder, step: int, count: int = SAMPLE_T
     path = folder.step_dir(step, "validation") / TRANSCRIPTS_TXT
     write_bytes_atomic(text.encode(), path)
     return path
-
-
-def start_tracking(config: RunConfig, run_dir: Path) -> str | None:
-    """Open (or continue) the run's MLflow run and log its params and frozen config."""
-    if not config.tracking.enabled:
-        return None
-    from rollflow.storage.tracking import RunTracker
-
-    folder = RunFolder(run_dir)
-    tracker = RunTracker.open(folder, experiment=config.tracking.experiment, tracking_uri=config.tracking.tracking_uri)
-    tracker.log_params(flatten_config(config))
-    tracker.log_artifact(folder.config_path)
-    return tracker.mlflow_run_id
-
-
-def finish_tracking(config: RunConfig, run_dir: Path, succeeded: bool) -> Path | None:
-    """Draw the reward curves into the run folder, log them, and close the MLflow run."""
-    if not config.tracking.enabled:
-        return None
-    from rollflow.storage.tracking import RunTracker
-
-    folder = RunFolder(run_dir)
-    tracker = RunTracker.open(folder, experiment=config.tracking.experiment, tracking_uri=config.tracking.tracking_uri)
-    curve: Path | None = None
-    for key, name in (("reward/mean", REWARD_CURVE), ("val/reward/mean", "val_" + REWARD_CURVE)):
-        try:
-            drawn = tracker.log_reward_curve(folder.root / name, key=key)
-        except NoDataError:
-            continue
-        curve = curve or drawn
-    tracker.close("FINISHED" if succeeded else "FAILED")
-    return curve
-
-
-def _log(
-    config: RunConfig, folder: RunFolder, step: int, metrics: Mapping[str, float], artifacts: Sequence[Path] = ()
-) -> None:
-    if not config.tracking.enabled:
-        return
-    from rollflow.storage.tracking import RunTracker
-
-    tracker = RunTracker.open(folder, experiment=config.tracking.experiment, tracking_uri=config.tracking.tracking_uri)
-    tracker.log_step(step, metrics)
-    for artifact in artifacts:
-        tracker.log_artifact(artifact, f"validation/step={step:06d}")
 
 
 def _json_safe(metrics: Mapping[str, float]) -> dict[str, float | None]:

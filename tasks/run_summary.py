@@ -14,7 +14,7 @@ import statistics
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.config import RunConfig
 from rollflow.tasks.gate import GateError, episodes_by_task, paired_change, per_task
-from rollflow.tasks.metrics import REWARD_CURVE
+from rollflow.tasks.tracking import REWARD_CURVE
 
 NOISE_P = 0.05  # a two-sided p below this: the change is beyond the validation's own noise
 CURVE_SQL = ("SELECT step, avg(passed::INT) AS pass_rate, count(*) AS episodes FROM scores "
