@@ -95,7 +95,6 @@ from rollflow.policy.vllm_admin import (
     served_models,
     unload_lora,
 )
-from rollflow.policy.vllm_admin import discover_served_model as discover_served_model  # tasks import it here
 from rollflow.policy.vllm_weights import LM_HEAD_SHARD, is_tied
 
 _PROBE_TEMPERATURE = 0.5

@@ -41,7 +41,8 @@ from pathlib import Path
 
 from rollflow.envs.agent import PolicyAction, PolicySession
 from rollflow.envs.types import Message, ToolSpec
-from rollflow.policy.vllm_backend import VLLMPolicy, VLLMPolicyError
+from rollflow.policy.vllm_admin import VLLMPolicyError
+from rollflow.policy.vllm_backend import VLLMPolicy
 from rollflow.storage.parquet import temporary_path
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.checkpoints import prune_checkpoints, reading_versions

@@ -32,7 +32,8 @@ from rollflow.envs.agent import Policy
 from rollflow.policy.models import ModelRef, hf_model_folder, load_tokenizer, stop_token_ids
 from rollflow.policy.procs import fault_point
 from rollflow.policy.sampling import SamplingSettings
-from rollflow.policy.vllm_backend import VLLMPolicy, adapter_name, discover_served_model
+from rollflow.policy.vllm_admin import discover_served_model
+from rollflow.policy.vllm_backend import VLLMPolicy, adapter_name
 from rollflow.policy.vllm_server import VLLMServer
 from rollflow.policy.vllm_spec import VLLMServerSpec, lora_rank_limit
 from rollflow.policy.vllm_weights import merge_adapter, untied_serving_folder

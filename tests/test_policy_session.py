@@ -17,7 +17,7 @@ from rollflow.policy.openai_backend import OpenAIChatPolicy, OpenAIPolicyError
 from rollflow.policy.sampling import SamplingSettings, request_seed
 from rollflow.policy.session import GenerationError, Sampled, TokenPolicy, TokenSession, finish_reason
 from rollflow.policy.transformers_backend import GenerationTimeoutError
-from rollflow.policy.vllm_backend import VLLMPolicyError
+from rollflow.policy.vllm_admin import VLLMPolicyError
 
 QUESTION: list[Message] = [{"role": "user", "content": "How many crates?"}]
 

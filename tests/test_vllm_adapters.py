@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from rollflow.policy.vllm_backend import VLLMPolicy, VLLMPolicyError, adapter_name
+from rollflow.policy.vllm_admin import VLLMPolicyError
+from rollflow.policy.vllm_backend import VLLMPolicy, adapter_name
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.generator import run_adapter_prefix
 

@@ -29,7 +29,8 @@ from rollflow.envs.agent import PolicyAction
 from rollflow.envs.types import Message
 from rollflow.policy.models import ModelRef, load_tokenizer
 from rollflow.policy.sampling import SamplingSettings, sampling_logprobs
-from rollflow.policy.vllm_backend import VLLMPolicy, VLLMPolicyError, adapter_name
+from rollflow.policy.vllm_admin import VLLMPolicyError
+from rollflow.policy.vllm_backend import VLLMPolicy, adapter_name
 from rollflow.policy.vllm_server import VLLMServer, free_port
 from rollflow.policy.vllm_spec import VLLMServerError, VLLMServerSpec
 from rollflow.policy.vllm_weights import write_lm_head_shard

@@ -99,7 +99,7 @@ def _toml_dict(text: str) -> dict[str, object]:
 
 
 def test_a_base_url_that_does_not_answer_fails_before_any_episode(tmp_path: Path, tiny_model_dir: Path) -> None:
-    from rollflow.policy.vllm_backend import VLLMPolicyError
+    from rollflow.policy.vllm_admin import VLLMPolicyError
     from rollflow.policy.vllm_server import free_port
     from rollflow.storage.runfolder import RunFolder
     from rollflow.tasks.rollout import rollout_stage
