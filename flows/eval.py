@@ -44,7 +44,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 from rollflow.flows.concurrency import one_training_at_a_time
-from rollflow.flows.eval_config import EvalOverrides, checked_eval_config, eval_config
+from rollflow.flows.eval_config import EvalOverrides, checked_eval_config
 from rollflow.flows.runs import freeze_config
 from rollflow.flows.train import validate
 from rollflow.storage.pass_at_k import overall_pass_at_k
@@ -54,7 +54,7 @@ from rollflow.storage.runs import mark_run_kind
 from rollflow.tasks.config import RunConfig
 from rollflow.tasks.tracking import finish_tracking, start_tracking
 
-__all__ = ["EvalOverrides", "eval_config", "eval_flow", "eval_report", "format_report", "open_eval_run"]
+__all__ = ["eval_flow", "eval_report", "format_report", "open_eval_run"]
 
 EVAL_STEP = 0  # an evaluation is one validation pass, stored as step 0
 WORST_EPISODES = 5

@@ -17,7 +17,8 @@ import pytest
 from json_server import json_server
 
 from rollflow.flows.cli import main
-from rollflow.flows.eval import EvalOverrides, eval_config, eval_flow, eval_report, format_report
+from rollflow.flows.eval import eval_flow, eval_report, format_report
+from rollflow.flows.eval_config import EvalOverrides, eval_config
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_episode_records
 from rollflow.tasks.config import ConfigError, RunConfig, load_config
