@@ -22,10 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rollflow.policy.loss import LossName, OffPolicyCorrection
 from rollflow.tasks.config import (
     ConfigError,
-    LossName,
-    OffPolicyCorrection,
     RolloutConfig,
     RunConfig,
     TrackingConfig,
