@@ -16,8 +16,10 @@ weights a second, frozen copy of the starting model. It is loaded or built only 
 
 Full weights are trained (and checkpointed) in float32 whatever ``[model].dtype`` says,
 which only sets how a policy is loaded to act (``training_dtype``): AdamW on bfloat16
-weights rounds most small updates away. The sampler then scores in bfloat16 and the
-trainer in float32, a gap the ratio's clip absorbs.
+weights rounds most small updates away. With LoRA the frozen base stays in
+``[model].dtype``: ``"auto"`` on a CPU with native bfloat16 trains in bfloat16 against a
+managed vLLM sampler that always runs float32 (``policy/vllm_spec.py``), a logprob gap of
+about 0.1 that the ratio's clip absorbs in lockstep (no off-policy correction there).
 """
 
 from __future__ import annotations
