@@ -77,14 +77,14 @@ from rollflow.policy.generation import _cache_keyword
 from rollflow.policy.models import build_tiny_model
 from rollflow.storage.records import SampleRecord
 from rollflow.tasks.config import RunConfig, load_config
-from rollflow.tasks.grpo_update import (  # the trainer's own update, packing and logprobs
+from rollflow.tasks.grpo_update import (
     UpdateSettings,
     _microbatch_tensors,
     _trained_batches,
     grpo_update,
     make_optimizer,
-    token_logprobs,
 )
+from rollflow.tasks.trainer_logprobs import token_logprobs
 from rollflow.tasks.models import load_policy_for_training, torch_dtype
 
 REPO = Path(__file__).resolve().parents[1]

@@ -37,13 +37,7 @@ from rollflow.envs.async_handle import AsyncEnvironmentHandle
 from rollflow.envs.checks import require_int
 from rollflow.envs.env import AsyncEnvSuite, Env
 from rollflow.envs.episode import EpisodeRollout
-from rollflow.envs.handle import (  # noqa: F401 - task_id_for re-exported for tasks/sft_rows.py
-    NO_TURN_LIMIT,
-    EnvironmentHandle,
-    EpisodeLimits,
-    TaskItem,
-    task_id_for,
-)
+from rollflow.envs.handle import NO_TURN_LIMIT, EnvironmentHandle, EpisodeLimits, TaskItem
 from rollflow.envs.hook_handle import HookEnvironmentHandle
 from rollflow.envs.hooks import EnvironmentMultiTurn
 from rollflow.envs.type_names import type_mismatch

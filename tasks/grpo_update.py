@@ -8,7 +8,7 @@ log-probability (no attention mask: right padding under causal attention needs n
 not depend on the split), clips the gradient norm and takes one optimizer step.
 
 The log-probabilities come from ``rollflow.tasks.trainer_logprobs`` (``token_logprobs``,
-``chosen_logprobs``, ``train_without_dropout``, importable from here too): computed exactly as
+``chosen_logprobs``, ``train_without_dropout``): computed exactly as
 the sampler computed its own, so the importance ratio is 1 wherever trainer and sampler agree.
 
 One optimizer step per batch by default; ``[train].minibatches = K`` splits the batch into
@@ -57,11 +57,7 @@ from rollflow.tasks.shared_prefix import (
     pack_by_prefix,
     plan_prefixes,
 )
-from rollflow.tasks.trainer_logprobs import (  # noqa: F401  (chosen_logprobs re-exported: the update's public names)
-    chosen_logprobs,
-    token_logprobs,
-    train_without_dropout,
-)
+from rollflow.tasks.trainer_logprobs import token_logprobs, train_without_dropout
 
 # (input_ids_BT, attention: a mask, None or a SharedPrefix plan, wanted_BT) -> reference
 # logprobs of tokens 1..T-1, (B, T-1): the policy's own forward hands its attention on

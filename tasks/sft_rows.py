@@ -47,7 +47,8 @@ from typing import Any, cast
 from rollflow.envs.hook_handle import HookEnvironmentHandle
 from rollflow.envs.hooks import call_hook, checked_message, example_prompt_text
 from rollflow.envs.protocol import parse_action, render_tool_calls
-from rollflow.envs.runner import load_environment_handle, task_id_for
+from rollflow.envs.handle import task_id_for
+from rollflow.envs.runner import load_environment_handle
 from rollflow.envs.types import Message, TaskExample, ToolCall, ToolSpec
 from rollflow.policy.codec import ChatCodec
 

@@ -46,21 +46,11 @@ from rollflow.tasks.checkpoints import (
 )
 from rollflow.tasks.config import RunConfig
 from rollflow.tasks.config_checks import check_training_sampling
-from rollflow.tasks.grpo_update import (  # noqa: F401  (UpdateStats ... re-exported: the update's public names)
-    RefLogprobsFn,
-    UpdateSettings,
-    UpdateStats,
-    batch_totals,
-    grpo_update,
-    make_optimizer,
-    pack_microbatches,
-    split_minibatches,
-    token_logprobs,
-    train_without_dropout,
-)
+from rollflow.tasks.grpo_update import RefLogprobsFn, UpdateSettings, UpdateStats, grpo_update, make_optimizer
 from rollflow.tasks.models import base_model_ref, load_policy_for_training, torch_device, training_dtype
 from rollflow.tasks.objectives import objective_samples
 from rollflow.tasks.shared_prefix import SharedPrefix
+from rollflow.tasks.trainer_logprobs import token_logprobs
 
 
 def adapter_off_reference(model: PreTrainedModel, temperature: float) -> RefLogprobsFn:

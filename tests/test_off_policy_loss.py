@@ -21,7 +21,7 @@ from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import train_result_from_json, train_result_to_json
 from rollflow.tasks.config import ConfigError, parse_config
 from rollflow.tasks.metrics import optim_metrics
-from rollflow.tasks.train import UpdateSettings, grpo_update
+from rollflow.tasks.grpo_update import UpdateSettings, grpo_update
 
 
 def _t(rows: list[list[float]]) -> torch.Tensor:

@@ -337,7 +337,7 @@ def test_an_opd_update_moves_the_trained_tokens_towards_the_teacher_and_the_nega
     from rollflow.policy.teacher import LocalTeacher
     from rollflow.tasks.teacher import teacher_record
     from rollflow.tasks.objectives import opd_advantages
-    from rollflow.tasks.train import UpdateSettings, grpo_update, make_optimizer
+    from rollflow.tasks.grpo_update import UpdateSettings, grpo_update, make_optimizer
 
     teacher_dir = sharpened_tiny_model(tmp_path / "teacher", seed=0, scale=5.0)
     torch.manual_seed(0)

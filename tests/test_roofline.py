@@ -13,7 +13,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from rollflow.policy.models import build_tiny_model
 from rollflow.tasks.config import ModelConfig, RunConfig, TrainConfig
-from rollflow.tasks.grpo_update import _microbatch_tensors, token_logprobs
+from rollflow.tasks.grpo_update import _microbatch_tensors
+from rollflow.tasks.trainer_logprobs import token_logprobs
 from rollflow.tasks.models import load_policy_for_training
 
 roofline = load_script("bench/roofline.py")

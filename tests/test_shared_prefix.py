@@ -21,7 +21,8 @@ from update_exactness import (
 )
 
 from rollflow.policy.loss import LossSettings
-from rollflow.tasks.grpo_update import UpdateSettings, _microbatch_tensors, grpo_update, token_logprobs
+from rollflow.tasks.grpo_update import UpdateSettings, _microbatch_tensors, grpo_update
+from rollflow.tasks.trainer_logprobs import token_logprobs
 from rollflow.tasks.sft import completion_nll, pack_rows, sft_update
 from rollflow.tasks.sft_rows import SFTRow
 from rollflow.tasks.shared_prefix import (

@@ -24,19 +24,18 @@ from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import sample_records_to_table
 from rollflow.tasks.checkpoints import latest_checkpoint, seed_everything
 from rollflow.tasks.config import RunConfig, parse_config
-from rollflow.tasks.grpo_update import chosen_logprobs
+from rollflow.tasks.trainer_logprobs import chosen_logprobs
 from rollflow.tasks.flatten import flatten_episode_to_samples
 from rollflow.tasks.models import load_policy_for_training, policy_model_ref
-from rollflow.tasks.train import (
+from rollflow.tasks.grpo_update import (
     UpdateSettings,
-    adapter_off_reference,
     grpo_update,
     make_optimizer,
     pack_microbatches,
     split_minibatches,
-    token_logprobs,
-    train_stage,
 )
+from rollflow.tasks.train import adapter_off_reference, train_stage
+from rollflow.tasks.trainer_logprobs import token_logprobs
 from rollflow.tasks.grpo_update import warmup_learning_rate
 
 VOCAB = 40

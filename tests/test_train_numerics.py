@@ -18,7 +18,8 @@ from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.checkpoints import latest_checkpoint
 from rollflow.tasks.config import ConfigError, RunConfig, config_to_toml, load_config
 from rollflow.tasks.models import load_policy_for_training, policy_model_ref, torch_dtype
-from rollflow.tasks.train import UpdateSettings, adapter_off_reference, grpo_update, make_optimizer
+from rollflow.tasks.grpo_update import UpdateSettings, grpo_update, make_optimizer
+from rollflow.tasks.train import adapter_off_reference
 
 DROPOUT = 0.5
 

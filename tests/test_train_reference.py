@@ -16,7 +16,8 @@ from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.checkpoints import latest_checkpoint
 from rollflow.tasks.config import RunConfig
 from rollflow.tasks.models import load_policy_for_training
-from rollflow.tasks.train import kl_reference, token_logprobs
+from rollflow.tasks.train import kl_reference
+from rollflow.tasks.trainer_logprobs import token_logprobs
 
 IDS_BT = torch.tensor([[1, 17, 300, 301, 302, 2, 40, 41, 42]])
 WANTED_BT = torch.tensor([[False, True, True, True, False, False, True, True]])
