@@ -133,7 +133,8 @@ def test_the_adapter_export_generates_what_the_trained_policy_generates(
     assert (result.step, result.policy_version, result.format) == (1, 2, "adapter")
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["adapter_config.json", "adapter_model.safetensors", "chat_template.jinja", "export.json",
-         "tokenizer.json", "tokenizer_config.json"])
+         "tokenizer.json", "tokenizer_config.json",
+         "SERVING.md", "system_prompt.txt", "tools.json"])  # the tool-use game: how to serve it as trained
     adapter_config = json.loads((out / "adapter_config.json").read_text())
     assert adapter_config["base_model_name_or_path"] == str(tiny_model_dir.resolve()) == result.base_model
     assert json.loads((out / "export.json").read_text())["step"] == 1
