@@ -35,6 +35,7 @@ def _policy(kind: str, use_lora: bool, tiny_model_dir: Path) -> torch.nn.Module:
 
 @pytest.mark.parametrize("kind", ["tiny", "bundled-shape"])
 @pytest.mark.parametrize("use_lora", [True, False])
+@pytest.mark.slow  # 10 s in a loaded suite run (docs/testing.md)
 def test_logprobs_and_gradients_without_the_mask_equal_the_masked_ones(
     tiny_model_dir: Path, kind: str, use_lora: bool
 ) -> None:
@@ -76,6 +77,7 @@ def test_without_a_mask_sdpa_runs_its_causal_kernel(tiny_model_dir: Path, monkey
 
 
 @pytest.mark.parametrize("use_lora", [True, False])
+@pytest.mark.slow  # 14 s in a loaded suite run (docs/testing.md)
 def test_an_update_without_the_mask_equals_the_masked_update(tiny_model_dir: Path, use_lora: bool) -> None:
     """Two micro-batches, the KL reference pass (LoRA: the adapter switched off) and
     two minibatches with their proximal pass: every forward of the update goes unmasked."""

@@ -195,6 +195,7 @@ def test_a_merged_lora_generator_keeps_only_the_served_merged_folder(
 
 
 
+@pytest.mark.slow  # 11 s in a loaded suite run (docs/testing.md)
 def test_a_train_stage_run_on_a_ray_node_leaves_pruning_to_the_driver_that_knows_the_readers(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

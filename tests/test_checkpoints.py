@@ -19,6 +19,7 @@ from rollflow.tasks.checkpoints import save_checkpoint
 
 
 @pytest.mark.skipif(not DEFAULT_PYTHON.is_file(), reason="needs the vLLM Python (make vllm-setup)")
+@pytest.mark.slow  # 10 s in a loaded suite run (docs/testing.md)
 def test_a_sharded_full_weight_checkpoint_of_a_tied_model_indexes_its_lm_head_shard(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

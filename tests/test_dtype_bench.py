@@ -8,6 +8,7 @@ import pytest
 from repo_script import load_script
 
 
+@pytest.mark.slow  # 14 s in a loaded suite run (docs/testing.md)
 def test_dtype_bench_prints_a_line_per_dtype(capsys: pytest.CaptureFixture[str]) -> None:
     bench = load_script("bench/dtype_bench.py")
     assert bench.main(["--tiny", "--repeats", "1", "--context", "16", "--length", "32"]) == 0

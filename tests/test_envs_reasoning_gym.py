@@ -125,6 +125,7 @@ def test_bad_arguments_are_one_line_naming_the_setting(kwargs: dict, pattern: st
     assert "\n" not in str(raised.value)
 
 
+@pytest.mark.slow  # 15 s in a loaded suite run (docs/testing.md)
 def test_preflight_and_rollflow_train_refuse_a_bad_dataset_in_one_line(tmp_path: Path) -> None:
     config = load_config(REPO / "configs" / "reasoning_gym.toml")
     bad = replace(config, env=replace(config.env, kwargs={"dataset": "no_such_set"}))

@@ -105,6 +105,7 @@ def tiny_eval(
     )
 
 
+@pytest.mark.slow  # 6 s in a loaded suite run (docs/testing.md)
 def test_eval_writes_validation_tables_and_nothing_of_training(tiny_eval: Path, tiny_model_dir: Path) -> None:
     folder = RunFolder(tiny_eval)
     assert folder.is_complete(0, "episodes", "validation") and folder.is_complete(0, "scores", "validation")
@@ -139,6 +140,7 @@ def test_report_text_names_every_figure_and_the_show_command(tiny_eval: Path) ->
     assert all(w.episode_id in text for w in report.worst)
 
 
+@pytest.mark.slow  # 3 s in a loaded suite run (docs/testing.md)
 def test_rollflow_eval_prints_the_report(
     tiny_model_dir: Path, tmp_path: Path, prefect_harness: object, capsys: pytest.CaptureFixture[str],
     caplog: pytest.LogCaptureFixture,

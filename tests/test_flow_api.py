@@ -15,6 +15,7 @@ from rollflow.tasks.grpo_config import GRPOConfig
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
 
+@pytest.mark.slow  # 17 s in a loaded suite run (docs/testing.md)
 def test_train_multi_turn_runs_the_flow_on_python_objects(tiny_model_dir: Path, tmp_path: Path) -> None:
     suite = load_calculator_math(num_train=6, num_validation=2)
     config = GRPOConfig(

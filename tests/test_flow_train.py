@@ -57,6 +57,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
     return Path(train_flow(config_path=str(path), run_dir=str(root / "run")))
 
 
+@pytest.mark.slow  # 13 s in a loaded suite run (docs/testing.md)
 def test_the_updates_really_change_the_policy(uninterrupted: Path) -> None:
     """Guards the resume tests: identical weights must not come from a no-op update."""
     folder = RunFolder(uninterrupted)
@@ -138,6 +139,7 @@ def test_a_crash_in_any_stage_resumes_to_the_same_run(
     assert [s for s, _ in tracker.metric_history("optim/loss")] == [0, 1]
 
 
+@pytest.mark.slow  # 11 s in a loaded suite run (docs/testing.md)
 def test_a_failed_run_names_the_resume_command_and_the_resume_says_where_it_continues(
     tiny_config_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

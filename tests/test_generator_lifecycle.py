@@ -57,6 +57,7 @@ def _untracked(config_path: Path) -> str:
     return str(config_path)
 
 
+@pytest.mark.slow  # 4 s in a loaded suite run (docs/testing.md)
 def test_a_lockstep_run_samples_every_stage_on_one_generator_and_closes_it_at_the_end(
     counting: type[CountingLocal], tiny_config_path: Path, prefect_harness: object, tmp_path: Path
 ) -> None:
@@ -86,6 +87,7 @@ def test_a_run_that_fails_mid_step_still_closes_its_generator(
     assert [g.closed for g in counting.opened] == [True]
 
 
+@pytest.mark.slow  # 9 s in a loaded suite run (docs/testing.md)
 def test_a_trained_run_resumed_for_nothing_opens_no_generator(
     counting: type[CountingLocal], tiny_config_path: Path, prefect_harness: object, tmp_path: Path
 ) -> None:

@@ -132,6 +132,7 @@ def without_reuse(tiny_model_dir: Path) -> Played:
     return Played(policy, play(policy))
 
 
+@pytest.mark.slow  # 4 s in a loaded suite run (docs/testing.md)
 def test_every_action_s_logprobs_equal_a_full_forward_pass(with_reuse: Played) -> None:
     assert with_reuse.policy.stats.batch_sizes == [EPISODES] * TURNS  # batched across episodes
     for actions in with_reuse.episodes:

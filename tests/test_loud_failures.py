@@ -43,6 +43,7 @@ def kept_errors(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
+@pytest.mark.slow  # 3 s in a loaded suite run (docs/testing.md)
 def test_a_scorer_that_always_raises_fails_the_run_naming_it(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -64,6 +65,7 @@ def test_a_scorer_that_always_raises_fails_the_run_naming_it(
     assert folder.completed_steps() == [0] and kept_errors(tmp_path / "run") == []
 
 
+@pytest.mark.slow  # 4 s in a loaded suite run (docs/testing.md)
 def test_a_step_that_always_raises_fails_the_run_and_a_resume_after_the_fix_replays_it(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -106,6 +108,7 @@ def test_each_step_line_says_reward_pass_rate_errors_and_overflows(
     assert "errors 0/4" in lines[0] and "overflows 0/4" in lines[0]
 
 
+@pytest.mark.slow  # 3 s in a loaded suite run (docs/testing.md)
 def test_a_step_that_learns_nothing_says_so_and_each_validation_pass_has_a_line(
     tiny_model_dir: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:

@@ -209,6 +209,7 @@ def test_minibatches_take_the_ratio_and_weight_against_the_step_start_policy() -
     assert tis.ratio_mean != pytest.approx(1.0, abs=1e-6)  # the second step did move
 
 
+@pytest.mark.slow  # 3 s in a loaded suite run (docs/testing.md)
 def test_one_minibatch_needs_no_extra_pass_and_matches_none_on_policy() -> None:
     base = micro_model()
     samples = batch(base)

@@ -209,6 +209,7 @@ def hand_teacher_logprobs(model_dir: Path, input_ids: tuple[int, ...], temperatu
 
 
 @pytest.mark.usefixtures("prefect_harness")
+@pytest.mark.slow  # 11 s in a loaded suite run (docs/testing.md)
 def test_a_teacher_equal_to_the_student_gives_the_samplers_logprobs(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Alignment: at step 0 the student is the base model (a fresh LoRA adds 0), so a teacher
     that is the same model must give each sampled token the sampler's own logprob."""
@@ -237,6 +238,7 @@ def opd_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path, teac
     return Path(train_flow(config_path=str(path), run_dir=str(root / "run")))
 
 
+@pytest.mark.slow  # 12 s in a loaded suite run (docs/testing.md)
 def test_an_opd_run_writes_teacher_logprobs_aligned_to_a_forward_pass_by_hand(
     opd_run: Path, teacher_dir: Path
 ) -> None:
@@ -323,6 +325,7 @@ def _gap_on_trained_tokens(student: torch.nn.Module, samples: list, records: dic
     return total
 
 
+@pytest.mark.slow  # 17 s in a loaded suite run (docs/testing.md)
 def test_an_opd_update_moves_the_trained_tokens_towards_the_teacher_and_the_negated_one_away(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -44,6 +44,7 @@ def run(
     return generate_batch(model, requests, **options)
 
 
+@pytest.mark.slow  # 3 s in a loaded suite run (docs/testing.md)
 def test_logprobs_are_those_of_the_sampled_distribution_under_a_forward_pass(
     tiny: tuple[PreTrainedModel, PreTrainedTokenizerBase],
 ) -> None:
@@ -96,6 +97,7 @@ def test_a_row_stops_at_a_stop_token_and_the_others_go_on(
         assert after.token_ids == before.token_ids[:cut]
 
 
+@pytest.mark.slow  # 5 s in a loaded suite run (docs/testing.md)
 def test_samples_do_not_depend_on_the_batch_and_follow_the_seed(
     tiny: tuple[PreTrainedModel, PreTrainedTokenizerBase],
 ) -> None:

@@ -117,6 +117,7 @@ def cleanup() -> Iterator[list[int]]:
             pass
 
 
+@pytest.mark.slow  # 6 s in a loaded suite run (docs/testing.md)
 def test_without_a_watchdog_a_killed_run_orphans_its_server(tmp_path: Path, cleanup: list[int]) -> None:
     run = Run("none", tmp_path)
     cleanup.append(run.server.pgid)
@@ -127,6 +128,7 @@ def test_without_a_watchdog_a_killed_run_orphans_its_server(tmp_path: Path, clea
     assert late is not None and is_alive(late)
 
 
+@pytest.mark.slow  # 5 s in a loaded suite run (docs/testing.md)
 def test_the_watchdog_ends_what_a_killed_run_left_even_a_server_that_ignores_sigterm(
     tmp_path: Path, cleanup: list[int]
 ) -> None:
@@ -151,6 +153,7 @@ def _assert_the_watchdog_ends_the_run(tmp_path: Path, cleanup: list[int]) -> Non
     assert _gone_within(run.watchdog, 3), "the watchdog did not exit after its work"
 
 
+@pytest.mark.slow  # 4 s in a loaded suite run (docs/testing.md)
 def test_a_run_that_exits_normally_takes_its_watchdog_and_leftovers_with_it(
     tmp_path: Path, cleanup: list[int]
 ) -> None:
@@ -201,6 +204,7 @@ def test_a_fault_point_stops_the_process_only_when_named() -> None:
         fault_point("nowhere")
 
 
+@pytest.mark.slow  # 4 s in a loaded suite run (docs/testing.md)
 def test_the_commands_that_start_work_start_a_watchdog_and_the_others_do_not() -> None:
     code = (
         "import sys\nfrom rollflow.flows.cli import main\nfrom rollflow.policy import procs\n"

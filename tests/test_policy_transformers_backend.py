@@ -197,6 +197,7 @@ def test_the_event_loop_stays_free_while_a_batch_generates(tiny_model_dir: Path)
     assert asyncio.run(main()) > 10
 
 
+@pytest.mark.slow  # 3 s in a loaded suite run (docs/testing.md)
 def test_new_weights_and_adapters_change_the_policy_and_its_version(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from rollflow.flows.prefect_home import use_project_prefect_home
 
 # `rollflow train` with a config that does not exist: the real entry, stopped in its first
@@ -25,6 +27,7 @@ _REPORT_PREFECT_HOME = (
 )
 
 
+@pytest.mark.slow  # 7 s in a loaded suite run (docs/testing.md)
 def test_cli_gives_prefect_a_home_under_the_working_folder_not_in_home(tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()
@@ -114,6 +117,7 @@ _REPORT_SERVER_ENVIRONMENT = (
 )
 
 
+@pytest.mark.slow  # 27 s in a loaded suite run (docs/testing.md)
 def test_the_services_setting_reaches_prefects_temporary_server(tmp_path: Path) -> None:
     env = {key: value for key, value in os.environ.items() if key not in ("PREFECT_API_URL", TRIGGERS)}
     env["PREFECT_HOME"] = str(tmp_path / "prefect")

@@ -16,6 +16,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from rollflow.flows.prefect_log import PREFECT_LOG, prefect_log_in
 from rollflow.tasks.config import config_to_toml, load_config
 from tiny_run import tiny_config_at
@@ -24,6 +26,7 @@ TESTS = Path(__file__).resolve().parent
 MAX_STDERR_LINES = 20
 
 
+@pytest.mark.slow  # 13 s in a loaded suite run (docs/testing.md)
 def test_a_failing_train_prints_its_cause_in_a_few_lines_and_keeps_the_traceback_in_the_run_folder(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

@@ -43,6 +43,7 @@ def rollflow_train(
     return done, time.monotonic() - started, run_dir
 
 
+@pytest.mark.slow  # 5 s in a loaded suite run (docs/testing.md)
 def test_a_wrong_env_name_is_one_line_in_seconds_and_leaves_no_run_folder(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
@@ -56,6 +57,7 @@ def test_a_wrong_env_name_is_one_line_in_seconds_and_leaves_no_run_folder(
     assert not run_dir.exists()
 
 
+@pytest.mark.slow  # 4 s in a loaded suite run (docs/testing.md)
 def test_the_pipeline_checks_its_config_before_prefect_starts(tiny_model_dir: Path, tmp_path: Path) -> None:
     config = tiny_config(tmp_path, tiny_model_dir, env={"name": "no_such_env:load_environment"})
     done, seconds, run_dir = rollflow_train(config, tmp_path, command="pipeline")
@@ -66,6 +68,7 @@ def test_the_pipeline_checks_its_config_before_prefect_starts(tiny_model_dir: Pa
     assert seconds < 30 and not run_dir.exists()
 
 
+@pytest.mark.slow  # 5 s in a loaded suite run (docs/testing.md)
 def test_a_missing_model_path_names_the_setting_and_where_it_looked(tiny_model_dir: Path, tmp_path: Path) -> None:
     config = tiny_config(tmp_path, tiny_model_dir, model={"path": "models/nope"})
     done, _, run_dir = rollflow_train(config, tmp_path)

@@ -149,6 +149,7 @@ def chunks_over_nodes(node_ids: dict[str, str], folder: str, first_on: str) -> d
 # ---------------------------------------------------------------- tests
 
 
+@pytest.mark.slow  # 7 s in a loaded suite run (docs/testing.md)
 def test_the_cluster_has_a_head_and_a_worker_with_their_own_cpus(cluster: LocalRayCluster) -> None:
     nodes = cluster.nodes()
     assert sorted(nodes) == ["head", "worker-1"]
@@ -168,6 +169,7 @@ def test_prefect_tasks_run_on_the_node_they_are_placed_on(cluster: LocalRayClust
     assert all(int(row["pid"]) != os.getpid() for row in results), "tasks must run in Ray workers"
 
 
+@pytest.mark.slow  # 4 s in a loaded suite run (docs/testing.md)
 def test_a_chunk_on_a_killed_node_is_redone_once_on_the_head(cluster: LocalRayCluster, tmp_path: Path) -> None:
     import ray
     from prefect.client.orchestration import get_client
@@ -225,6 +227,7 @@ def test_kill_node_refuses_the_head(cluster: LocalRayCluster) -> None:
         cluster.kill_node("head")
 
 
+@pytest.mark.slow  # 3 s in a loaded suite run (docs/testing.md)
 def test_pin_cores_refuses_more_cores_than_this_process_has() -> None:
     too_many = len(os.sched_getaffinity(0)) + 1
     with pytest.raises(ClusterError, match=f"pin_cores needs {too_many + 1} cores"):

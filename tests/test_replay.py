@@ -50,6 +50,7 @@ def reply_index(run_dir: Path, episode_id: str, turn: int) -> int:
     return assistant[turn - 1] + 1
 
 
+@pytest.mark.slow  # 4 s in a loaded suite run (docs/testing.md)
 def test_the_unchanged_environment_replays_every_episode_exactly(run_dir: Path) -> None:
     summary = replay_run(run_dir, ENV, SAME, name="same")
     rows = replays(run_dir, "matched, first_diff_turn, old_text, new_text, old_ending = new_ending, "

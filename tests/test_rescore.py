@@ -142,6 +142,7 @@ def test_a_rescore_killed_after_its_first_file_resumes_without_doubles(
         rescore_run(run_dir, ENV, {**SAME, "threshold": 0.9}, name="resumed")
 
 
+@pytest.mark.slow  # 6 s in a loaded suite run (docs/testing.md)
 def test_a_rescore_process_killed_mid_way_resumes_without_doubles(run_dir: Path) -> None:
     kwargs = {**SAME, "threshold": 0.9, "score_delay_s": 1.0}  # each chunk takes about a second
     command = [sys.executable, "-m", "rollflow.flows.cli", "rescore", str(run_dir), "--env", ENV,
@@ -163,6 +164,7 @@ def test_a_rescore_process_killed_mid_way_resumes_without_doubles(run_dir: Path)
     assert counts == query(run_dir, "SELECT count(*), count(*) FROM episodes")
 
 
+@pytest.mark.slow  # 6 s in a loaded suite run (docs/testing.md)
 def test_a_second_rescore_of_one_name_is_refused_while_the_first_runs(
     run_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

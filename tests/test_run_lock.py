@@ -62,6 +62,7 @@ def assert_refused_at_once_naming(root: Path, holder: int, tmp_path: Path) -> No
     assert "Traceback" not in message and seconds < 30, (seconds, message[-2000:])
 
 
+@pytest.mark.slow  # 6 s in a loaded suite run (docs/testing.md)
 def test_a_second_resume_is_refused_at_once_naming_the_holder_and_sigkill_frees_the_folder(
     tiny_config_path: Path, tmp_path: Path
 ) -> None:
@@ -81,6 +82,7 @@ def test_a_second_resume_is_refused_at_once_naming_the_holder_and_sigkill_frees_
     handle.close()
 
 
+@pytest.mark.slow  # 5 s in a loaded suite run (docs/testing.md)
 def test_one_process_may_open_its_run_again(tiny_config_path: Path, tmp_path: Path) -> None:
     """The CLI opens the run, then its flow opens it again in the same process."""
     root = frozen_run(tmp_path, tiny_config_path)

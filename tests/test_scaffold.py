@@ -161,6 +161,7 @@ def test_env_new_refuses_rollflow_own_package_folders(
     assert not (own / "stray_env").exists() and not (own / "my_envs").exists()
 
 
+@pytest.mark.slow  # 10 s in a loaded suite run (docs/testing.md)
 def test_a_starter_in_the_working_directory_passes_its_test_and_rollflow_loads_it(tmp_path: Path) -> None:
     """As a user does it: the `rollflow` console script (no working directory on its
     sys.path) writes the starter, pytest plays it, and the written config's [env] loads."""
@@ -200,6 +201,7 @@ def test_the_starter_validates_on_tasks_it_does_not_train_on(
 
 
 @pytest.mark.parametrize("style", ["hook", "async", "single"])
+@pytest.mark.slow  # 4 s in a loaded suite run (docs/testing.md)
 def test_env_new_writes_a_config_the_train_flow_runs_on_the_starter(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,

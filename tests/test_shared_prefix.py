@@ -89,6 +89,7 @@ def _logprobs_and_grads(model: torch.nn.Module, samples: list, attention: object
 
 @pytest.mark.parametrize("kind", ["tiny", "bundled-shape"])
 @pytest.mark.parametrize("use_lora", [True, False])
+@pytest.mark.slow  # 3 s in a loaded suite run (docs/testing.md)
 def test_logprobs_and_gradients_equal_the_plain_forwards(tiny_model_dir: Path, kind: str, use_lora: bool) -> None:
     model = _policy(kind, use_lora, tiny_model_dir)
     # two groups with openings of different lengths in one micro-batch, rows of different lengths
@@ -131,6 +132,7 @@ def test_each_prefix_runs_once(tiny_model_dir: Path) -> None:
 
 @pytest.mark.parametrize("kind", ["tiny", "bundled-shape"])
 @pytest.mark.parametrize("use_lora", [True, False])
+@pytest.mark.slow  # 7 s in a loaded suite run (docs/testing.md)
 def test_an_update_with_shared_prefixes_equals_the_plain_update(tiny_model_dir: Path, kind: str, use_lora: bool) -> None:
     """The KL reference pass (LoRA: adapter off; full weights: a frozen copy) and two minibatches
     with their proximal pass all run shared-prefix forwards; the weights after the step agree."""

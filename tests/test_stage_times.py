@@ -86,6 +86,7 @@ def test_a_step_resumed_after_its_rollout_logs_the_rollout_s_real_time(
 
 
 @pytest.mark.usefixtures("prefect_harness")
+@pytest.mark.slow  # 3 s in a loaded suite run (docs/testing.md)
 def test_a_stage_finished_without_a_recorded_time_logs_no_time(
     one_step_config: Path, tmp_path: Path
 ) -> None:

@@ -38,6 +38,7 @@ def test_selection_takes_the_best_the_worst_and_a_seeded_sample() -> None:
         "validation/5/2/0", "validation/5/1/0", "validation/5/0/0"]  # fewer episodes than asked: each once
 
 
+@pytest.mark.slow  # 3 s in a loaded suite run (docs/testing.md)
 def test_each_episode_is_a_trace_with_a_span_per_turn_and_tool_call(tmp_path: Path) -> None:
     uri, client, experiment, run_id = mlflow_run(tmp_path)
     episodes, scores = validation_pass(4)
@@ -67,6 +68,7 @@ def test_each_episode_is_a_trace_with_a_span_per_turn_and_tool_call(tmp_path: Pa
     assert len(client.search_traces(locations=[experiment], run_id=run_id)) == 3  # a resume adds none
 
 
+@pytest.mark.slow  # 5 s in a loaded suite run (docs/testing.md)
 def test_a_crash_between_logging_and_traces_json_logs_no_trace_twice(tmp_path: Path, monkeypatch) -> None:
     """The process dies after the traces reached MLflow but before ``traces.json`` (here: before
     they were linked to the run, then after); the resume logs no episode a second time."""
@@ -104,6 +106,7 @@ def test_a_crash_between_logging_and_traces_json_logs_no_trace_twice(tmp_path: P
     assert sorted(t.info.trace_id for t in linked) == sorted(t.info.trace_id for t in logged)
 
 
+@pytest.mark.slow  # 4 s in a loaded suite run (docs/testing.md)
 def test_an_episode_that_overflowed_before_acting_is_a_trace_without_turns(tmp_path: Path) -> None:
     """A prompt longer than max_model_length: the transcript holds no assistant message."""
     from rollflow.envs.types import TruncationCause

@@ -36,6 +36,7 @@ def no_tracking_uri(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator
     mlflow.set_tracking_uri(None)  # MLflow reads the restored environment variable again
 
 
+@pytest.mark.slow  # 5 s in a loaded suite run (docs/testing.md)
 def test_traces_leave_the_default_store_to_the_project(no_tracking_uri: Path, tmp_path: Path) -> None:
     project_store = f"sqlite:///{no_tracking_uri / '.rollflow' / 'mlflow.db'}"
     assert default_tracking_uri() == project_store

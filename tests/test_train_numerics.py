@@ -91,6 +91,7 @@ def train_steps(config: RunConfig, run_dir: Path, steps: int) -> torch.nn.Module
     return load_policy_for_training(config, latest)[0]
 
 
+@pytest.mark.slow  # 6 s in a loaded suite run (docs/testing.md)
 def test_full_weight_training_in_bfloat16_updates_float32_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
     """AdamW on bfloat16 weights rounds most updates of lr 2e-5 away; the trainer keeps
     float32 weights, so [model].dtype changes how the policy samples, not how it learns."""

@@ -89,6 +89,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow  # 8 s in a loaded suite run (docs/testing.md)
 def test_replicas_started_together_die_with_the_process_that_started_them(tmp_path: Path) -> None:
     """Started at once, yet each tied to its starter's life (``parent_death_signal``, which a
     server spawned from a thread would not get): the starter SIGKILLed, with no watchdog of a

@@ -141,6 +141,7 @@ def test_an_engine_that_died_at_its_first_request_is_not_restarted(
     assert (tmp_path / "server.log").read_text().count("fake server starting") == 1, "it was started again"
 
 
+@pytest.mark.slow  # 4 s in a loaded suite run (docs/testing.md)
 def test_the_same_engine_death_after_a_restart_is_not_restarted_again(
     fake_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

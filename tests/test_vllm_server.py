@@ -60,6 +60,7 @@ def test_an_early_exit_quotes_the_log_and_the_command(
     assert not server.running
 
 
+@pytest.mark.slow  # 18 s in a loaded suite run (docs/testing.md)
 def test_a_server_never_healthy_times_out_and_its_whole_group_is_stopped(
     model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -179,6 +180,7 @@ def sharded_tiny_model(dest: Path) -> Path:
 
 
 @pytest.mark.skipif(not DEFAULT_PYTHON.is_file(), reason="needs the vLLM Python (make vllm-setup)")
+@pytest.mark.slow  # 7 s in a loaded suite run (docs/testing.md)
 def test_the_untied_copy_of_a_sharded_tied_model_keeps_its_lm_head_for_vllm(tmp_path: Path) -> None:
     """B9: lm_head.safetensors was outside the index, and vLLM's loader dropped it."""
     served = untied_serving_folder(sharded_tiny_model(tmp_path / "tiny"))
