@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 from update_exactness import (
-    bundled_shape_policy,
+    TOLERANCE,
+    policy_of_kind,
+    tiny_policy,
     grads_of,
     grouped_samples,
     scaled_max_diff,
-    tiny_policy,
     trainable,
 )
 
@@ -26,20 +27,13 @@ from rollflow.tasks.sft import completion_nll
 from rollflow.tasks.sft_rows import SFTRow
 from rollflow.tasks.train import adapter_off_reference
 
-TOLERANCE = 2e-5  # float32 rounding through a few layers: the differences seen are ~1e-6
-
-
-def _policy(kind: str, use_lora: bool, tiny_model_dir: Path) -> torch.nn.Module:
-    return tiny_policy(tiny_model_dir, use_lora) if kind == "tiny" else bundled_shape_policy(use_lora)
-
-
 @pytest.mark.parametrize("kind", ["tiny", "bundled-shape"])
 @pytest.mark.parametrize("use_lora", [True, False])
 @pytest.mark.slow  # 10 s in a loaded suite run (docs/testing.md)
 def test_logprobs_and_gradients_without_the_mask_equal_the_masked_ones(
     tiny_model_dir: Path, kind: str, use_lora: bool
 ) -> None:
-    model = _policy(kind, use_lora, tiny_model_dir)
+    model = policy_of_kind(kind, use_lora, tiny_model_dir)
     samples = grouped_samples(model.config.vocab_size, groups=1, per_group=3, prompt=20)
     t = _microbatch_tensors(samples, pad_token_id=2, device=model.device)
     assert (t["attention_mask"] == 0).any(), "the rows must differ in length: padding is the point"

@@ -20,9 +20,9 @@ from rollflow.envs.handle import EpisodeLimits  # noqa: E402
 from rollflow.envs.reasoning_gym import dataset_names, expert_policy, load_environment  # noqa: E402
 from rollflow.envs.runner import EnvironmentLoadError, load_environment_handle, play_groups  # noqa: E402
 from rollflow.envs.scripted import ScriptedPolicy, latest_user_content  # noqa: E402
-from rollflow.flows.cli import main  # noqa: E402
 from rollflow.storage.query import open_run_sql, run_query  # noqa: E402
 from rollflow.tasks.config import config_to_toml, load_config  # noqa: E402
+from tiny_run import train_tiny_on  # noqa: E402
 from rollflow.tasks.preflight import PreflightError, check_environment  # noqa: E402
 
 SPEC = "rollflow.envs.reasoning_gym:load_environment"
@@ -156,19 +156,7 @@ def test_the_worked_config_loads_fifty_validation_tasks() -> None:
 def test_two_steps_of_rollflow_train_on_the_tiny_model(
     tiny_model_dir: Path, tmp_path: Path, prefect_harness: object
 ) -> None:
-    config = load_config(REPO / "configs" / "tiny.toml")
-    config = replace(
-        config,
-        model=replace(config.model, path=str(tiny_model_dir)),
-        env=replace(config.env, name=SPEC, kwargs={**KWARGS, "size": 4, "num_validation": 2}),
-        rollout=replace(config.rollout, max_turns=1),
-        storage=replace(config.storage, runs_dir=str(tmp_path / "runs")),
-        tracking=replace(config.tracking, enabled=False),
-    )
-    path = tmp_path / "rg.toml"
-    path.write_text(config_to_toml(config))
-    run_dir = tmp_path / "run"
-    assert main(["train", str(path), "--run-dir", str(run_dir)]) == 0
+    run_dir = train_tiny_on(tiny_model_dir, tmp_path, SPEC, {**KWARGS, "size": 4, "num_validation": 2}, max_turns=1)
     con = open_run_sql(run_dir)
     _, rows = run_query(
         con,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,13 +18,11 @@ from rollflow.envs.runner import EnvironmentLoadError, load_environment_handle, 
 from rollflow.envs.scripted import ScriptedPolicy  # noqa: E402
 from rollflow.envs.textarena import make_game  # noqa: E402
 from rollflow.envs.types import Message  # noqa: E402
-from rollflow.flows.cli import main  # noqa: E402
 from rollflow.storage.query import open_run_sql, run_query  # noqa: E402
-from rollflow.tasks.config import config_to_toml, load_config  # noqa: E402
+from tiny_run import train_tiny_on  # noqa: E402
 
 SPEC = "rollflow.envs.textarena:load_environment"
 GAME = "GuessTheNumber-v0"
-REPO = Path(__file__).resolve().parent.parent
 
 
 def binary_search(messages: Sequence[Message], turn: int) -> str:
@@ -100,19 +97,7 @@ def test_bad_games_are_one_line(kwargs: dict, pattern: str) -> None:
 def test_two_steps_of_rollflow_train_on_the_tiny_model(
     tiny_model_dir: Path, tmp_path: Path, prefect_harness: object
 ) -> None:
-    config = load_config(REPO / "configs" / "tiny.toml")
-    config = replace(
-        config,
-        model=replace(config.model, path=str(tiny_model_dir)),
-        env=replace(config.env, name=SPEC, kwargs={"game": GAME, "num_train": 4, "num_validation": 2}),
-        rollout=replace(config.rollout, max_turns=2),
-        storage=replace(config.storage, runs_dir=str(tmp_path / "runs")),
-        tracking=replace(config.tracking, enabled=False),
-    )
-    path = tmp_path / "ta.toml"
-    path.write_text(config_to_toml(config))
-    run_dir = tmp_path / "run"
-    assert main(["train", str(path), "--run-dir", str(run_dir)]) == 0
+    run_dir = train_tiny_on(tiny_model_dir, tmp_path, SPEC, {"game": GAME, "num_train": 4, "num_validation": 2}, max_turns=2)
     con = open_run_sql(run_dir)
     _, rows = run_query(
         con,

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 from update_exactness import (
-    bundled_shape_policy,
+    TOLERANCE,
+    policy_of_kind,
+    tiny_policy,
     grads_of,
     grouped_samples,
     scaled_max_diff,
-    tiny_policy,
     trainable,
 )
 
@@ -34,13 +35,6 @@ from rollflow.tasks.shared_prefix import (
     shared_prefix_logits,
 )
 from rollflow.tasks.train import adapter_off_reference, frozen_model_reference
-
-TOLERANCE = 2e-5  # float32 rounding through a few layers: the differences seen are ~1e-6
-
-
-def _policy(kind: str, use_lora: bool, tiny_model_dir: Path) -> torch.nn.Module:
-    return tiny_policy(tiny_model_dir, use_lora) if kind == "tiny" else bundled_shape_policy(use_lora)
-
 
 def _plan(samples: list) -> SharedPrefix:
     return plan_prefixes([s.input_ids for s in samples], [first_trained(s.loss_mask) for s in samples],
@@ -91,7 +85,7 @@ def _logprobs_and_grads(model: torch.nn.Module, samples: list, attention: object
 @pytest.mark.parametrize("use_lora", [True, False])
 @pytest.mark.slow  # 3 s in a loaded suite run (docs/testing.md)
 def test_logprobs_and_gradients_equal_the_plain_forwards(tiny_model_dir: Path, kind: str, use_lora: bool) -> None:
-    model = _policy(kind, use_lora, tiny_model_dir)
+    model = policy_of_kind(kind, use_lora, tiny_model_dir)
     # two groups with openings of different lengths in one micro-batch, rows of different lengths
     samples = grouped_samples(model.config.vocab_size, groups=2, per_group=3, prompt=24, shared_system=8)
     plan = _plan(samples)
@@ -136,7 +130,7 @@ def test_each_prefix_runs_once(tiny_model_dir: Path) -> None:
 def test_an_update_with_shared_prefixes_equals_the_plain_update(tiny_model_dir: Path, kind: str, use_lora: bool) -> None:
     """The KL reference pass (LoRA: adapter off; full weights: a frozen copy) and two minibatches
     with their proximal pass all run shared-prefix forwards; the weights after the step agree."""
-    base = _policy(kind, use_lora, tiny_model_dir)
+    base = policy_of_kind(kind, use_lora, tiny_model_dir)
     samples = grouped_samples(base.config.vocab_size, groups=3, per_group=4, prompt=20)
     settings = UpdateSettings(
         loss=LossSettings(kl_coef=0.1, off_policy_correction="tis"), max_tokens_per_microbatch=200,

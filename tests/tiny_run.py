@@ -29,6 +29,29 @@ def tiny_config_at(dest: Path, model_dir: Path) -> Path:
     return path
 
 
+def train_tiny_on(
+    model_dir: Path, tmp_path: Path, env_name: str, env_kwargs: dict[str, object], max_turns: int
+) -> Path:
+    """Two steps of a real `rollflow train` (configs/tiny.toml, untracked) on the tiny model
+    and environment ``env_name`` with ``env_kwargs``; returns the run folder."""
+    from rollflow.flows.cli import main
+
+    config = load_config(REPO / "configs" / "tiny.toml")
+    config = replace(
+        config,
+        model=replace(config.model, path=str(model_dir)),
+        env=replace(config.env, name=env_name, kwargs=env_kwargs),
+        rollout=replace(config.rollout, max_turns=max_turns),
+        storage=replace(config.storage, runs_dir=str(tmp_path / "runs")),
+        tracking=replace(config.tracking, enabled=False),
+    )
+    path = tmp_path / "two-steps.toml"
+    path.write_text(config_to_toml(config))
+    run_dir = tmp_path / "run"
+    assert main(["train", str(path), "--run-dir", str(run_dir)]) == 0
+    return run_dir
+
+
 def build_vllm_tiny_model(dest: Path) -> Path:
     """A tiny Llama vLLM's CPU attention serves (2 heads of 32) with the real tokenizer, its
     end-of-turn embedding made large so that actions end by ``stop`` often enough to test."""

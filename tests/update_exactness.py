@@ -62,6 +62,16 @@ def bundled_shape_policy(use_lora: bool, num_layers: int = BUNDLED_SHAPE_LAYERS,
     return model.requires_grad_(True)
 
 
+# float32 rounding through a few layers (the differences seen are ~1e-6), scaled by the
+# largest gradient where gradients are compared (scaled_max_diff)
+TOLERANCE = 2e-5
+
+
+def policy_of_kind(kind: str, use_lora: bool, tiny_model_dir: Path) -> PreTrainedModel:
+    """The tiny test model (``kind == "tiny"``) or the bundled model's shape, random weights."""
+    return tiny_policy(tiny_model_dir, use_lora) if kind == "tiny" else bundled_shape_policy(use_lora)
+
+
 def trainable(model: PreTrainedModel) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
