@@ -82,8 +82,16 @@ def test_the_own_session_server_is_prefects_default_and_leaves_a_harness_alone(m
 
     from rollflow.flows.prefect_server import OwnSessionServer, serve_prefect_in_own_session
 
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     monkeypatch.setattr(SubprocessASGIServer, "_instances", {})
-    server = serve_prefect_in_own_session()
-    assert isinstance(server, OwnSessionServer) and not server.running
-    assert SubprocessASGIServer() is server  # what Prefect's client, events and logs ask for
-    assert serve_prefect_in_own_session() is None  # one there already (e.g. the test harness)
+    # as `rollflow train` runs: no server configured (the suite's session harness sets one)
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        server = serve_prefect_in_own_session()
+        assert isinstance(server, OwnSessionServer) and not server.running
+        assert SubprocessASGIServer() is server  # what Prefect's client, events and logs ask for
+        assert serve_prefect_in_own_session() is None  # one there already
+    monkeypatch.setattr(SubprocessASGIServer, "_instances", {})
+    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:4200/api"}):
+        assert serve_prefect_in_own_session() is None  # a server of the user's, or the test harness
+    assert not SubprocessASGIServer._instances
