@@ -69,6 +69,9 @@ class SFTResult:
     seconds: float
 
 
+PROGRESS_EVERY_S = 30.0  # a line within an epoch at most this often
+
+
 def policy_dir(run_dir: Path) -> Path:
     return Path(run_dir) / SFT_DIR / POLICY_DIR
 
@@ -244,12 +247,17 @@ def train_epochs(
         order = list(rows)
         random.Random(f"{train.seed}/sft/{epoch}").shuffle(order)
         loss_sum, tokens = 0.0, 0
+        said = time.perf_counter()
         for start in range(0, len(order), sft.batch_size):
             batch = order[start : start + sft.batch_size]
             loss = sft_update(model, optimizer, batch, pad_token_id, train.max_tokens_per_microbatch,
                               train.max_grad_norm, train.shared_prefix)
             batch_tokens = sum(r.num_trained for r in batch)
             loss_sum, tokens, steps = loss_sum + loss * batch_tokens, tokens + batch_tokens, steps + 1
+            if time.perf_counter() - said >= PROGRESS_EVERY_S and start + sft.batch_size < len(order):
+                said = time.perf_counter()  # an epoch of minutes is not silent
+                print(f"  sft epoch {epoch + 1}/{sft.epochs}: {start + len(batch)}/{len(order)} rows, "
+                      f"loss so far {loss_sum / tokens:.4f} ({said - started:.1f}s)", file=sys.stderr, flush=True)
         losses.append(loss_sum / tokens)
         print(f"  sft epoch {epoch + 1}/{sft.epochs}: loss {losses[-1]:.4f} "
               f"({time.perf_counter() - started:.1f}s)", file=sys.stderr, flush=True)

@@ -280,6 +280,25 @@ def test_loss_counts_exactly_the_trained_tokens(tiny_model_dir: Path) -> None:
     assert mean_completion_loss(model, rows, 2) == pytest.approx(naive / 5, rel=1e-5)
 
 
+def test_an_epoch_of_many_batches_says_how_far_it_got(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The newcomer's item 12: SFT printed once per epoch (110 s of silence each)."""
+    import time
+
+    from rollflow.tasks import sft
+
+    monkeypatch.setattr(sft, "PROGRESS_EVERY_S", 0.0)  # a line after every batch but the last
+    config = sft_config(tiny_model_dir, tmp_path, use_lora=True, learning_rate=3e-2)
+    config = replace(config, sft=replace(config.sft, batch_size=1, epochs=1))
+    model, tokenizer = load_causal_lm(ModelRef(path=str(tiny_model_dir)))
+    rows = [SFTRow(name, (5, 6, 7, 8, 9, 10), (0, 0, 0, 1, 1, 1)) for name in "abc"]
+    sft.train_epochs(config, model, rows, tokenizer.pad_token_id or 0, time.perf_counter())
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split(":")[1].split(",")[0].strip() for line in err[:-1]] == ["1/3 rows", "2/3 rows"], err
+    assert err[-1].startswith("  sft epoch 1/1: loss ")
+
+
 @pytest.mark.slow  # ~12 s on 2 busy cores
 def test_lora_sft_lowers_the_loss_on_its_rows_and_saves_an_adapter(tiny_model_dir: Path, tmp_path: Path) -> None:
     config = sft_config(tiny_model_dir, tmp_path, use_lora=True, learning_rate=3e-2)
