@@ -94,13 +94,22 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_the_finder_sees_a_circle_and_a_deferred_import() -> None:
-    """The checker itself: a loop closed by an import inside a function is found."""
+def test_the_finder_sees_a_circle_closed_by_a_deferred_or_type_only_import(tmp_path: Path) -> None:
+    """The checker itself: a loop closed by an import inside a function, or under
+    TYPE_CHECKING, is found; a plain chain is not a loop."""
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert circles(graph) == [["a", "b", "c"]]
     assert circles({"a": {"b"}, "b": set()}) == []
-    tree = import_graph({"rollflow.tasks.x": Path(__file__), "rollflow.tasks.import_graph_probe": Path(__file__)})
-    assert tree["rollflow.tasks.x"] == set()  # this file imports no rollflow module
+    (tmp_path / "one.py").write_text("from rollflow.tasks.two import thing\n")
+    (tmp_path / "two.py").write_text("def thing():\n    from rollflow.tasks import one\n")
+    (tmp_path / "three.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import rollflow.tasks.one\n"
+    )
+    modules = {f"rollflow.tasks.{n}": tmp_path / f"{n}.py" for n in ("one", "two", "three")}
+    graph = import_graph(modules)
+    assert graph == {"rollflow.tasks.one": {"rollflow.tasks.two"}, "rollflow.tasks.two": {"rollflow.tasks.one"},
+                     "rollflow.tasks.three": {"rollflow.tasks.one"}}  # fmt: skip
+    assert circles(graph) == [["rollflow.tasks.one", "rollflow.tasks.two"]]
 
 
 def test_no_module_of_the_package_is_in_an_import_circle() -> None:
