@@ -39,6 +39,17 @@ class UserError(Exception):
     """A problem the user can fix; printed as one line, no traceback."""
 
 
+def json_object_flag(text: str, flag: str = "--kwargs") -> dict[str, object]:
+    """``text``, a flag's JSON object (an environment's kwargs), or a ``UserError`` naming the flag."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise UserError(f"{flag} is not JSON ({text!r}): {exc}") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{flag} must be a JSON object, got {type(value).__name__}: {text!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class Command:
     name: str

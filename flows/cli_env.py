@@ -18,11 +18,10 @@ torch and transformers load only when ``show`` runs.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from rollflow.flows.cli import Command, UserError, register
+from rollflow.flows.cli import Command, UserError, json_object_flag, register
 
 
 def _env_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,7 +79,7 @@ def run_env_show(args: argparse.Namespace) -> int:
         raise UserError("give the environment (module:function) or a --config whose [env] to show")
     try:
         config = load_config(args.config) if args.config is not None else RunConfig()
-        kwargs = _kwargs(args.kwargs)
+        kwargs = None if args.kwargs is None else json_object_flag(args.kwargs)
         if args.spec is not None and args.spec != config.env.name:
             config = replace(config, env=EnvConfig(name=args.spec, kwargs=kwargs or {}))
         elif kwargs is not None:
@@ -93,18 +92,6 @@ def run_env_show(args: argparse.Namespace) -> int:
     model = config.model.path or "the bundled SmolLM2-135M-Instruct"
     print(describe_preview(preview, model), file=sys.stderr)
     return 0
-
-
-def _kwargs(text: str | None) -> dict[str, object] | None:
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise UserError(f"--kwargs is not JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise UserError(f"--kwargs must be a JSON object, got {type(value).__name__}")
-    return value
 
 
 register(Command("env", "environment tools: `rollflow env new NAME` writes a starter in a folder of your own, "

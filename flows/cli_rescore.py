@@ -10,10 +10,8 @@ code is imported only when a command runs.
 from __future__ import annotations
 
 import argparse
-import json
-from typing import Any
 
-from rollflow.flows.cli import Command, UserError, register
+from rollflow.flows.cli import Command, UserError, json_object_flag, register
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,16 +22,6 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--name", help="the output's name (default: <module>-<hash of env, kwargs, filter>)")
     parser.add_argument("--where", help="an SQL condition over the episodes view (default: every episode)")
-
-
-def _kwargs(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise UserError(f"--kwargs {text!r} is not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise UserError(f"--kwargs must be a JSON object, got {type(value).__name__}: {text!r}")
-    return value
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -48,7 +36,7 @@ def run_rescore(args: argparse.Namespace) -> int:
     from rollflow.tasks.rescore import rescore_run
 
     try:
-        summary = rescore_run(args.run_dir, args.env, _kwargs(args.kwargs), args.name, args.where)
+        summary = rescore_run(args.run_dir, args.env, json_object_flag(args.kwargs), args.name, args.where)
     except _user_errors() as exc:
         raise UserError(str(exc)) from exc
     resumed = f", {summary.chunks_skipped} kept from an interrupted run" if summary.chunks_skipped else ""
@@ -63,7 +51,7 @@ def run_replay(args: argparse.Namespace) -> int:
     from rollflow.tasks.replay import replay_run
 
     try:
-        summary = replay_run(args.run_dir, args.env, _kwargs(args.kwargs), args.name, args.where)
+        summary = replay_run(args.run_dir, args.env, json_object_flag(args.kwargs), args.name, args.where)
     except _user_errors() as exc:
         raise UserError(str(exc)) from exc
     con = open_run_sql(args.run_dir)
