@@ -38,6 +38,7 @@ from jsonschema import Draft202012Validator, validators
 from jsonschema.exceptions import SchemaError, best_match
 from jsonschema.protocols import Validator
 
+from rollflow.envs.type_names import qualified_name, type_mismatch
 from rollflow.envs.types import Message, Tool, ToolCall, ToolResult
 
 TOOL_ERROR_PREFIX = "tool_error: "
@@ -107,20 +108,14 @@ async def _run_one(tools: Mapping[str, Tool], name: str, arguments: str) -> Tool
         return f"{name} failed: {type(exc).__name__}: {exc}"
     if not isinstance(result, ToolResult):
         raise BrokenToolError(
-            f"tool {name!r} returned {_qualified(type(result))}, not {_qualified(ToolResult)} "
-            "(a bug in the tool, not in the model's call)"
+            f"tool {name!r} returned {type_mismatch(result, ToolResult)} (a bug in the tool, not in the model's call)"
         )
     if not isinstance(result.content, str):
         raise BrokenToolError(
-            f"tool {name!r} returned a ToolResult whose content is {_qualified(type(result.content))}, "
+            f"tool {name!r} returned a ToolResult whose content is {qualified_name(type(result.content))}, "
             "not str (a bug in the tool, not in the model's call)"
         )
     return result
-
-
-def _qualified(kind: type) -> str:
-    """``module.Name``: two classes of one name (a module imported twice) tell apart."""
-    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
 
 def _argument_problem(tool: Tool, arguments: str) -> str | None:
