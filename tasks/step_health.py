@@ -187,20 +187,26 @@ def step_summary(metrics: Mapping[str, float | None]) -> str:
     """``reward 0.412 pass 25% errors 0/8 overflows 1/8 tool errors 3/12 calls groups with
     reward variance 2/2`` from a training step's ``metrics.json``."""
     line = _outcome(metrics, "")
-    groups, flat = metrics.get("episodes/groups"), metrics.get("reward/zero_variance_skip_ratio")
-    if groups is None or flat is None:
+    varied = _varied_groups(metrics)
+    if varied is None:
         return line
-    varied = round(groups * (1.0 - flat))
-    line += f" groups with reward variance {varied}/{int(groups)}"
-    return line + (": nothing to learn" if varied == 0 and groups > 0 else "")
+    line += f" groups with reward variance {varied[0]}/{varied[1]}"
+    return line + (": nothing to learn" if varied[0] == 0 and varied[1] > 0 else "")
 
 
 def step_hint(metrics: Mapping[str, float | None]) -> str | None:
     """What to try when no group of a training step had reward variance; None otherwise."""
+    varied = _varied_groups(metrics)
+    return NOTHING_TO_LEARN if varied is not None and varied[0] == 0 and varied[1] > 0 else None
+
+
+def _varied_groups(metrics: Mapping[str, float | None]) -> tuple[int, int] | None:
+    """(groups with reward variance, groups) of a training step; None for a step written
+    before groups were counted."""
     groups, flat = metrics.get("episodes/groups"), metrics.get("reward/zero_variance_skip_ratio")
-    if not groups or flat is None or round(groups * (1.0 - flat)) > 0:
+    if groups is None or flat is None:
         return None
-    return NOTHING_TO_LEARN
+    return round(groups * (1.0 - flat)), int(groups)
 
 
 def validation_summary(metrics: Mapping[str, float | None]) -> str:
