@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -111,10 +112,11 @@ def test_a_replica_actor_binds_its_share_of_its_nodes_cores(tiny_model_dir: Path
     from rollflow.flows import ray_replicas
 
     monkeypatch.setattr(ray_replicas.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    spec = VLLMServerSpec(str(tiny_model_dir))
+    python = sys.executable  # never started: any Python stands in for vLLM's (make test-fast builds none)
+    spec = VLLMServerSpec(str(tiny_model_dir), python=python)
     assert ray_replicas.ReplicaHost(spec, None, 1.0, (1, 2)).server.spec.cpus == (1, 3)
     assert ray_replicas.ReplicaHost(spec, None, 1.0).server.spec.cpus == (), "alone on its node: every core"
-    given = VLLMServerSpec(str(tiny_model_dir), cpus=(4, 5, 6, 7))  # a local cluster's replicas: the split's cores
+    given = VLLMServerSpec(str(tiny_model_dir), cpus=(4, 5, 6, 7), python=python)  # a local cluster's: the split's cores
     assert ray_replicas.ReplicaHost(given, None, 1.0, (0, 2)).server.spec.cpus == (4, 6)
 
 
