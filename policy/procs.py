@@ -30,7 +30,7 @@ children started from the main thread, whose end is the process's end.
 
 ``fault_point(name)``: with ``$ROLLFLOW_FAULT_POINT`` = ``name`` the process stops itself
 (SIGSTOP) at that point of a run, where a test sees it stopped, records its processes and
-SIGKILLs it (``tests/test_kill_matrix.py``).
+SIGKILLs it (``tests/kill_matrix.py``).
 
 Simplified, and why:
 - The tree is polled, not traced: a child that starts and is orphaned (re-parented to

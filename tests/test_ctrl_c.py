@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from test_kill_matrix import RunProcess, _cmdline
+from kill_matrix import RunProcess, _cmdline
 
 PREFECT_SERVER = b"prefect.server.api.server:create_app"
 

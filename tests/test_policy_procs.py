@@ -4,7 +4,7 @@ Each test starts a real "run" process (a few lines of Python) that starts a chil
 session of its own, as the managed vLLM server is started, then SIGKILLs the run: with the
 watchdog the child is gone within seconds, without it the child is orphaned (the control
 that shows the set-up really leaves one behind). The slow kill matrix on real runs is
-tests/test_kill_matrix.py.
+tests/kill_matrix.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,11 @@
-"""The kill matrix: a real `rollflow train` on vLLM, SIGKILLed at each kill point, leaves no
-process behind, and its resume trains the same episodes as an uninterrupted run.
+"""The kill matrix's machinery: a real `rollflow train` watched from outside, killed, checked.
+
+The matrix itself is two modules, one per schedule (``test_kill_matrix_lockstep.py``,
+``test_kill_matrix_async.py``), so that ``make test``'s two workers run them side by side;
+this module is what both use (and ``test_ctrl_c.py``'s ``RunProcess``).
+
+What the matrix checks: a real `rollflow train` on vLLM, SIGKILLed at each kill point, leaves
+no process behind, and its resume trains the same episodes as an uninterrupted run.
 
 For lockstep and async collection, one run each on the tiny vLLM model of
 tests/tiny_run.py (LoRA, 2 steps of 2 groups of 2 episodes) is killed at one point,
@@ -36,21 +42,16 @@ from pathlib import Path
 import pytest
 
 from rollflow.policy.procs import FAULT_POINT_ENV, Proc, descendants, is_alive, process_table, read_proc
-from rollflow.storage.async_groups import finished_groups, read_admission
+from rollflow.storage.async_groups import finished_groups
 from rollflow.storage.query import open_run_sql, run_query
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.config import RunConfig, config_to_toml
-from tiny_run import build_vllm_tiny_model
 
 TESTS = Path(__file__).parent
 STEPS, GROUPS, GROUP_SIZE = 2, 2, 2
 LEFTOVER_WAIT_S = 20.0  # the watchdog's SIGTERM grace, its SIGKILL, and the reaping
 RUN_TIMEOUT_S = 300.0
 
-
-@pytest.fixture(scope="module")
-def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_vllm_tiny_model(tmp_path_factory.mktemp("kill-matrix-tiny"))
 
 
 def _config(model_dir: Path, tmp_path: Path, lockstep: bool) -> Path:
@@ -241,90 +242,3 @@ def assert_each_group_once(run_dir: Path, task_of: Callable[[int, int], str]) ->
     expected = [(s, f"train/{s}/{k}", task_of(s, k), GROUP_SIZE, GROUP_SIZE, 0)
                 for s in range(STEPS) for k in range(GROUPS)]  # fmt: skip
     assert sorted(_episode_counts(run_dir)) == sorted(expected)
-
-
-# ---------------------------------------------------------------- the matrix
-
-
-@pytest.mark.slow
-def test_a_lockstep_run_killed_at_every_point_leaves_nothing_and_resumes_to_the_same_episodes(
-    vllm_model_dir: Path, tmp_path: Path
-) -> None:
-    from rollflow.tasks.config import load_config
-    from rollflow.tasks.schedule import select_train_tasks
-
-    config_path = _config(vllm_model_dir, tmp_path, lockstep=True)
-    run_dir = tmp_path / "run"
-    folder = RunFolder(run_dir)
-    resume = ["resume", str(run_dir)]
-    # 1: the server killed mid-request (restarted, its chunk replayed), then the run in train
-    run = RunProcess(["train", str(config_path), "--run-dir", str(run_dir)], tmp_path / "1-server-train.log")
-    kill_the_server_mid_request(run, rollout_half_done(folder, 0))
-    run.wait_until(training(folder, 0), "step 0's train stage")
-    run.kill()
-    # 2: step 1's adapter going to a fresh server
-    run = RunProcess(resume, tmp_path / "2-publish.log", fault="weight_publish")
-    run.wait_until(run.stopped_itself, "the weight_publish fault point")
-    run.kill()
-    # 3: step 1's rollout, half done
-    run = RunProcess(resume, tmp_path / "3-rollout.log")
-    run.wait_until(rollout_half_done(folder, 1), "step 1's rollout half done")
-    run.kill()
-    # 4: step 1's checkpoint half written (the server still up)
-    run = RunProcess(resume, tmp_path / "4-checkpoint.log", fault="checkpoint_write")
-    run.wait_until(run.stopped_itself, "the checkpoint_write fault point")
-    run.kill()
-    # 5: the rest
-    run = RunProcess(resume, tmp_path / "5-finish.log")
-    assert run.finish() == 0, run.tail()
-    config = load_config(config_path)
-    items = _train_tasks(config_path)
-    assert_each_group_once(
-        run_dir, lambda s, k: select_train_tasks(items, s, GROUPS, config.train.seed)[k].task_id
-    )
-    assert "restarting the vLLM server" in (run_dir / "logs" / "vllm-server.log").read_text()
-
-
-@pytest.mark.slow
-def test_an_async_run_killed_at_every_point_leaves_nothing_and_resumes_to_the_same_episodes(
-    vllm_model_dir: Path, tmp_path: Path
-) -> None:
-    from rollflow.tasks.config import load_config
-    from rollflow.tasks.schedule import select_train_tasks
-
-    config_path = _config(vllm_model_dir, tmp_path, lockstep=False)
-    run_dir = tmp_path / "run"
-    folder = RunFolder(run_dir)
-    resume = ["resume", str(run_dir)]
-    # 1: collecting, before step 0 took its groups
-    run = RunProcess(["train", str(config_path), "--run-dir", str(run_dir)], tmp_path / "1-rollout.log")
-    run.wait_until(collecting(folder), "a group collected")
-    run.kill()
-    # 2: step 0's train stage
-    run = RunProcess(resume, tmp_path / "2-train.log")
-    run.wait_until(training(folder, 0), "step 0's train stage")
-    run.kill()
-    # 3: step 0's checkpoint half written
-    run = RunProcess(resume, tmp_path / "3-checkpoint.log", fault="checkpoint_write")
-    run.wait_until(run.stopped_itself, "the checkpoint_write fault point")
-    run.kill()
-    # 4: version 1 going to the server
-    run = RunProcess(resume, tmp_path / "4-publish.log", fault="weight_publish")
-    run.wait_until(run.stopped_itself, "the weight_publish fault point")
-    run.kill()
-    # 5: the server killed mid-request: the run fails (tasks/collect.py), stopping what it started
-    run = RunProcess(resume, tmp_path / "5-server.log")
-    collected = len(finished_groups(folder))
-    kill_the_server_mid_request(run, lambda: len(finished_groups(folder)) > collected)
-    if run.finish() != 0:
-        # 6: the rest
-        run = RunProcess(resume, tmp_path / "6-finish.log")
-        assert run.finish() == 0, run.tail()
-    config = load_config(config_path)
-    items = _train_tasks(config_path)
-    admitted = [read_admission(folder, s).admitted for s in range(STEPS)]  # type: ignore[union-attr]
-    trained = [index for step in admitted for index in step]
-    assert len(trained) == len(set(trained)) == STEPS * GROUPS, f"a group trained twice: {admitted}"
-    assert_each_group_once(
-        run_dir, lambda s, k: select_train_tasks(items, admitted[s][k], 1, config.train.seed)[0].task_id
-    )
