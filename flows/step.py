@@ -77,7 +77,7 @@ def teacher_scores(config: RunConfig, samples: Path, out: Path, step: int) -> Pa
 
 
 class RemoteTrainer(Protocol):
-    """Runs a train stage elsewhere (``flows/ray_trainer.py``: a node of a Ray cluster)."""
+    """Runs a train stage elsewhere (``cluster/ray_trainer.py``: a node of a Ray cluster)."""
 
     def train(
         self, config: RunConfig, samples: Path, teacher: Path | None, previous: Path | None,
@@ -159,7 +159,7 @@ def rollout_from(
 ) -> Callable[[StepPaths], Path]:
     """Lockstep's ``episodes_from``: play the step's episodes with ``source``: the run's
     generator (asked for the step's version), a fixed policy, or None (the stage opens one);
-    on a Ray cluster's nodes where ``fan_out`` is given (``flows/ray_rollout.py``)."""
+    on a Ray cluster's nodes where ``fan_out`` is given (``cluster/ray_rollout.py``)."""
     return lambda p: rollout(config, p.episodes, p.step, p.split, quote(source), quote(fan_out))
 
 

@@ -18,8 +18,8 @@ Two schedules call it, and differ only in where a step's episodes come from:
 The run holds one generator for all its steps (``open_generator``; async:
 ``open_async_generator``), closed when the run ends or fails. On a Ray cluster
 (``[cluster]``, lockstep) the rollout chunks run on its nodes, and the train stage and the
-managed vLLM replicas too where ``[cluster]`` places them (``run_cluster``, opened before
-the generator and closed after it; ``replica_host``).
+managed vLLM replicas too where ``[cluster]`` places them (``cluster/run_cluster.py``,
+opened before the generator and closed after it; ``replica_host``).
 
 Resume is the same call again on the same run folder. A stage whose output exists is
 finished and is not run again; a half-written temporary left by a crash is discarded
@@ -36,20 +36,19 @@ the curve is (``tasks/run_summary.py``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 from prefect import flow
 from prefect.utilities.annotations import quote
 
+from rollflow.cluster.ray_replicas import replica_host
+from rollflow.cluster.run_cluster import run_cluster
 from rollflow.envs.agent import Policy
 from rollflow.flows.concurrency import one_training_at_a_time
-from rollflow.flows.ray_replicas import replica_host
 from rollflow.flows.runs import RunHandle, open_run, validation_due
 from rollflow.flows.step import (
-    RemoteTrainer,
     admitted_from,
     grpo_step,
     rollout,
@@ -166,23 +165,6 @@ def run_lockstep_training(handle: RunHandle) -> None:
             )
         if validation_due(config, last):
             validate(config, root, last, generator, fan_out, handle.report)
-
-
-@contextmanager
-def run_cluster(config: RunConfig) -> Iterator[tuple[ChunkFanOut | None, RemoteTrainer | None]]:
-    """The run's Ray cluster, for ``[cluster].mode`` "local" or "address": the rollout
-    stage's fan-out (``flows/ray_rollout.py``) and, where ``[cluster]`` places the trainer
-    on it, the train stage's (``flows/ray_trainer.py``); (None, None), and no Ray imported,
-    for "none"."""
-    if config.cluster.mode == "none":
-        yield None, None
-        return
-    from rollflow.flows.ray_rollout import rollout_cluster
-    from rollflow.flows.ray_trainer import cluster_trainer
-
-    with rollout_cluster(config) as fan_out:
-        assert fan_out is not None
-        yield fan_out, cluster_trainer(config, fan_out.address)
 
 
 def run_async_training(handle: RunHandle) -> None:

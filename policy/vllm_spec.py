@@ -19,7 +19,7 @@ The command (``VLLMServerSpec.command``)::
         [--enable-lora --max-lora-rank R --max-loras K]
 
 - ``--host H``: the spec's ``host``, 127.0.0.1 unless a cluster replica sets its node's
-  address (``rollflow.flows.ray_replicas``).
+  address (``rollflow.cluster.ray_replicas``).
 - ``vllm serve`` fails in the CPU wheel (it looks up a distribution named ``vllm``), so the
   module is run directly.
 - ``--enforce-eager``: a compiled start takes minutes and recompiles every time (torch

@@ -11,7 +11,7 @@ key-value metadata (what readers check before trusting a file) and as a
   before an action is only its *delta*, so storage stays linear in episode length.
 - ``step_metadata`` is JSON text (its shape is each environment's own).
 - ``node`` is where the episode was played: the Ray node's name when the rollout ran on a
-  cluster (``[cluster]``, ``flows/ray_rollout.py``), null without one. It came after
+  cluster (``[cluster]``, ``cluster/ray_rollout.py``), null without one. It came after
   ``SCHEMA_VERSION`` 2 as an *optional column* (``OPTIONAL_COLUMNS``): files written before
   it lack it and still read, the column filled with nulls (``fill_optional_columns``);
   every new file has it. ``replica`` (optional the same way) is the index of the vLLM server

@@ -115,7 +115,7 @@ def train_stage(
 ) -> Path:
     """Train on ``samples`` from checkpoint ``previous``; commits ``out_checkpoint``, then
     writes ``out_result`` (``train.json``) and returns its path. ``node``: the Ray node this
-    runs on (``flows/ray_trainer.py``), recorded in the result. ``prune``: delete the
+    runs on (``cluster/ray_trainer.py``), recorded in the result. ``prune``: delete the
     checkpoints the run no longer needs afterwards; a stage run in another process than the
     run's generator passes False and leaves it to the driver, the only process that knows
     which versions its async generator still reads (``checkpoints_to_keep``).

@@ -51,7 +51,7 @@ from rollflow.tasks.models import base_model_ref
 
 class ManagedServer(Protocol):
     """What the generator asks of a managed server: ``VLLMServer``, or a replica's handle on
-    a cluster node (``flows/ray_replicas.RemoteServer``)."""
+    a cluster node (``cluster/ray_replicas.RemoteServer``)."""
 
     spec: VLLMServerSpec
     log_path: Path | None
@@ -296,7 +296,7 @@ def server_specs(
     """One spec per replica (``[rollout].num_generator_replicas``): ``server_spec``'s, with the
     generator's cores (``cpus``; empty: every core this process may use) dealt out
     (``deal_cores``). Replicas on a cluster's nodes are given ``cpus`` whole, and each deals
-    its node's share on the node (``flows/ray_replicas.py``)."""
+    its node's share on the node (``cluster/ray_replicas.py``)."""
     spec = server_spec(config, versions_in_flight=versions_in_flight, cpus=cpus)
     n = config.rollout.num_generator_replicas
     if config.cluster.serves_generators or n == 1:
@@ -345,7 +345,7 @@ def start_vllm_generator(
     cpus: Sequence[int] = (),
 ) -> VLLMGenerator:  # fmt: skip
     """Start the managed servers (or connect to the user's), serving the base model; ``host``
-    starts them elsewhere (a Ray cluster's nodes: ``flows/ray_replicas.py``); ``cpus``: the
+    starts them elsewhere (a Ray cluster's nodes: ``cluster/ray_replicas.py``); ``cpus``: the
     cores they are bound to (empty: every core)."""
     rollout = config.rollout
     base = base_model_ref(config)

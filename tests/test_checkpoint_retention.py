@@ -202,7 +202,7 @@ def test_a_train_stage_run_on_a_ray_node_leaves_pruning_to_the_driver_that_knows
     """The review's R1: the train stage on a Ray node runs in a fresh worker process, where
     no async generator registered what it reads, and pruned version 1 while the driver's
     generator still served it. Here the remote body runs in another Python process (the
-    node's part of ``flows/ray_trainer.py``, without Ray's scheduling), and the driver prunes."""
+    node's part of ``cluster/ray_trainer.py``, without Ray's scheduling), and the driver prunes."""
     import pickle
     import subprocess
     import sys
@@ -223,9 +223,9 @@ def test_a_train_stage_run_on_a_ray_node_leaves_pruning_to_the_driver_that_knows
     node = (
         "import pickle, sys\n"
         f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "import rollflow.flows.ray_rollout as ray_rollout\n"
+        "import rollflow.cluster.ray_rollout as ray_rollout\n"
         "ray_rollout.this_node = lambda: 'worker-1'  # no Ray here: the node's name\n"
-        "from rollflow.flows.ray_trainer import train_on_node\n"
+        "from rollflow.cluster.ray_trainer import train_on_node\n"
         f"train_on_node.fn(**pickle.loads(open({str(tmp_path / 'args.pkl')!r}, 'rb').read()))\n"
     )
     with reading_versions(folder, lambda: {1}):

@@ -91,7 +91,7 @@ def test_the_async_opener_binds_its_server_to_the_cores_it_is_given(
 
 def test_replicas_on_a_cluster_node_deal_that_nodes_cores_among_them(tiny_model_dir: Path) -> None:
     """The review's R5: two replicas placed on one node both bound every core of it."""
-    from rollflow.flows.ray_replicas import node_share
+    from rollflow.cluster.ray_replicas import node_share
     from rollflow.tasks.config import parse_config
 
     def placed(nodes: list[str], replicas: int, mode: str = "address") -> RunConfig:
@@ -109,7 +109,7 @@ def test_replicas_on_a_cluster_node_deal_that_nodes_cores_among_them(tiny_model_
 
 
 def test_a_replica_actor_binds_its_share_of_its_nodes_cores(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from rollflow.flows import ray_replicas
+    from rollflow.cluster import ray_replicas
 
     monkeypatch.setattr(ray_replicas.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     python = sys.executable  # never started: any Python stands in for vLLM's (make test-fast builds none)

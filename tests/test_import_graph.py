@@ -13,7 +13,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-FOLDERS = ("envs", "tasks", "flows", "storage", "policy")
+FOLDERS = ("envs", "tasks", "flows", "cluster", "storage", "policy")
 
 
 def package_modules() -> dict[str, Path]:
@@ -121,3 +121,29 @@ def test_no_module_of_the_package_is_in_an_import_circle() -> None:
     assert not found, "import circles (each a list of modules that reach each other):\n" + "\n".join(
         ", ".join(m.removeprefix("rollflow.") for m in circle) for circle in found
     )
+
+
+# The rooms, top to bottom: a module imports its own room or a room below it, never one
+# above. ``rollflow`` itself (the public face: environment names, lazy flow entry points)
+# is outside the order.
+ROOMS = (("flows",), ("cluster",), ("tasks",), ("policy", "storage"), ("envs",))
+
+
+def room_rank(module: str) -> int | None:
+    folder = module.split(".")[1] if module.count(".") else None
+    return next((rank for rank, rooms in enumerate(ROOMS) if folder in rooms), None)
+
+
+def test_every_import_points_down_the_rooms() -> None:
+    assert {folder for rooms in ROOMS for folder in rooms} == set(FOLDERS), "a folder without a room"
+    graph = import_graph(package_modules())
+    upward = sorted(
+        f"{name.removeprefix('rollflow.')} -> {target.removeprefix('rollflow.')}"
+        for name, targets in graph.items()
+        for target in targets
+        if (low := room_rank(name)) is not None and (high := room_rank(target)) is not None
+        and (high < low or (high == low and name.split(".")[1] != target.split(".")[1]))
+    )  # fmt: skip
+    assert not upward, "imports that point up (or across) the rooms " + " > ".join(
+        "/".join(rooms) for rooms in ROOMS
+    ) + ":\n" + "\n".join(upward)

@@ -1,4 +1,4 @@
-"""A real local Ray cluster (flows/cluster.py) under a Prefect flow with prefect-ray's RayTaskRunner.
+"""A real local Ray cluster (cluster/ray_cluster.py) under a Prefect flow with prefect-ray's RayTaskRunner.
 
 One cluster for the module: a head and one worker node, one CPU each. The tests place
 tasks on each node, kill the worker node in the middle of a chunk and check that the chunk
@@ -25,7 +25,7 @@ import pytest
 pytest.importorskip("prefect_ray")
 
 from prefect import flow, task
-from rollflow.flows.cluster import (
+from rollflow.cluster.ray_cluster import (
     MARK_ENV,
     ClusterError,
     LocalRayCluster,
@@ -100,7 +100,7 @@ def where_am_i(label: str) -> dict[str, str]:
 @flow
 def placed_on_each_node(node_ids: dict[str, str], resources: dict[str, str]) -> list[dict[str, str]]:
     from prefect_ray.context import remote_options
-    from rollflow.flows.cluster import RayNode
+    from rollflow.cluster.ray_cluster import RayNode
 
     futures = []
     for name, node_id in node_ids.items():
@@ -136,7 +136,7 @@ def rollout_chunk(index: int, folder: str, hold_s: float) -> str:
 def chunks_over_nodes(node_ids: dict[str, str], folder: str, first_on: str) -> dict[str, object]:
     from prefect.runtime import flow_run
     from prefect_ray.context import remote_options
-    from rollflow.flows.cluster import RayNode
+    from rollflow.cluster.ray_cluster import RayNode
 
     futures = []
     for index in range(3):

@@ -1,4 +1,4 @@
-"""Rollouts fanned out over a real local Ray cluster (flows/ray_rollout.py), on a real vLLM server.
+"""Rollouts fanned out over a real local Ray cluster (cluster/ray_rollout.py), on a real vLLM server.
 
 One cluster for the module (a head and one worker node, one CPU each, small object stores;
 tests/test_ray_cluster.py's fixture style) and one managed vLLM server on the tiny model
@@ -37,9 +37,9 @@ pytest.importorskip("prefect_ray")
 from test_ray_cluster import cluster_processes, session_of, two_node_cluster
 from tiny_run import REPO, build_vllm_tiny_model
 
-from rollflow.flows import cluster as cluster_module
-from rollflow.flows.cluster import LocalRayCluster
-from rollflow.flows.ray_rollout import node_import_env
+from rollflow.cluster import ray_cluster
+from rollflow.cluster.ray_cluster import LocalRayCluster
+from rollflow.cluster.ray_rollout import node_import_env
 from rollflow.storage.parquet import read_table
 from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
@@ -299,7 +299,7 @@ def test_a_chunk_ray_gives_up_on_fails_the_stage_by_name_and_the_resume_replays_
     base_config: RunConfig, managed: VLLMGenerator, cluster: LocalRayCluster, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    monkeypatch.setattr(cluster_module, "NODE_DEATH_RETRIES", 0)
+    monkeypatch.setattr(ray_cluster, "NODE_DEATH_RETRIES", 0)
     error = _run_with_the_worker_killed(cluster, base_config, tmp_path, "ray::rollout-chunk")
     message = str(error)
     assert type(error).__name__ == "RolloutChunkError", message
@@ -311,7 +311,7 @@ def test_a_chunk_ray_gives_up_on_fails_the_stage_by_name_and_the_resume_replays_
     assert sorted(p.name for p in folder.part_paths(0, "episodes", "train")) == ["part-00001.parquet"]
     assert len(kept) == 2, "validation's chunk and the head's training chunk are kept"
 
-    monkeypatch.setattr(cluster_module, "NODE_DEATH_RETRIES", 1)
+    monkeypatch.setattr(ray_cluster, "NODE_DEATH_RETRIES", 1)
     _train(base_config, tmp_path, run_dir=folder.root)
     stages = _assert_every_episode_once(folder)
     for part, identity in kept.items():
@@ -445,7 +445,7 @@ def test_an_async_run_samples_on_a_replica_on_the_head_and_trains_on_the_worker(
 _LOCAL_CLUSTER_SCRIPT = """
 import sys
 sys.path.insert(0, sys.argv[1])  # this rollflow, for the child only: its nodes get it from node_import_env
-from rollflow.flows.ray_rollout import RayFanOut, live_nodes, rollout_cluster
+from rollflow.cluster.ray_rollout import RayFanOut, live_nodes, rollout_cluster
 from rollflow.tasks.config import parse_config
 
 config = parse_config({"rollout": {"backend": "vllm"}, "cluster": {

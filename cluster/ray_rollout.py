@@ -24,7 +24,7 @@ health checks and restarts; only the episode loop moves:
 
 Faults:
 - a worker node that dies mid-chunk: Ray runs the chunk again on a surviving node
-  (``max_retries`` = ``flows.cluster.NODE_DEATH_RETRIES``, read at submission); the part
+  (``max_retries`` = ``cluster.ray_cluster.NODE_DEATH_RETRIES``, read at submission); the part
   is written once (a part already there is returned as is), so the step's episodes are
   the same set. When Ray gives up (every attempt's node died), the stage lets the chunks
   in flight finish, then fails with ``RolloutChunkError`` naming the chunk; the resumed run
@@ -75,7 +75,7 @@ if TYPE_CHECKING:
     from prefect_ray import RayTaskRunner
     from transformers import PreTrainedTokenizerBase
 
-    from rollflow.flows.cluster import RayNode
+    from rollflow.cluster.ray_cluster import RayNode
     from rollflow.policy.vllm_backend import VLLMPolicy
     from rollflow.tasks.policy_io import ActingPolicy
 
@@ -144,7 +144,7 @@ def live_nodes() -> list[RayNode]:
     every live node of the cluster (named by Ray's node id); only nodes with a CPU."""
     import ray
 
-    from rollflow.flows.cluster import RayNode, ray_nodes
+    from rollflow.cluster.ray_cluster import RayNode, ray_nodes
 
     nodes = list(ray_nodes().values()) or [
         RayNode(info["NodeID"], info["NodeID"], True, float(info.get("Resources", {}).get("CPU", 0.0)))
@@ -159,7 +159,7 @@ def this_node() -> str:
     else Ray's node id."""
     import ray
 
-    from rollflow.flows.cluster import ray_nodes
+    from rollflow.cluster.ray_cluster import ray_nodes
 
     node_id = ray.get_runtime_context().get_node_id()
     for node in ray_nodes().values():
@@ -193,8 +193,8 @@ class RayFanOut:
         import ray
         from prefect_ray.context import remote_options
 
-        from rollflow.flows import cluster
-        from rollflow.flows.cluster import remote_options_on
+        from rollflow.cluster import ray_cluster
+        from rollflow.cluster.ray_cluster import remote_options_on
 
         pending = deque(missing)
         inflight: dict[Any, tuple[int, Any]] = {}  # Ray object ref -> (chunk index, Prefect future)
@@ -210,7 +210,7 @@ class RayFanOut:
                         node = nodes[self._turn % len(nodes)] if nodes else None
                         self._turn += 1
                         spec = VLLMPolicySpec.of(config, acting.policy)
-                        with remote_options(**remote_options_on(node, retries=cluster.NODE_DEATH_RETRIES)):
+                        with remote_options(**remote_options_on(node, retries=ray_cluster.NODE_DEATH_RETRIES)):
                             future = runner.submit(rollout_chunk, {
                                 "config": config, "run_dir": str(folder.root.absolute()), "step": step,
                                 "split": split, "index": index, "spec": spec,
@@ -251,12 +251,12 @@ class RayFanOut:
 def _chunk_error(label: str, error: BaseException) -> RolloutChunkError:
     import ray
 
-    from rollflow.flows import cluster
+    from rollflow.cluster import ray_cluster
 
     if isinstance(error, ray.exceptions.RayError):
         return RolloutChunkError(
-            f"{label} was lost: Ray gave up on it after {cluster.NODE_DEATH_RETRIES + 1} attempt(s) "
-            f"(max_retries = {cluster.NODE_DEATH_RETRIES}; the node each ran on died): "
+            f"{label} was lost: Ray gave up on it after {ray_cluster.NODE_DEATH_RETRIES + 1} attempt(s) "
+            f"(max_retries = {ray_cluster.NODE_DEATH_RETRIES}; the node each ran on died): "
             f"{type(error).__name__}: {(str(error).splitlines() or [''])[0].rstrip('.')}. The chunks "
             "finished are kept: resume the run and only the missing chunks are replayed"
         )
@@ -273,7 +273,7 @@ def stage_task_runner(address: str) -> Iterator[RayTaskRunner]:
     """prefect-ray's task runner on the cluster at ``address``, for a stage (the rollout
     chunks, the train stage) to submit its Ray tasks as the flow's task runs, reporting to
     the flow's Prefect API."""
-    from rollflow.flows.cluster import task_runner
+    from rollflow.cluster.ray_cluster import task_runner
 
     with task_runner(address) as runner, _api_for_workers(), _outside_the_stage_task():
         yield runner
@@ -335,7 +335,7 @@ def rollout_cluster(config: RunConfig) -> Iterator[RayFanOut | None]:
     if config.cluster.mode == "none":
         yield None
         return
-    from rollflow.flows.cluster import open_cluster
+    from rollflow.cluster.ray_cluster import open_cluster
 
     opened = open_cluster(config.cluster, env=node_import_env())
     assert opened is not None

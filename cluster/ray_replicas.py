@@ -84,7 +84,7 @@ class ReplicaHost:
         return self.state()
 
     def state(self) -> ReplicaState:
-        from rollflow.flows.ray_rollout import this_node
+        from rollflow.cluster.ray_rollout import this_node
 
         server = self.server
         return ReplicaState(
@@ -194,7 +194,7 @@ class RemoteServer:
     def _spawn(self, node: str | None) -> None:
         import ray
 
-        from rollflow.flows.cluster import NODE_RESOURCE_PREFIX
+        from rollflow.cluster.ray_cluster import NODE_RESOURCE_PREFIX
 
         resources = {NODE_RESOURCE_PREFIX + node: 0.001} if node is not None else {}
         host = ray.remote(ReplicaHost).options(  # type: ignore[attr-defined]
@@ -253,7 +253,7 @@ class RemoteServer:
 
     @staticmethod
     def _node_alive(node: str | None) -> bool:
-        from rollflow.flows.cluster import ray_nodes
+        from rollflow.cluster.ray_cluster import ray_nodes
 
         return node is not None and node in ray_nodes()
 

@@ -3,7 +3,7 @@
 With ``[cluster].trainer_node`` or ``[cluster].trainer_gpus`` set (lockstep runs on a
 cluster), the step's train stage runs ``tasks/train.py``'s ``train_stage`` as one Prefect
 task (``train_on_node``) on the cluster, submitted through prefect-ray like the rollout
-chunks (``flows/ray_rollout.py``). Everything else of the step stays where the run runs.
+chunks (``cluster/ray_rollout.py``). Everything else of the step stays where the run runs.
 
 - Placement is hard: the task asks for the named node's own resource
   (``rollflow_node_<name>``) and/or ``trainer_gpus`` GPUs, with ``trainer_cpus`` CPUs; its
@@ -60,7 +60,7 @@ def train_on_node(
 ) -> str:  # fmt: skip
     """On a Ray worker of the trainer's node: ``train_stage`` on the run folder's paths,
     without pruning (the driver prunes: ``RayTrainer.train``)."""
-    from rollflow.flows.ray_rollout import this_node
+    from rollflow.cluster.ray_rollout import this_node
 
     with trainer_threads(config.cluster.trainer_cpus):
         path = train_stage(
@@ -84,13 +84,13 @@ class RayTrainer:
         import ray
         from prefect_ray.context import remote_options
 
-        from rollflow.flows import cluster
-        from rollflow.flows.ray_rollout import stage_task_runner
+        from rollflow.cluster import ray_cluster
+        from rollflow.cluster.ray_rollout import stage_task_runner
 
         where = placement(config)
         started = time.perf_counter()
         with stage_task_runner(self.address) as runner:
-            with remote_options(**ray_options(config, retries=cluster.NODE_DEATH_RETRIES)):
+            with remote_options(**ray_options(config, retries=ray_cluster.NODE_DEATH_RETRIES)):
                 future = runner.submit(train_on_node, {
                     "config": config, "samples": _abs(samples), "teacher": _abs(teacher),
                     "previous": _abs(previous), "out_checkpoint": _abs(out_checkpoint),
@@ -131,7 +131,7 @@ def placement(config: RunConfig) -> str:
 def trainer_resources(config: RunConfig) -> dict[str, float]:
     """The Ray resources the training task asks for: its CPUs, its GPUs, and a small share of
     the named node's own resource (which the node has 1 of)."""
-    from rollflow.flows.cluster import NODE_RESOURCE_PREFIX
+    from rollflow.cluster.ray_cluster import NODE_RESOURCE_PREFIX
 
     c = config.cluster
     wanted = {"CPU": float(c.trainer_cpus)}
@@ -159,7 +159,7 @@ def unplaceable(config: RunConfig) -> str | None:
     """Why no live node of the cluster can run the training task (None: one can)."""
     import ray
 
-    from rollflow.flows.cluster import NODE_RESOURCE_PREFIX
+    from rollflow.cluster.ray_cluster import NODE_RESOURCE_PREFIX
 
     wanted = trainer_resources(config)
     alive = [info.get("Resources", {}) for info in ray.nodes() if info["Alive"]]
