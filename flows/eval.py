@@ -166,6 +166,7 @@ def eval_report(run_dir: str | Path, worst: int = WORST_EPISODES) -> EvalReport:
 _LIBRARIES = {
     "rollflow.envs.reasoning_gym": ("reasoning-gym dataset", "dataset"),
     "rollflow.envs.textarena": ("TextArena game", "game"),
+    "rollflow.envs.verifiers": ("verifiers environment", "env_id"),
 }
 
 
