@@ -399,7 +399,7 @@ def split_rows(
     return train, validation
 
 
-def _task(env_id: str, split: str, source: str, row: Mapping[str, Any]) -> Task:
+def _task(env_id: str, source: str, row: Mapping[str, Any]) -> Task:
     messages = to_rollflow_messages(_normalized(row["prompt"]), "prompt")
     users = [m["content"] for m in messages if m["role"] == "user"]
     answer = row.get("answer")
@@ -429,9 +429,9 @@ def load_environment(
     environment = load_verifiers_environment(env_id, dict(env_args or {}))
     try:
         train, validation = split_rows(environment, num_validation, seed)
-        train_tasks = [(_task(env_id, "train", source, row), row) for source, row in train[:num_train]]
-        val_tasks = [(_task(env_id, "validation", source, row), row) for source, row in validation]
-    except ValueError:
+        train_tasks = [(_task(env_id, source, row), row) for source, row in train[:num_train]]
+        val_tasks = [(_task(env_id, source, row), row) for source, row in validation]
+    except ValueError:  # ours, naming the setting
         raise
     except Exception as exc:
         raise ValueError(f"[env].kwargs: verifiers environment {env_id!r}'s dataset could not be read: {_one_line(exc)}") from None

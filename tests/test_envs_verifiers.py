@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,9 @@ from rollflow.envs.scripted import ScriptedPolicy  # noqa: E402
 from rollflow.envs.types import Message  # noqa: E402
 from rollflow.envs.verifiers import load_verifiers_environment, to_rollflow_messages  # noqa: E402
 from rollflow.storage.query import open_run_sql, run_query  # noqa: E402
-from tiny_run import train_tiny_on  # noqa: E402
+from rollflow.tasks.config import load_config  # noqa: E402
+from rollflow.tasks.preflight import PreflightError, check_environment  # noqa: E402
+from tiny_run import REPO, train_tiny_on  # noqa: E402
 
 SPEC = "rollflow.envs.verifiers:load_environment"
 ENV_ID = "vf_arithmetic"
@@ -186,6 +189,14 @@ def test_splits_never_share_a_prompt() -> None:
 def test_loading_errors_are_one_line(kwargs: dict, pattern: str) -> None:
     with pytest.raises(EnvironmentLoadError, match=pattern) as raised:
         load_environment_handle(SPEC, kwargs)
+    assert "\n" not in str(raised.value)
+
+
+def test_preflight_refuses_a_missing_environment_module_in_one_line() -> None:
+    config = load_config(REPO / "configs" / "tiny.toml")
+    bad = replace(config, env=replace(config.env, name=SPEC, kwargs={"env_id": "primeintellect/no-such-env"}))
+    with pytest.raises(PreflightError, match=r"env_id = 'primeintellect/no-such-env': no module 'no_such_env' is installed") as raised:
+        check_environment(bad)
     assert "\n" not in str(raised.value)
 
 
