@@ -176,6 +176,51 @@ ORDER BY run_id, step
 """
 TEACHER_METRIC_KEYS = {"teacher_kl": "opd/teacher_kl"}
 
+# The curriculum's record (tasks/curriculum.py): each training task's most recent groups
+# before a step, newest first, with how many of their episodes passed. A task plays at most
+# one group a step, so (step DESC) orders them; group_id breaks ties in files of old runs.
+RECENT_TASK_GROUPS_SQL = """
+WITH groups AS (
+    SELECT task_id, step, group_id, count_if(passed) AS passes, count(*) AS episodes
+    FROM scores
+    WHERE split = 'train' AND step < $before_step
+    GROUP BY task_id, step, group_id
+),
+ranked AS (
+    SELECT *, row_number() OVER (PARTITION BY task_id ORDER BY step DESC, group_id DESC) AS recency
+    FROM groups
+)
+SELECT task_id, passes, episodes FROM ranked WHERE recency <= $recent ORDER BY task_id, recency
+"""
+
+# Passes and episodes per task of one step's split (the metrics' pass rate by difficulty).
+TASK_PASSES_SQL = """
+SELECT task_id, count_if(passed) AS passes, count(*) AS episodes
+FROM scores
+WHERE split = $split AND step = $step
+GROUP BY task_id
+ORDER BY task_id
+"""
+
+
+def recent_task_groups(
+    con: duckdb.DuckDBPyConnection, before_step: int, recent: int
+) -> dict[str, list[tuple[int, int]]]:
+    """task_id -> (passes, episodes) of its ``recent`` latest training groups before
+    ``before_step``, newest first (``RECENT_TASK_GROUPS_SQL``)."""
+    rows = con.execute(RECENT_TASK_GROUPS_SQL, {"before_step": before_step, "recent": recent}).fetchall()
+    groups: dict[str, list[tuple[int, int]]] = {}
+    for task_id, passes, episodes in rows:
+        groups.setdefault(task_id, []).append((int(passes), int(episodes)))
+    return groups
+
+
+def task_passes(con: duckdb.DuckDBPyConnection, step: int, split: str) -> dict[str, tuple[int, int]]:
+    """task_id -> (passes, episodes) in ``split`` step ``step`` (``TASK_PASSES_SQL``)."""
+    rows = con.execute(TASK_PASSES_SQL, {"step": step, "split": split}).fetchall()
+    return {task_id: (int(passes), int(episodes)) for task_id, passes, episodes in rows}
+
+
 _READ_ONLY_HINT = "only SELECT, WITH, FROM, VALUES, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN"
 # EXPLAIN [ANALYZE] [(options)]: ANALYZE runs the statement it explains, so that is checked too
 _EXPLAIN_PREFIX = re.compile(r"^\s*explain\b(\s+analy[sz]e\b)?(\s*\([^)]*\))?", re.IGNORECASE)

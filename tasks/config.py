@@ -143,9 +143,21 @@ class RolloutConfig:
     # of the cores, the trainer's threads as many as the other half, so that the two do not
     # oversubscribe them (tasks/cpu_split.py); false: both use every core
     split_cpus: bool = True
+    # Dynamic sampling that refills the batch (DAPO's): after the step's batch_size tasks,
+    # up to this many more rounds draw fresh tasks while fewer than batch_size groups have
+    # reward variance (tasks/rollout.py); 0: none, zero-variance groups are only skipped.
+    # Needs [train].dynamic_sampling = true and lockstep on one machine.
+    backfill_rounds: int = 0
+    # Draw tasks whose recent groups all passed or all failed less often (tasks/curriculum.py),
+    # down to curriculum_floor times an unseen or mixed task's chance; false: each epoch a
+    # uniform permutation of the tasks.
+    curriculum: bool = False
+    curriculum_floor: float = 0.1
 
     def __post_init__(self) -> None:
         check_types(self, "rollout")
+        at_least(self, "rollout", "backfill_rounds", 0)
+        in_range(self, "rollout", "curriculum_floor", 0.0, 1.0, low_open=True)
         for key in ("batch_size", "episodes_per_task", "max_turns", "max_model_length",
                     "max_completion_tokens", "max_sampling_attempts", "concurrency"):
             at_least(self, "rollout", key, 1)

@@ -22,6 +22,7 @@ def check_run_config(config: RunConfig) -> None:
     check_training_backend(config)
     check_async(config)
     check_cluster(config)
+    check_task_schedule(config)
 
 
 def check_training_sampling(config: RunConfig) -> None:
@@ -125,4 +126,36 @@ def check_cluster(config: RunConfig) -> None:
             f"[cluster].generator_nodes names {len(cluster.generator_nodes)} nodes for "
             f"{rollout.num_generator_replicas} replica(s) ([rollout].num_generator_replicas): a named node "
             "would get none; raise num_generator_replicas or name fewer nodes"
+        )
+
+
+def check_task_schedule(config: RunConfig) -> None:
+    """Backfill and the curriculum are choices of the lockstep rollout stage (``tasks/rollout.py``).
+
+    Backfill keeps only what dynamic sampling trains (groups with reward variance), so it
+    needs it on. The async collector plays one task per group in the run's fixed order and
+    its admission takes finished groups as they come, variance or not: neither option
+    reaches it. On a Ray cluster each node recomputes its chunk from the step's plan, which
+    a backfill round extends only after the round before it is scored: refused there.
+    """
+    rollout = config.rollout
+    if rollout.backfill_rounds > 0 and not config.train.dynamic_sampling:
+        raise ConfigError(
+            f"[rollout].backfill_rounds = {rollout.backfill_rounds} refills the batch with groups that "
+            "have reward variance, which only dynamic sampling trains apart: set "
+            "[train].dynamic_sampling = true, or backfill_rounds = 0"
+        )
+    options = [name for name, on in (("backfill_rounds", rollout.backfill_rounds > 0),
+                                     ("curriculum", rollout.curriculum)) if on]
+    if options and rollout.max_steps_off_policy is not None:
+        raise ConfigError(
+            f"[rollout].{' and '.join(options)} choose the tasks of a lockstep step; async collection "
+            "([rollout].max_steps_off_policy) plays the tasks in the run's fixed order and admits "
+            "finished groups as they come. Drop max_steps_off_policy, or the option"
+        )
+    if rollout.backfill_rounds > 0 and config.cluster.mode != "none":
+        raise ConfigError(
+            f"[rollout].backfill_rounds with [cluster].mode = {config.cluster.mode!r} is not supported: "
+            "a cluster's nodes play the chunks of the step's first round only. Set backfill_rounds = 0 "
+            "on a cluster, or [cluster].mode = 'none'"
         )

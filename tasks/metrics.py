@@ -25,16 +25,18 @@ of their best and worst episodes as an artifact.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
 from rollflow.storage.async_groups import async_step_metrics
 from rollflow.storage.parquet import write_bytes_atomic
-from rollflow.storage.query import open_run_sql, run_query, step_metrics, teacher_metrics
+from rollflow.storage.query import open_run_sql, run_query, step_metrics, task_passes, teacher_metrics
 from rollflow.storage.records import TrainResult
 from rollflow.storage.runfolder import OPTIONAL_TIMED_STAGES, TIMED_STAGES, RunFolder
 from rollflow.storage.transcript import render_episode
 from rollflow.tasks.config import RunConfig
+from rollflow.tasks.schedule import rollout_plan_path
 from rollflow.tasks.step_health import step_hint, step_summary, validation_summary
 from rollflow.tasks.tracking import log_step, log_traces
 
@@ -79,6 +81,43 @@ def rollout_metrics(run_dir: Path, step: int, split: str) -> dict[str, float]:
         con.close()
     metrics = {_EPISODE_KEYS[name]: value for name, value in raw.items()}
     metrics["episodes/failed_ratio"] = float(rows[0][0]) if rows and rows[0][0] is not None else 0.0
+    metrics.update(rollout_plan_metrics(RunFolder(run_dir), step, split))
+    return metrics
+
+
+def rollout_plan_metrics(folder: RunFolder, step: int, split: str) -> dict[str, float]:
+    """What the step's ``rollout_plan.json`` says (``{}`` for a step written without one):
+
+    - ``rollout/backfill_groups``, ``rollout/backfill_rounds``: the groups the backfill
+      added after the first ``batch_size``, and the rounds it took (with backfill on);
+    - ``curriculum/...``: the curriculum's weights (``tasks/curriculum.py``'s summary);
+    - ``reward/pass_rate/difficulty_<label>``: the pass rate of the step's tasks of each
+      difficulty label their metadata carries (the bundled game's: facts to look up),
+      over all their episodes, as ``reward/pass_rate``.
+    """
+    path = rollout_plan_path(folder, step, split)
+    if not path.exists():
+        return {}
+    plan = folder.read_json(path)
+    metrics: dict[str, float] = {}
+    if "backfill" in plan:
+        metrics["rollout/backfill_groups"] = float(plan["backfill"]["groups"])
+        metrics["rollout/backfill_rounds"] = float(plan["backfill"]["rounds"])
+    metrics.update({key: float(value) for key, value in plan.get("curriculum", {}).items()})
+    labels: dict[str, str] = plan.get("difficulty", {})
+    if labels:
+        con = open_run_sql([folder.root])
+        try:
+            passes = task_passes(con, step, split)
+        finally:
+            con.close()
+        by_label: dict[str, list[int]] = {}
+        for task_id, (passed, episodes) in passes.items():
+            if task_id in labels:
+                counts = by_label.setdefault(re.sub(r"[^\w.\- ]", "_", labels[task_id]), [0, 0])
+                counts[0] += passed
+                counts[1] += episodes
+        metrics.update({f"reward/pass_rate/difficulty_{label}": p / n for label, (p, n) in sorted(by_label.items()) if n})
     return metrics
 
 

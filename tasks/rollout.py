@@ -20,6 +20,17 @@ Simplified, and why:
 - A chunk holds as many groups as fit in ``concurrency`` episodes: the whole chunk is
   generated as one batch, and a crash loses at most one chunk of work.
 
+Two options change which tasks a training step plays (both lockstep, ``config_checks``):
+- ``[rollout].curriculum``: the step's tasks are a weighted draw instead of the epoch's
+  slice, a task whose recent groups all passed or all failed weighing less
+  (``tasks/curriculum.py``; the weights are recomputed from the run's scores on resume).
+- ``[rollout].backfill_rounds``: after the step's ``batch_size`` groups (played exactly as
+  without it), rounds of fresh tasks while fewer than ``batch_size`` groups have reward
+  variance (``_backfill``), their chunks numbered on from the first round's, each with its
+  own seed, into the same episodes folder. The decision is scoring's own
+  (``tasks/shaping.py``), on the environment's scores of the episodes read back from disk.
+Either way the step's ``rollout_plan.json`` records what the metrics report of it.
+
 A generator that dies mid-rollout (vLLM; ``Generator.fault``: the managed
 server's process group is gone or ``GET /health`` fails, checked after every chunk):
 - the chunk is discarded when any of its episodes carries an error (it may be the dead
@@ -52,7 +63,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -63,15 +74,25 @@ from rollflow.envs.runner import load_environment_handle, play_groups
 from rollflow.envs.tracebacks import keeping_tracebacks
 from rollflow.envs.types import Split
 from rollflow.storage.errors import StageExistsError
-from rollflow.storage.parquet import part_index, part_path
+from rollflow.storage.parquet import part_index, part_path, read_table
 from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
-from rollflow.storage.schemas import episode_records_to_table
+from rollflow.storage.schemas import episode_records_to_table, table_to_episode_records
 from rollflow.storage.stage_outputs import locate_output
 from rollflow.tasks.config import RunConfig
+from rollflow.tasks.curriculum import curriculum_weights, difficulty_labels, summarize
 from rollflow.tasks.generator import Generator, RestartBudget
 from rollflow.tasks.policy_io import ActingPolicy, open_policy
-from rollflow.tasks.schedule import chunk_seed, episode_limits, select_train_tasks, select_validation_tasks
+from rollflow.tasks.schedule import (
+    backfill_tasks,
+    chunk_seed,
+    episode_limits,
+    rollout_plan_path,
+    select_train_tasks,
+    select_validation_tasks,
+    select_weighted_train_tasks,
+)
+from rollflow.tasks.shaping import ScoringSettings, groups_with_variance, score_groups
 from rollflow.tasks.step_health import episode_errors, errors_path, keep_episode_errors
 
 PROGRESS_EVERY_S = 15.0
@@ -88,15 +109,26 @@ class StagePlan:
     concurrency: int
     groups_per_chunk: int
     limits: EpisodeLimits
+    weights: dict[str, float] = field(default_factory=dict)  # the curriculum's; {}: uniform
 
     def label(self, split: str, step: int, index: int) -> str:
         return f"rollout {split} step {step} chunk {index + 1}/{len(self.chunks)}"
 
 
-def stage_plan(config: RunConfig, step: int, split: str) -> StagePlan:
+def stage_plan(config: RunConfig, step: int, split: str, folder: RunFolder | None = None) -> StagePlan:
+    """The step's first round of chunks (the whole step without backfill). The curriculum
+    (``tasks/curriculum.py``) weighs the draw by the run's earlier steps, read in ``folder``."""
     handle = load_environment_handle(config.env.name, config.env.kwargs)
+    weights: dict[str, float] = {}
     if split == "train":
-        items = select_train_tasks(handle.tasks("train"), step, config.rollout.batch_size, config.train.seed)
+        train_items, batch_size, seed = handle.tasks("train"), config.rollout.batch_size, config.train.seed
+        if config.rollout.curriculum:
+            if folder is None:
+                raise ValueError("[rollout].curriculum reads the run's earlier steps: stage_plan needs its folder")
+            weights = curriculum_weights(folder, step, config.rollout.curriculum_floor)
+            items = select_weighted_train_tasks(train_items, step, batch_size, seed, weights)
+        else:
+            items = select_train_tasks(train_items, step, batch_size, seed)
         group_size, concurrency = config.rollout.episodes_per_task, config.rollout.concurrency
     else:
         items = select_validation_tasks(handle.tasks("validation"), config.validation.num_tasks)
@@ -105,7 +137,7 @@ def stage_plan(config: RunConfig, step: int, split: str) -> StagePlan:
     limits = episode_limits(config, split, handle.style)
     groups_per_chunk = max(1, concurrency // group_size)
     chunks = [items[i : i + groups_per_chunk] for i in range(0, len(items), groups_per_chunk)]
-    return StagePlan(handle, chunks, group_size, concurrency, groups_per_chunk, limits)
+    return StagePlan(handle, chunks, group_size, concurrency, groups_per_chunk, limits, weights)
 
 
 def rollout_stage(
@@ -120,35 +152,143 @@ def rollout_stage(
     folder = locate_output(out).folder
     if Path(out).absolute() != folder.parts_dir(step, "episodes", split):
         raise ValueError(f"{out} is not the episodes folder of {split} step {step}")
-    plan = stage_plan(config, step, split)
-    chunks, group_size, concurrency = plan.chunks, plan.group_size, plan.concurrency
-    handle, limits, groups_per_chunk = plan.handle, plan.limits, plan.groups_per_chunk
+    plan = stage_plan(config, step, split, folder)
     written = {part_index(p) for p in folder.part_paths(step, "episodes", split)}
-    started = time.perf_counter()
-    restarts = _Restarts()
     with open_policy(config, folder, step, source) as acting:
         if fan_out is not None:
-            missing = [index for index in range(len(chunks)) if index not in written]
-            fan_out.play_chunks(config, folder, step, split, plan, missing, acting, restarts.budget)
-            return folder.seal_stage(step, "episodes", split)
-        for index, chunk in enumerate(chunks):
-            if index in written:
-                continue
-            first_group = index * groups_per_chunk
-            label = plan.label(split, step, index)
-            while True:  # replayed after a generator restart: same seed, same chunk
-                acting.reseed(chunk_seed(config, split, step, index))
-                with keeping_tracebacks() as tracebacks:
-                    rollouts_GE = asyncio.run(
-                        play_with_progress(handle, chunk, group_size, acting.policy, limits, concurrency, label)
-                    )
-                if restarts.chunk_is_good(acting, rollouts_GE, label):
-                    break
-            records = _chunk_records(folder.run_id, step, split, first_group, chunk, rollouts_GE)
-            _keep_errors(folder, step, split, records, tracebacks)
-            folder.write_stage_part(episode_records_to_table(records), step, "episodes", index, split)
-            _progress(split, step, index + 1, len(chunks), started)
+            missing = [index for index in range(len(plan.chunks)) if index not in written]
+            fan_out.play_chunks(config, folder, step, split, plan, missing, acting, _Restarts().budget)
+            backfill = None  # refused on a cluster (config_checks.check_task_schedule)
+        else:
+            player = _ChunkPlayer(config, folder, step, split, plan, acting, written)
+            player.play(_first_round(plan), len(plan.chunks))
+            backfill = _backfill(config, player) if split == "train" and config.rollout.backfill_rounds > 0 else None
+    _write_plan(config, folder, step, split, plan, backfill)
     return folder.seal_stage(step, "episodes", split)
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    index: int  # its part file, and its seed (``chunk_seed``)
+    first_group: int  # its groups are numbered from here
+    items: list[TaskItem]
+
+
+def _first_round(plan: StagePlan) -> list[_Chunk]:
+    return [_Chunk(i, i * plan.groups_per_chunk, chunk) for i, chunk in enumerate(plan.chunks)]
+
+
+class _ChunkPlayer:
+    """Plays a stage's chunks in this process, one after another, each with its seed; a chunk
+    whose part is already written is skipped (a resumed stage replays only what is missing)."""
+
+    def __init__(
+        self, config: RunConfig, folder: RunFolder, step: int, split: str, plan: StagePlan,
+        acting: ActingPolicy, written: set[int | None],
+    ) -> None:
+        self.config, self.folder, self.step, self.split, self.plan = config, folder, step, split, plan
+        self.acting, self.written = acting, written
+        self.restarts = _Restarts()
+        self.started = time.perf_counter()
+
+    def play(self, chunks: Sequence[_Chunk], total: int, what: str = "") -> None:
+        """Play ``chunks`` (``total``: how many the label counts, ``what``: which round)."""
+        plan, config, folder, step, split = self.plan, self.config, self.folder, self.step, self.split
+        for number, chunk in enumerate(chunks, start=1):
+            if chunk.index in self.written:
+                continue
+            label = f"rollout {split} step {step}{what} chunk {number}/{total}"
+            while True:  # replayed after a generator restart: same seed, same chunk
+                self.acting.reseed(chunk_seed(config, split, step, chunk.index))
+                with keeping_tracebacks() as tracebacks:
+                    rollouts_GE = asyncio.run(play_with_progress(
+                        plan.handle, chunk.items, plan.group_size, self.acting.policy, plan.limits,
+                        plan.concurrency, label,
+                    ))
+                if self.restarts.chunk_is_good(self.acting, rollouts_GE, label):
+                    break
+            records = _chunk_records(folder.run_id, step, split, chunk.first_group, chunk.items, rollouts_GE)
+            _keep_errors(folder, step, split, records, tracebacks)
+            folder.write_stage_part(episode_records_to_table(records), step, "episodes", chunk.index, split)
+            self.written.add(chunk.index)
+            _progress(f"{split} step {step}{what}", number, total, self.started)
+
+    def groups_with_variance(self, chunks: Sequence[_Chunk]) -> int:
+        """How many of ``chunks``' groups have reward variance, as scoring will decide
+        (``tasks/shaping.py``), read back from their part files: the same numbers whether
+        this process played them or a process that died did."""
+        parts_dir = self.folder.parts_dir(self.step, "episodes", self.split)
+        episodes = [
+            record for chunk in chunks
+            for record in table_to_episode_records(read_table(part_path(parts_dir, chunk.index)))
+        ]
+        scores = asyncio.run(score_groups(self.plan.handle, self.split, episodes, self.config.rollout.concurrency))
+        return sum(groups_with_variance(episodes, scores, ScoringSettings.from_config(self.config)).values())
+
+
+@dataclass(frozen=True)
+class BackfillOutcome:
+    rounds: int  # backfill rounds played after the first
+    groups: int  # groups they added
+    varied: int  # groups of the whole step with reward variance
+    items: list[TaskItem]  # the tasks they drew, in play order
+
+
+def _backfill(config: RunConfig, player: _ChunkPlayer) -> BackfillOutcome:
+    """DAPO's dynamic sampling with refill, after the step's first round (its ``batch_size``
+    groups, played as without backfill): while fewer than ``batch_size`` groups have
+    reward variance and rounds remain, draw tasks not yet drawn this step
+    (``backfill_tasks``: seeded by (seed, step, round), weighted by the curriculum when
+    on), as many as are missing rounded up to whole chunks (a chunk is one generation
+    batch of ``concurrency`` episodes, so a part-filled one leaves room unused), and play
+    them as further chunks with their own indices and seeds.
+
+    Every decision is recomputed from the part files, so a stage resumed after a kill
+    takes the same rounds and replays only the missing chunks. A round that overshoots
+    (more groups with variance than missing) keeps them all on disk; scoring trains the
+    first ``batch_size`` of them in play order (``ScoringSettings.max_trained_groups``).
+    When the rounds, or the tasks not yet drawn, run out first, the step trains the
+    groups with variance it has."""
+    plan, batch_size = player.plan, config.rollout.batch_size
+    chunks = _first_round(plan)
+    varied = player.groups_with_variance(chunks)
+    drawn = {item.task_id for chunk in chunks for item in chunk.items}
+    items = plan.handle.tasks("train")
+    next_index, next_group = len(chunks), sum(len(c.items) for c in chunks)
+    rounds, added = 0, []
+    for round_ in range(1, config.rollout.backfill_rounds + 1):
+        missing = batch_size - varied
+        if missing <= 0:
+            break
+        count = -(-missing // plan.groups_per_chunk) * plan.groups_per_chunk
+        fresh = backfill_tasks(items, drawn, count, config.train.seed, player.step, round_, plan.weights)
+        if not fresh:
+            break
+        per_chunk = plan.groups_per_chunk
+        extra = [
+            _Chunk(next_index + n, next_group + n * per_chunk, fresh[n * per_chunk : (n + 1) * per_chunk])
+            for n in range(-(-len(fresh) // per_chunk))
+        ]
+        player.play(extra, len(extra), f" backfill round {round_}")
+        varied += player.groups_with_variance(extra)
+        drawn.update(item.task_id for item in fresh)
+        added.extend(fresh)
+        next_index, next_group, rounds = next_index + len(extra), next_group + len(fresh), round_
+    return BackfillOutcome(rounds, len(added), varied, added)
+
+
+def _write_plan(
+    config: RunConfig, folder: RunFolder, step: int, split: str, plan: StagePlan, backfill: BackfillOutcome | None
+) -> None:
+    """The step's ``rollout_plan.json`` (``tasks/schedule.py``): what the metrics report
+    of the backfill and the curriculum, and the difficulty label of each task it played."""
+    drawn = [item for chunk in plan.chunks for item in chunk]
+    data: dict[str, object] = {"difficulty": difficulty_labels(drawn + (backfill.items if backfill else []))}
+    if backfill is not None:
+        data["backfill"] = {"rounds": backfill.rounds, "groups": backfill.groups, "varied_groups": backfill.varied}
+    if split == "train" and config.rollout.curriculum:
+        data["curriculum"] = summarize(plan.weights, drawn).metrics()
+    folder.write_json_atomic(rollout_plan_path(folder, step, split), data)
 
 
 class ChunkFanOut(Protocol):
@@ -183,7 +323,7 @@ def play_chunk_to_part(
     one (the generator stopped answering: the driver restarts it and replays the chunk). A
     part already there (an attempt on a node that died after writing it) is returned as is."""
     part = part_path(folder.parts_dir(step, "episodes", split), index)
-    plan = stage_plan(config, step, split)
+    plan = stage_plan(config, step, split, folder)
     chunk, label = plan.chunks[index], plan.label(split, step, index)
     total = len(chunk) * plan.group_size
     if part.exists():
@@ -323,10 +463,10 @@ def _record(
     )
 
 
-def _progress(split: str, step: int, done: int, total: int, started: float) -> None:
+def _progress(what: str, done: int, total: int, started: float) -> None:
     elapsed = time.perf_counter() - started
     print(
-        f"  rollout {split} step {step}: chunk {done}/{total} ({elapsed:.1f}s)",
+        f"  rollout {what}: chunk {done}/{total} ({elapsed:.1f}s)",
         file=sys.stderr,
         flush=True,
     )

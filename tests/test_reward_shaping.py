@@ -9,7 +9,7 @@ from rollflow.envs.episode import ActionTokens, EpisodeRollout
 from rollflow.envs.handle import EpisodeScore
 from rollflow.envs.types import TruncationCause
 from rollflow.tasks.config import parse_config
-from rollflow.tasks.scoring import (
+from rollflow.tasks.shaping import (
     SHAPING_RULES,
     Ending,
     ScoringError,

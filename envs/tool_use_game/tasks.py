@@ -48,6 +48,9 @@ class GameTask:
                 "facts": dict(self.facts),
                 "needed_keys": list(self.needed_keys),
                 "formula": self.formula,
+                # rollflow's difficulty label (tasks/curriculum.py): the facts to look up, 1-3;
+                # the step metrics report a pass rate per label
+                "difficulty": len(self.needed_keys),
             },
             id=example_id,
         )
