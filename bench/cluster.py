@@ -126,7 +126,7 @@ def scaling_config(tiny_model: Path | None) -> RunConfig:
 def scaling(root: Path, tiny_model: Path | None) -> None:
     """The ``--scaling`` legs (see the module docstring)."""
     from rollflow.cluster.ray_rollout import rollout_cluster
-    from rollflow.tasks.run_generator import open_generator
+    from rollflow.generators.run_generator import open_generator
     from rollflow.tasks.rollout import rollout_stage, stage_plan
 
     config = scaling_config(tiny_model)

@@ -35,11 +35,11 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from rollflow.generators.models import load_policy_for_training
 import rollflow.policy.generation as generation
 from rollflow.policy.generation import GenerationRequest
 from rollflow.policy.models import build_tiny_model
 from rollflow.tasks.config import ModelConfig, RunConfig
-from rollflow.tasks.models import load_policy_for_training
 
 SLICES = (None, 16384, 8192, 4096, 2048)  # None: the whole batch in one pass
 

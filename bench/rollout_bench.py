@@ -57,9 +57,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the parent process imports neither torch nor rollflow's stages
     from rollflow.envs.agent import Policy
+    from rollflow.generators.generator import Generator
     from rollflow.storage.runfolder import RunFolder
     from rollflow.tasks.config import RunConfig
-    from rollflow.tasks.generator import Generator
 
 REPO = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "rollout-bench-result "
@@ -179,8 +179,9 @@ def fresh_adapter(model_path: str | None, rank: int, alpha: float, dest: Path) -
 def open_engine(config: RunConfig, folder: RunFolder) -> Iterator[Generator]:
     """The leg's generator (a vLLM one started here, or the in-process one), lent while
     open, so that opening it again for the step's own folder finds the warm server."""
-    from rollflow.tasks.run_generator import open_generator
-    from rollflow.tasks.vllm_generator import VLLMGenerator, lend
+    from rollflow.generators.lending import lend
+    from rollflow.generators.run_generator import open_generator
+    from rollflow.generators.vllm_generator import VLLMGenerator
 
     with open_generator(config, folder, versions_in_flight=1) as engine:
         if isinstance(engine, VLLMGenerator):
@@ -229,9 +230,9 @@ def reset_prefix_cache(engine: object) -> None:
 
 
 def run_leg(leg: Leg, workdir: Path, quick: bool, repeat: int) -> LegResult:
+    from rollflow.generators.run_generator import open_generator
     from rollflow.policy.models import build_tiny_model
     from rollflow.storage.runfolder import RunFolder
-    from rollflow.tasks.run_generator import open_generator
 
     model_path = None
     if quick:  # vLLM's CPU attention needs heads of at least 32

@@ -73,6 +73,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
+from rollflow.generators.models import load_policy_for_training, torch_dtype
 from rollflow.policy.generation import _cache_keyword
 from rollflow.policy.models import build_tiny_model
 from rollflow.storage.records import SampleRecord
@@ -85,7 +86,6 @@ from rollflow.tasks.grpo_update import (
     make_optimizer,
 )
 from rollflow.tasks.trainer_logprobs import token_logprobs
-from rollflow.tasks.models import load_policy_for_training, torch_dtype
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "configs" / "learn_tool_use_game.toml"

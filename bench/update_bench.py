@@ -62,6 +62,7 @@ from rollflow.envs.agent import PolicyAction
 from rollflow.envs.handle import EpisodeLimits
 from rollflow.envs.runner import load_environment_handle
 from rollflow.envs.types import Message, ToolSpec
+from rollflow.generators.models import load_policy_for_training
 from rollflow.policy.codec import ChatCodec, TokenState
 from rollflow.policy.models import build_tiny_model, cache_root, generation_stop_ids
 from rollflow.storage.records import SampleRecord
@@ -69,7 +70,6 @@ from rollflow.storage.schemas import sample_records_to_table, table_to_sample_re
 from rollflow.tasks import grpo_update as update_module
 from rollflow.tasks.config import RunConfig, load_config
 from rollflow.tasks.grpo_update import UpdateSettings, grpo_update, make_optimizer, pack_microbatches
-from rollflow.tasks.models import load_policy_for_training
 from rollflow.tasks.sft_rows import examples_from_environment
 
 CONFIG = "configs/learn_tool_use_game.toml"

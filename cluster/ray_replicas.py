@@ -40,10 +40,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rollflow.generators.cpu_split import deal_cores
 from rollflow.policy.vllm_server import VLLMServer
 from rollflow.policy.vllm_spec import VLLMServerSpec
 from rollflow.tasks.config import RunConfig
-from rollflow.tasks.cpu_split import deal_cores
 
 CALL_TIMEOUT_S = 30.0  # an actor call other than a start
 STOP_TIMEOUT_S = 30.0
@@ -273,7 +273,7 @@ def node_share(config: RunConfig, index: int) -> tuple[int, int]:
     return mates.index(index), len(mates)
 
 
-def replica_host(config: RunConfig):  # noqa: ANN201 - a ServerHost (tasks/vllm_generator.py) or None
+def replica_host(config: RunConfig):  # noqa: ANN201 - a ServerHost (generators/vllm_generator.py) or None
     """What starts the run's managed replicas on the cluster; None where ``[cluster]`` places none."""
     if not config.cluster.serves_generators:
         return None

@@ -63,12 +63,12 @@ from typing import TYPE_CHECKING, Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from rollflow.generators.generator import GeneratorError, RestartBudget
+from rollflow.generators.models import base_model_ref
 from rollflow.policy.models import ModelRef
 from rollflow.policy.sampling import SamplingSettings
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.config import ConfigError, RunConfig
-from rollflow.tasks.generator import GeneratorError, RestartBudget
-from rollflow.tasks.models import base_model_ref
 from rollflow.tasks.rollout import ChunkOutcome, StagePlan, play_chunk_to_part
 
 if TYPE_CHECKING:
@@ -76,8 +76,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from rollflow.cluster.ray_cluster import RayNode
+    from rollflow.generators.policy_io import ActingPolicy
     from rollflow.policy.vllm_backend import VLLMPolicy
-    from rollflow.tasks.policy_io import ActingPolicy
 
 
 class RolloutChunkError(RuntimeError):
@@ -126,7 +126,7 @@ class VLLMPolicySpec:
 
     def server_problem(self) -> str | None:
         """Why one of the servers cannot sample now, as a worker sees it (None: all answer)."""
-        from rollflow.tasks.vllm_generator import server_fault
+        from rollflow.generators.vllm_generator import server_fault
 
         fault = server_fault(None, self.base_urls)
         return None if fault is None else fault.describe()

@@ -17,7 +17,7 @@ chunks (``cluster/ray_rollout.py``). Everything else of the step stays where the
 - ``train.json`` records the node that trained (``TrainResult.node``).
 - Retention stays in the driver: the node commits and never prunes; the driver prunes once
   the task returns. Only the driver knows which checkpoints its async generator still reads
-  (``tasks/checkpoints.py``'s ``reading_versions``); a pruning node would see no reader
+  (``generators/checkpoints.py``'s ``reading_versions``); a pruning node would see no reader
   and delete a version still being served or published.
 
 Faults: a node that dies while it trains takes nothing committed with it (the checkpoint is
@@ -40,10 +40,10 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from rollflow.generators.checkpoints import prune_checkpoints
+from rollflow.generators.cpu_split import trainer_threads
 from rollflow.storage.stage_outputs import locate_output
-from rollflow.tasks.checkpoints import prune_checkpoints
 from rollflow.tasks.config import RunConfig
-from rollflow.tasks.cpu_split import trainer_threads
 from rollflow.tasks.train import train_stage
 
 POLL_S = 1.0  # how often the driver checks that some live node can still hold the task

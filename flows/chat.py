@@ -47,8 +47,8 @@ from rollflow.envs.types import Message, Tool, ToolCall, ToolSpec
 if TYPE_CHECKING:  # loaded on use: torch and transformers cost seconds to import
     from rollflow.envs.env import AsyncEnvSuite
     from rollflow.envs.hooks import EnvironmentMultiTurn
+    from rollflow.generators.checkpoints import Checkpoint
     from rollflow.policy.sampling import SamplingSettings
-    from rollflow.tasks.checkpoints import Checkpoint
     from rollflow.tasks.config import RunConfig
 
 MAX_TOOL_ROUNDS = 8
@@ -291,9 +291,9 @@ def _server_policy(
 
 
 def _local_policy(config: RunConfig, checkpoint: Checkpoint | None, settings: SamplingSettings) -> ChatPolicy:
+    from rollflow.generators.models import policy_model_ref, torch_device, torch_dtype
     from rollflow.policy.models import load_causal_lm
     from rollflow.policy.transformers_backend import TransformersPolicy
-    from rollflow.tasks.models import policy_model_ref, torch_device, torch_dtype
 
     model, tokenizer = load_causal_lm(
         policy_model_ref(config, checkpoint), torch_dtype(config), device=torch_device(config)

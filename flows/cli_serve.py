@@ -24,8 +24,8 @@ from rollflow.flows.cli import Command, UserError, register
 def _user_errors() -> tuple[type[BaseException], ...]:
     from rollflow.envs.runner import EnvironmentLoadError
     from rollflow.flows.export import ExportError
+    from rollflow.generators.checkpoints import CheckpointError
     from rollflow.policy.models import ModelLoadError
-    from rollflow.tasks.checkpoints import CheckpointError
     from rollflow.tasks.config import ConfigError
 
     return (ExportError, CheckpointError, ConfigError, EnvironmentLoadError, ModelLoadError, FileNotFoundError)

@@ -39,11 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rollflow.flows.export_serving import write_serving_files
-from rollflow.policy.models import load_causal_lm, load_tokenizer
-from rollflow.storage.filemodes import give_ordinary_modes
-from rollflow.storage.parquet import temporary_path
-from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.checkpoints import (
+from rollflow.generators.checkpoints import (
     OPTIMIZER_FILE,
     RESULT_FILE,
     RNG_FILE,
@@ -52,8 +48,12 @@ from rollflow.tasks.checkpoints import (
     latest_checkpoint,
     read_checkpoint,
 )
+from rollflow.generators.models import base_model_ref, policy_model_ref, torch_dtype
+from rollflow.policy.models import load_causal_lm, load_tokenizer
+from rollflow.storage.filemodes import give_ordinary_modes
+from rollflow.storage.parquet import temporary_path
+from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.config import RunConfig, load_config
-from rollflow.tasks.models import base_model_ref, policy_model_ref, torch_dtype
 
 EXPORT_FILE = "export.json"
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")

@@ -31,14 +31,14 @@ from prefect.utilities.annotations import quote
 
 from rollflow.envs.agent import Policy
 from rollflow.flows.runs import RunHandle
+from rollflow.generators.generator import Generator
+from rollflow.generators.policy_io import ActingPolicy
 from rollflow.storage.runfolder import RunFolder, StepPaths, check_timed_stage
 from rollflow.storage.stage_outputs import finished_output
 from rollflow.tasks.collect import RolloutWorkers, admit_stage
 from rollflow.tasks.config import RunConfig
 from rollflow.tasks.flatten import flatten_stage
-from rollflow.tasks.generator import Generator
 from rollflow.tasks.metrics import metrics_stage, validation_metrics_stage
-from rollflow.tasks.policy_io import ActingPolicy
 from rollflow.tasks.rollout import ChunkFanOut, rollout_stage
 from rollflow.tasks.scoring import score_stage
 from rollflow.tasks.teacher import teacher_stage

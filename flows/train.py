@@ -57,15 +57,15 @@ from rollflow.flows.step import (
     scoring,
     validation_metrics,
 )
+from rollflow.generators.async_generator import open_async_generator
+from rollflow.generators.cpu_split import async_cpu_split, trainer_threads
+from rollflow.generators.generator import Generator
+from rollflow.generators.policy_io import ActingPolicy
+from rollflow.generators.run_generator import open_generator
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.async_generator import open_async_generator
 from rollflow.tasks.collect import Publisher, RolloutWorkers, write_collector_report
 from rollflow.tasks.config import RunConfig
-from rollflow.tasks.cpu_split import async_cpu_split, trainer_threads
-from rollflow.tasks.generator import Generator
-from rollflow.tasks.run_generator import open_generator
 from rollflow.tasks.metrics import step_advice, step_outcome, validation_outcome
-from rollflow.tasks.policy_io import ActingPolicy
 from rollflow.tasks.rollout import ChunkFanOut
 from rollflow.tasks.run_summary import learning_summary
 from rollflow.tasks.teacher import check_teacher
@@ -173,7 +173,7 @@ def run_async_training(handle: RunHandle) -> None:
     config, root, folder = handle.config, handle.root, handle.folder
     first, last = handle.next_step(), config.train.num_steps
     started = time.perf_counter()
-    split = async_cpu_split(config)  # the server's cores and the trainer's, apart (tasks/cpu_split.py)
+    split = async_cpu_split(config)  # the server's cores and the trainer's, apart (generators/cpu_split.py)
     if split is not None:
         handle.report(f"CPUs: the vLLM server on {list(split[0])}, the trainer's threads {len(split[1])}")
     with (

@@ -294,7 +294,7 @@ class VLLMPolicy(TokenPolicy):
 
 def adapter_name(prefix: str, version: int) -> str:
     """The name a policy version's LoRA adapter is served under: ``<prefix>-v<version>``
-    (the prefix names the run: ``rollflow.tasks.generator.run_adapter_prefix``)."""
+    (the prefix names the run: ``rollflow.generators.generator.run_adapter_prefix``)."""
     return f"{prefix}-v{version}"
 
 

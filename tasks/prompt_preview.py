@@ -37,9 +37,9 @@ def preview_prompt(config: RunConfig, handle: EnvironmentHandle, split: Split = 
 
     Raises ``ConfigError`` for a task that does not exist or cannot start.
     """
+    from rollflow.generators.models import base_model_ref
     from rollflow.policy.codec import ChatCodec
     from rollflow.policy.models import load_tokenizer
-    from rollflow.tasks.models import base_model_ref
     from rollflow.tasks.preflight import opening_prompt
 
     items = handle.tasks(split)

@@ -81,8 +81,8 @@ from rollflow.storage.schemas import episode_records_to_table, table_to_episode_
 from rollflow.storage.stage_outputs import locate_output
 from rollflow.tasks.config import RunConfig
 from rollflow.tasks.curriculum import curriculum_weights, difficulty_labels, summarize
-from rollflow.tasks.generator import Generator, RestartBudget
-from rollflow.tasks.policy_io import ActingPolicy, open_policy
+from rollflow.generators.generator import Generator, RestartBudget
+from rollflow.generators.policy_io import ActingPolicy, open_policy
 from rollflow.tasks.schedule import (
     backfill_tasks,
     chunk_seed,

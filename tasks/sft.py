@@ -39,15 +39,15 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from rollflow.generators.checkpoints import seed_everything
+from rollflow.generators.models import load_policy_for_training
 from rollflow.policy.codec import ChatCodec
 from rollflow.policy.models import generation_stop_ids
 from rollflow.policy.stopping import raise_if_stop_requested
 from rollflow.storage.filemodes import give_ordinary_modes
 from rollflow.storage.parquet import temporary_path
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.checkpoints import seed_everything
 from rollflow.tasks.config import RunConfig
-from rollflow.tasks.models import load_policy_for_training
 from rollflow.tasks.sft_rows import SFTDataError, SFTRow, examples_from_environment, examples_from_file, tokenize_example
 from rollflow.tasks.shared_prefix import first_trained, gradient_checkpointed, pack_by_prefix, plan_prefixes
 from rollflow.tasks.trainer_logprobs import token_logprobs

@@ -30,10 +30,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from rollflow.storage.records import TrainResult
-from rollflow.storage.schemas import table_to_sample_records
-from rollflow.storage.stage_outputs import locate_output, read_output
-from rollflow.tasks.checkpoints import (
+from rollflow.generators.checkpoints import (
     REFERENCE_ADAPTER,
     Checkpoint,
     checkpoint_train_result,
@@ -44,10 +41,13 @@ from rollflow.tasks.checkpoints import (
     save_checkpoint,
     seed_everything,
 )
+from rollflow.generators.models import base_model_ref, load_policy_for_training, torch_device, training_dtype
+from rollflow.storage.records import TrainResult
+from rollflow.storage.schemas import table_to_sample_records
+from rollflow.storage.stage_outputs import locate_output, read_output
 from rollflow.tasks.config import RunConfig
 from rollflow.tasks.config_checks import check_training_sampling
 from rollflow.tasks.grpo_update import RefLogprobsFn, UpdateSettings, UpdateStats, grpo_update, make_optimizer
-from rollflow.tasks.models import base_model_ref, load_policy_for_training, torch_device, training_dtype
 from rollflow.tasks.objectives import objective_samples
 from rollflow.tasks.shared_prefix import SharedPrefix
 from rollflow.tasks.trainer_logprobs import token_logprobs

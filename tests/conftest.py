@@ -81,7 +81,7 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     yields the policy every managed generator gets."""
     from fake_vllm import FakePolicy, FakeServer
 
-    from rollflow.tasks import vllm_generator
+    from rollflow.generators import vllm_generator
 
     policy = FakePolicy()
     FakeServer.specs = []

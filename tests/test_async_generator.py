@@ -1,4 +1,4 @@
-"""The async generator's bookkeeping (``tasks/async_generator.py``, ``tasks/collect.py``).
+"""The async generator's bookkeeping (``generators/async_generator.py``, ``tasks/collect.py``).
 
 No vLLM server: a fake server and policy record what the generator starts, loads, reloads
 and holds, where that bookkeeping is the point. The models are real tiny ones where the
@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from rollflow.generators.async_generator import AsyncGenerator, open_async_generator
+from rollflow.generators.generator import run_adapter_prefix
+from rollflow.generators.vllm_generator import VLLMGenerator
 from rollflow.policy.vllm_weights import LM_HEAD_SHARD
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.async_generator import AsyncGenerator, open_async_generator
-from rollflow.tasks.generator import run_adapter_prefix
-from rollflow.tasks.vllm_generator import VLLMGenerator
 from rollflow.tasks.collect import RolloutWorkers
 from rollflow.tasks.config import ModelConfig, RolloutConfig, RunConfig, TrainConfig, ValidationConfig
 from fake_vllm import DEAD_URL, FakePolicy, FakeServer
@@ -79,7 +79,7 @@ def test_a_full_weight_run_from_an_adapter_serves_the_merged_start_as_version_0(
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    from rollflow.tasks.models import load_policy_for_training
+    from rollflow.generators.models import load_policy_for_training
 
     adapter = _random_adapter(tiny_model_dir, tmp_path / "sft-adapter")
     config = _config(tiny_model_dir, lora=False, adapter=str(adapter), weight_sync_type="pipeline")
@@ -117,7 +117,7 @@ def test_every_adapter_a_generator_holds_fits_the_servers_max_loras(
 ) -> None:
     """Slow groups each pin the version they started under; the server must hold them all
     at once (an LRU eviction re-reads an adapter from its folder)."""
-    from rollflow.tasks import async_generator
+    from rollflow.generators import async_generator
 
     monkeypatch.setattr(async_generator, "fresh_adapter", lambda config, folder: tmp_path / "adapter-v0")
     folder = RunFolder(tmp_path / "run")
@@ -137,9 +137,9 @@ def test_every_adapter_a_generator_holds_fits_the_servers_max_loras(
 def test_async_validation_against_a_dead_server_raises_and_seals_nothing(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
+    from rollflow.generators.generator import GeneratorError, sampling_settings
     from rollflow.policy.models import ModelRef, load_tokenizer
     from rollflow.policy.vllm_backend import VLLMPolicy
-    from rollflow.tasks.generator import GeneratorError, sampling_settings
     from rollflow.tasks.rollout import rollout_stage
 
     config = _config(tiny_model_dir, lora=True, lora_serving="adapter")  # the user's servers get adapters

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from rollflow.generators.async_generator import AsyncGenerator
+from rollflow.generators.generator import GeneratorError, sampling_settings
+from rollflow.generators.vllm_generator import VLLMGenerator
 from rollflow.policy.models import ModelRef, load_tokenizer
 from rollflow.policy.vllm_backend import VLLMPolicy
 from rollflow.policy.vllm_spec import VLLMServerSpec
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.async_generator import AsyncGenerator
-from rollflow.tasks.generator import GeneratorError, sampling_settings
-from rollflow.tasks.vllm_generator import VLLMGenerator
 from fake_vllm import FakePolicy, FakeServer
 from test_async_generator import _config
 

@@ -458,8 +458,8 @@ def test_an_async_lora_run_keeping_one_checkpoint_loads_each_adapter_once_and_ne
     import re
 
     from rollflow.flows.train import train_flow
+    from rollflow.generators.generator import run_adapter_prefix
     from rollflow.policy.vllm_backend import adapter_name
-    from rollflow.tasks.generator import run_adapter_prefix
 
     sys.path.insert(0, str(TESTS))
     config = async_config(

@@ -1,4 +1,4 @@
-"""What a run keeps on disk: ``tasks/checkpoints.py``'s ``checkpoints_to_keep``, which
+"""What a run keeps on disk: ``generators/checkpoints.py``'s ``checkpoints_to_keep``, which
 ``prune_checkpoints`` asks (resume, a publication in flight, the adapters an async
 generator holds). Checkpoint folders here carry only ``version.json``: what pruning reads.
 """
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from rollflow.generators import vllm_generator
+from rollflow.generators.checkpoints import prune_checkpoints
 from rollflow.storage.async_groups import Admission, write_admission
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.checkpoints import prune_checkpoints
-from rollflow.tasks import vllm_generator
 from rollflow.tasks.config import parse_config
 from fake_vllm import FakePolicy, FakeServer
 from test_async_generator import _config, _random_adapter
@@ -103,7 +103,7 @@ def test_an_adapter_a_running_group_samples_keeps_its_checkpoint(
     evicts and reloads it."""
     import asyncio
 
-    from rollflow.tasks import async_generator
+    from rollflow.generators import async_generator
 
     monkeypatch.setattr(async_generator, "fresh_adapter", lambda config, folder: tmp_path / "adapter-v0")
     folder = RunFolder(tmp_path / "run")
@@ -129,7 +129,7 @@ def test_an_adapter_a_running_group_samples_keeps_its_checkpoint(
 def test_a_checkpoint_being_published_in_the_background_is_not_pruned(
     fake_vllm: FakePolicy, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    from rollflow.tasks.async_generator import open_async_generator
+    from rollflow.generators.async_generator import open_async_generator
     from rollflow.tasks.collect import Publisher
 
     config = _config(tiny_model_dir, lora=False, weight_sync_type="background_publish")
@@ -163,8 +163,8 @@ def test_a_merged_lora_generator_keeps_only_the_served_merged_folder(
     merged folder nor the served version's checkpoint is kept for it."""
     import shutil
 
-    from rollflow.tasks.async_generator import open_async_generator
-    from rollflow.tasks.vllm_generator import SERVING_DIR
+    from rollflow.generators.async_generator import open_async_generator
+    from rollflow.generators.vllm_generator import SERVING_DIR
 
     config = _config(tiny_model_dir, lora=True)  # lora_serving = "merged", the default
     folder = RunFolder(tmp_path / "run")
@@ -207,7 +207,7 @@ def test_a_train_stage_run_on_a_ray_node_leaves_pruning_to_the_driver_that_knows
     import subprocess
     import sys
 
-    from rollflow.tasks.checkpoints import reading_versions
+    from rollflow.generators.checkpoints import reading_versions
     from test_train import tiny_config, train_step, write_samples
 
     config = tiny_config(tiny_model_dir, keep_checkpoints=1)

@@ -1,4 +1,4 @@
-"""Full-weight checkpoints as vLLM and transformers read them (tasks/checkpoints.py)."""
+"""Full-weight checkpoints as vLLM and transformers read them (generators/checkpoints.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import pytest
 import torch
 from test_vllm_server import _vllm_loads
 
+from rollflow.generators.checkpoints import save_checkpoint
 from rollflow.policy.models import ModelRef, load_causal_lm
 from rollflow.policy.vllm_spec import DEFAULT_PYTHON
 from rollflow.policy.vllm_weights import LM_HEAD_SHARD
 from rollflow.storage.records import TrainResult
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.checkpoints import save_checkpoint
 
 
 @pytest.mark.skipif(not DEFAULT_PYTHON.is_file(), reason="needs the vLLM Python (make vllm-setup)")

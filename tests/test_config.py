@@ -188,7 +188,7 @@ def test_auto_dtype_takes_bfloat16_only_where_the_cpu_runs_it_natively(monkeypat
     float32 on a CPU that would emulate it; full-weight training stays float32 either way."""
     import torch
 
-    from rollflow.tasks.models import torch_dtype, training_dtype
+    from rollflow.generators.models import torch_dtype, training_dtype
 
     config = parse_config({"model": {"dtype": "auto"}})
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -208,8 +208,8 @@ def test_the_model_device_is_checked_in_the_config_and_on_the_machine() -> None:
     load error naming it; "auto" takes CUDA only where PyTorch sees it."""
     import torch
 
+    from rollflow.generators.models import auto_dtype, torch_device
     from rollflow.policy.models import ModelLoadError, resolve_device
-    from rollflow.tasks.models import auto_dtype, torch_device
 
     with pytest.raises(ConfigError, match=r"\[model\]\.device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got 'gpu'"):
         parse_config({"model": {"device": "gpu"}})

@@ -89,7 +89,7 @@ def test_an_async_run_on_a_cluster_places_its_trainer_or_its_replicas_there(monk
     """A local cluster's nodes share this machine's cores, so the split stands there (the
     review's R5: before, the driver's server bound every core while the worker trained); a
     side on a remote cluster's node has that node's cores: nothing to split here."""
-    from rollflow.tasks import cpu_split
+    from rollflow.generators import cpu_split
     from rollflow.tasks.config_checks import check_run_config
 
     monkeypatch.setattr(cpu_split.os, "sched_getaffinity", lambda pid: {0, 1})

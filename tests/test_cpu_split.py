@@ -1,5 +1,5 @@
 """Async on the CPU: the managed vLLM server's cores and the trainer's threads, apart
-(``tasks/cpu_split.py``); what reaches the server's environment, and where nothing is split."""
+(``generators/cpu_split.py``); what reaches the server's environment, and where nothing is split."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from rollflow.generators import cpu_split
+from rollflow.generators.cpu_split import async_cpu_split, trainer_threads
+from rollflow.generators.vllm_generator import server_spec
 from rollflow.policy.vllm_spec import VLLMServerSpec
-from rollflow.tasks import cpu_split
 from rollflow.tasks.config import ModelConfig, RolloutConfig, RunConfig
-from rollflow.tasks.cpu_split import async_cpu_split, trainer_threads
-from rollflow.tasks.vllm_generator import server_spec
 
 
 def _async(model_dir: Path, **rollout: object) -> RunConfig:
@@ -81,8 +81,8 @@ def test_the_async_opener_binds_its_server_to_the_cores_it_is_given(
 ) -> None:
     from fake_vllm import FakeServer
 
+    from rollflow.generators.async_generator import open_async_generator
     from rollflow.storage.runfolder import RunFolder
-    from rollflow.tasks.async_generator import open_async_generator
 
     config = _async(tiny_model_dir, weight_sync_type="pipeline")
     with open_async_generator(config, RunFolder(tmp_path / "run"), 0, cpus=(0,)):

@@ -18,15 +18,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from rollflow.envs.types import Message
 from rollflow.flows.cli import main
 from rollflow.flows.export import ExportError, export_policy
+from rollflow.generators.checkpoints import OPTIMIZER_FILE, latest_checkpoint, read_checkpoint, save_checkpoint
+from rollflow.generators.models import load_policy_for_training, policy_model_ref
 from rollflow.policy.models import ModelRef, load_causal_lm
 from rollflow.policy.sampling import SamplingSettings
 from rollflow.policy.transformers_backend import TransformersPolicy
 from rollflow.policy.vllm_spec import VLLMServerError, VLLMServerSpec, lora_rank_limit, resolve_python
 from rollflow.storage.records import TrainResult
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.checkpoints import OPTIMIZER_FILE, latest_checkpoint, read_checkpoint, save_checkpoint
 from rollflow.tasks.config import RunConfig, config_to_toml, load_config
-from rollflow.tasks.models import load_policy_for_training, policy_model_ref
 from tiny_run import REPO
 
 MESSAGES: list[Message] = [

@@ -1,6 +1,6 @@
 """One generator per run: the training flow opens it, every stage of the run samples on it,
 and it is closed when the run ends, also when the run fails; a vLLM generator lent by the
-caller (``vllm_generator.lend``) is used and left running.
+caller (``lending.lend``) is used and left running.
 
 The vLLM cases stand a recording server in for ``VLLMServer`` (tests/fake_vllm.py):
 what is checked is who starts and stops it, not what it samples.
@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 from fake_vllm import FakePolicy, FakeServer
 
+from rollflow.generators import run_generator
+from rollflow.generators import vllm_generator
+from rollflow.generators.generator import LocalGenerator
+from rollflow.generators.lending import lend
+from rollflow.generators.run_generator import open_generator
+from rollflow.generators.vllm_generator import VLLMGenerator
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks import run_generator
-from rollflow.tasks import vllm_generator
 from rollflow.tasks.config import ModelConfig, RolloutConfig, RunConfig, TrainConfig, config_to_toml, load_config
-from rollflow.tasks.generator import LocalGenerator
-from rollflow.tasks.run_generator import open_generator
-from rollflow.tasks.vllm_generator import VLLMGenerator, lend
 
 
 class CountingLocal(LocalGenerator):

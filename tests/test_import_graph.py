@@ -1,4 +1,4 @@
-"""The package's import graph has no circle (issue 46).
+"""The package's import graph has no circle, and every import points down the rooms (issue 46).
 
 Every ``import`` and ``from ... import`` of a ``rollflow`` module counts, wherever it stands:
 at the top, inside a function (a deferred import that only dodges a circle still makes
@@ -13,7 +13,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-FOLDERS = ("envs", "tasks", "flows", "cluster", "storage", "policy")
+FOLDERS = ("envs", "tasks", "generators", "flows", "cluster", "storage", "policy")
 
 
 def package_modules() -> dict[str, Path]:
@@ -116,7 +116,7 @@ def test_no_module_of_the_package_is_in_an_import_circle() -> None:
     modules = package_modules()
     assert len(modules) > 100, "the package's modules were not found"
     graph = import_graph(modules)
-    assert "rollflow.tasks.checkpoints" in graph["rollflow.tasks.train"], "the graph misses plain imports"
+    assert "rollflow.generators.checkpoints" in graph["rollflow.tasks.train"], "the graph misses plain imports"
     found = circles(graph)
     assert not found, "import circles (each a list of modules that reach each other):\n" + "\n".join(
         ", ".join(m.removeprefix("rollflow.") for m in circle) for circle in found
@@ -124,26 +124,51 @@ def test_no_module_of_the_package_is_in_an_import_circle() -> None:
 
 
 # The rooms, top to bottom: a module imports its own room or a room below it, never one
-# above. ``rollflow`` itself (the public face: environment names, lazy flow entry points)
-# is outside the order.
-ROOMS = (("flows",), ("cluster",), ("tasks",), ("policy", "storage"), ("envs",))
+# above and never one beside it. The configuration (``tasks/config*.py``, ``grpo_config.py``)
+# is a room of its own under the generator, still in the stages' folder. ``rollflow`` itself
+# (the public face: environment names, lazy flow entry points) is outside the order.
+ROOMS = (("flows",), ("cluster",), ("tasks",), ("generators",), ("config",), ("policy", "storage"), ("envs",))
+# Known to point up, each a move still to make (issue 46), not a rule: the config's
+# negative_margin_warning lives with the gate stage it warns about.
+KNOWN_UPWARD = {"tasks.config -> tasks.gate"}
 
 
-def room_rank(module: str) -> int | None:
-    folder = module.split(".")[1] if module.count(".") else None
-    return next((rank for rank, rooms in enumerate(ROOMS) if folder in rooms), None)
+def room(module: str) -> str | None:
+    parts = module.split(".")
+    if len(parts) < 3:
+        return None
+    if parts[1] == "tasks" and (parts[2].startswith("config") or parts[2] == "grpo_config"):
+        return "config"
+    return parts[1]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """``importer -> imported`` for each import into a room above (or beside) the importer's."""
+    rank = {name: index for index, rooms in enumerate(ROOMS) for name in rooms}
+    found = []
+    for name, targets in graph.items():
+        for target in targets:
+            low, high = room(name), room(target)
+            if low is None or high is None or low == high:
+                continue
+            if rank[high] <= rank[low]:
+                found.append(f"{name.removeprefix('rollflow.')} -> {target.removeprefix('rollflow.')}")
+    return sorted(found)
+
+
+def test_the_room_checker_sees_an_import_up_or_across() -> None:
+    graph = {"rollflow.tasks.a": {"rollflow.flows.b", "rollflow.policy.c", "rollflow.tasks.config"},
+             "rollflow.policy.c": {"rollflow.storage.d", "rollflow.envs.e"},
+             "rollflow.generators.f": {"rollflow.tasks.config", "rollflow.tasks.g"}}  # fmt: skip
+    assert upward_imports(graph) == ["generators.f -> tasks.g", "policy.c -> storage.d", "tasks.a -> flows.b"]
 
 
 def test_every_import_points_down_the_rooms() -> None:
-    assert {folder for rooms in ROOMS for folder in rooms} == set(FOLDERS), "a folder without a room"
-    graph = import_graph(package_modules())
-    upward = sorted(
-        f"{name.removeprefix('rollflow.')} -> {target.removeprefix('rollflow.')}"
-        for name, targets in graph.items()
-        for target in targets
-        if (low := room_rank(name)) is not None and (high := room_rank(target)) is not None
-        and (high < low or (high == low and name.split(".")[1] != target.split(".")[1]))
-    )  # fmt: skip
+    folders = {name for rooms in ROOMS for name in rooms} - {"config"}
+    assert folders == set(FOLDERS), "a folder without a room, or a room without its folder"
+    found = upward_imports(import_graph(package_modules()))
+    assert KNOWN_UPWARD <= set(found), f"no longer pointing up, take out of KNOWN_UPWARD: {KNOWN_UPWARD - set(found)}"
+    upward = [edge for edge in found if edge not in KNOWN_UPWARD]
     assert not upward, "imports that point up (or across) the rooms " + " > ".join(
         "/".join(rooms) for rooms in ROOMS
     ) + ":\n" + "\n".join(upward)

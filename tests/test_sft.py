@@ -20,11 +20,11 @@ from rollflow.envs.hooks import EnvironmentMultiTurn
 from rollflow.envs.registry import register_environment
 from rollflow.envs.runner import load_environment_handle
 from rollflow.envs.types import EnvironmentStepResult, Message, RewardResult, TaskExample, ToolSpec
+from rollflow.generators.models import load_policy_for_training
 from rollflow.policy.codec import ChatCodec, TokenState
 from rollflow.policy.models import ModelRef, load_causal_lm
 from rollflow.storage.filemodes import current_umask
 from rollflow.tasks.config import ModelConfig, RunConfig, SFTConfig, load_config
-from rollflow.tasks.models import load_policy_for_training
 from rollflow.tasks.sft import completion_nll, mean_completion_loss, read_sft_result, sft_rows, sft_stage
 from rollflow.tasks.sft_rows import (
     SFTDataError,

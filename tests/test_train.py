@@ -16,17 +16,16 @@ from rollflow.envs.handle import EpisodeLimits
 from rollflow.envs.hooks import EnvironmentMultiTurn
 from rollflow.envs.runner import handle_from_hook, play_groups
 from rollflow.envs.types import EnvironmentEpisode, EnvironmentStepResult, Message, RewardResult, TaskExample
+from rollflow.generators.checkpoints import latest_checkpoint, seed_everything
+from rollflow.generators.models import load_policy_for_training, policy_model_ref
 from rollflow.policy.loss import LossSettings
 from rollflow.policy.sampling import SamplingSettings
 from rollflow.policy.transformers_backend import TransformersPolicy
 from rollflow.storage.records import EpisodeRecord, SampleRecord, ScoreRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import sample_records_to_table
-from rollflow.tasks.checkpoints import latest_checkpoint, seed_everything
 from rollflow.tasks.config import RunConfig, parse_config
-from rollflow.tasks.trainer_logprobs import chosen_logprobs
 from rollflow.tasks.flatten import flatten_episode_to_samples
-from rollflow.tasks.models import load_policy_for_training, policy_model_ref
 from rollflow.tasks.grpo_update import (
     UpdateSettings,
     grpo_update,
@@ -34,9 +33,10 @@ from rollflow.tasks.grpo_update import (
     pack_microbatches,
     split_minibatches,
 )
-from rollflow.tasks.train import adapter_off_reference, train_stage
-from rollflow.tasks.trainer_logprobs import token_logprobs
 from rollflow.tasks.grpo_update import warmup_learning_rate
+from rollflow.tasks.train import adapter_off_reference, train_stage
+from rollflow.tasks.trainer_logprobs import chosen_logprobs
+from rollflow.tasks.trainer_logprobs import token_logprobs
 
 VOCAB = 40
 

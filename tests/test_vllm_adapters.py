@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerBase
 
+from rollflow.generators.generator import run_adapter_prefix
 from rollflow.policy.vllm_admin import VLLMPolicyError
 from rollflow.policy.vllm_backend import VLLMPolicy, adapter_name
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.generator import run_adapter_prefix
 
 
 class AdapterServer(ThreadingHTTPServer):

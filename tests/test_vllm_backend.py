@@ -1,7 +1,7 @@
 """The vLLM policy against a real vLLM server (``.venv-vllm``, ``make vllm-setup``).
 
 One managed server for the whole session, started by ``open_generator`` exactly as a
-training run starts it and lent to the flows the tests run (``vllm_generator.lend``), on a tiny random Llama with the real SmolLM2
+training run starts it and lent to the flows the tests run (``lending.lend``), on a tiny random Llama with the real SmolLM2
 tokenizer (2 heads of 32: vLLM's CPU attention needs a head size of at least 32). Its
 end-of-turn token gets a large embedding so that actions end by ``stop`` often enough to
 test. Every claim is checked against a Hugging Face forward pass of the same weights: the
@@ -27,6 +27,11 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 
 from rollflow.envs.agent import PolicyAction
 from rollflow.envs.types import Message
+from rollflow.generators.generator import run_adapter_prefix
+from rollflow.generators.lending import lend
+from rollflow.generators.policy_io import step_policy
+from rollflow.generators.run_generator import open_generator
+from rollflow.generators.vllm_generator import VLLMGenerator
 from rollflow.policy.models import ModelRef, load_tokenizer
 from rollflow.policy.sampling import SamplingSettings, sampling_logprobs
 from rollflow.policy.vllm_admin import VLLMPolicyError
@@ -35,10 +40,6 @@ from rollflow.policy.vllm_server import VLLMServer, free_port
 from rollflow.policy.vllm_spec import VLLMServerError, VLLMServerSpec
 from rollflow.policy.vllm_weights import write_lm_head_shard
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.generator import run_adapter_prefix
-from rollflow.tasks.run_generator import open_generator
-from rollflow.tasks.policy_io import step_policy
-from rollflow.tasks.vllm_generator import VLLMGenerator, lend
 from rollflow.tasks.config import ModelConfig, RolloutConfig, RunConfig, TrainConfig
 from tiny_run import build_vllm_tiny_model
 

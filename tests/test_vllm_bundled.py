@@ -39,14 +39,14 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from rollflow.envs.episode import ActionTokens
 from rollflow.envs.handle import EpisodeLimits
 from rollflow.envs.runner import load_environment_handle, play_groups
+from rollflow.generators.policy_io import step_policy
+from rollflow.generators.run_generator import open_generator
+from rollflow.generators.vllm_generator import VLLMGenerator
 from rollflow.policy.models import ModelRef, hf_model_folder
 from rollflow.policy.sampling import sampling_logprobs
 from rollflow.policy.vllm_backend import VLLMPolicy
 from rollflow.policy.vllm_weights import untied_serving_folder
-from rollflow.tasks.run_generator import open_generator
-from rollflow.tasks.policy_io import step_policy
 from rollflow.tasks.config import RolloutConfig, RunConfig, TrainConfig
-from rollflow.tasks.vllm_generator import VLLMGenerator
 
 pytestmark = pytest.mark.slow
 

@@ -114,8 +114,8 @@ def test_a_base_url_that_does_not_answer_fails_before_any_episode(tmp_path: Path
 def test_full_weights_cannot_reach_external_servers(tmp_path: Path, tiny_model_dir: Path) -> None:
     import json
 
+    from rollflow.generators.policy_io import open_policy
     from rollflow.storage.runfolder import RunFolder
-    from rollflow.tasks.policy_io import open_policy
 
     folder = RunFolder(tmp_path / "run")
     tmp = folder.new_checkpoint_tmp(0)

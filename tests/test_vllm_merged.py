@@ -28,12 +28,12 @@ from test_vllm_backend import _adapter, _act_all, _commit_checkpoint, _conversat
 from tiny_run import build_vllm_tiny_model
 from transformers import AutoModelForCausalLM
 
+from rollflow.generators.policy_io import step_policy
+from rollflow.generators.run_generator import open_generator
+from rollflow.generators.vllm_generator import SERVING_DIR, VLLM_LOG
 from rollflow.policy.vllm_backend import VLLMPolicy
 from rollflow.storage.async_groups import finished_groups, read_group
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.run_generator import open_generator
-from rollflow.tasks.policy_io import step_policy
-from rollflow.tasks.vllm_generator import SERVING_DIR, VLLM_LOG
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +90,7 @@ def _worst(model: torch.nn.Module, action: object) -> float:
 def test_an_async_collection_restarts_a_killed_managed_server_and_plays_the_lost_groups_again(
     model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from rollflow.tasks.async_generator import open_async_generator
+    from rollflow.generators.async_generator import open_async_generator
     from rollflow.tasks.collect import RolloutWorkers
 
     config = async_config(model_dir, tmp_path, groups_in_flight=2)  # LoRA merged, version 0: the base

@@ -1,7 +1,7 @@
 """Managed vLLM replicas (``[rollout].num_generator_replicas``): one generator, two servers.
 
 Real servers on the tiny model of tests/test_vllm_backend.py (two heads of 32), opened once
-for the module and lent to the rollout stages (``vllm_generator.lend``). What is checked:
+for the module and lent to the rollout stages (``lending.lend``). What is checked:
 episodes are dealt to both replicas and each records which one sampled it; a version
 published reaches every replica (each one's logprobs equal version 1's peft model); a replica
 SIGKILLed mid-stage is restarted alone, given the version the others serve, and the stage's
@@ -21,14 +21,15 @@ from pathlib import Path
 import pytest
 from test_vllm_backend import _adapter, _commit_checkpoint, _hf_logprobs, _with_adapter
 
+from rollflow.generators.lending import lend
+from rollflow.generators.run_generator import open_generator
+from rollflow.generators.vllm_generator import VLLMGenerator, replica_log, server_specs
 from rollflow.policy.models import build_tiny_model
 from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_episode_records
 from rollflow.tasks.config import ConfigError, EnvConfig, ModelConfig, RolloutConfig, RunConfig, TrainConfig
-from rollflow.tasks.run_generator import open_generator
 from rollflow.tasks.rollout import rollout_stage
-from rollflow.tasks.vllm_generator import VLLMGenerator, lend, replica_log, server_specs
 
 MAX_LEN = 1024
 TOLERANCE = 1e-4  # tests/test_vllm_backend.py's: vLLM vs an HF forward pass on the tiny model
@@ -79,9 +80,9 @@ def test_the_generators_cores_are_dealt_to_the_replicas(tmp_path: Path, monkeypa
 _TIED_TO_ITS_PROCESS = """
 import sys, time
 sys.path.insert(0, sys.argv[1])
+from rollflow.generators.vllm_generator import start_together
 from rollflow.policy.vllm_server import VLLMServer
 from rollflow.policy.vllm_spec import VLLMServerSpec
-from rollflow.tasks.vllm_generator import start_together
 servers = [VLLMServer(VLLMServerSpec(sys.argv[2]), startup_timeout_s=60.0) for _ in range(2)]
 start_together(servers)
 print(" ".join(str(server._process.pid) for server in servers), flush=True)

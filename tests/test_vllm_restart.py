@@ -7,7 +7,7 @@ tests/test_vllm_backend.py (2 heads of 32, its helpers reused) and SIGKILL the s
 whole process group from a thread once the rollout has had some actions served (counted by
 the policy's own stats), which is what an OOM kill or a crashed engine does. At most one
 server runs at a time; the managed one is opened once for the module and lent to the
-stages the tests run (``vllm_generator.lend``), and the tests are ordered so that it starts
+stages the tests run (``lending.lend``), and the tests are ordered so that it starts
 as few times as possible (~40 s each).
 """
 
@@ -27,6 +27,11 @@ import pytest
 from test_vllm_backend import _adapter, _commit_checkpoint, _hf_logprobs, _with_adapter
 from test_vllm_server import CAPTURED_LOG, HEAD_DIM_16_FATAL, _fake_python
 
+from rollflow.generators import generator
+from rollflow.generators.generator import GeneratorError
+from rollflow.generators.lending import lend
+from rollflow.generators.run_generator import open_generator
+from rollflow.generators.vllm_generator import VLLM_LOG, VLLMGenerator
 from rollflow.policy import vllm_server
 from rollflow.policy.models import build_tiny_model
 from rollflow.policy.vllm_server import VLLMServer
@@ -34,12 +39,8 @@ from rollflow.policy.vllm_spec import PYTHON_ENV, VLLMServerError, VLLMServerSpe
 from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_episode_records
-from rollflow.tasks import generator
-from rollflow.tasks.run_generator import open_generator
 from rollflow.tasks.config import EnvConfig, ModelConfig, RolloutConfig, RunConfig, TrainConfig
-from rollflow.tasks.generator import GeneratorError
 from rollflow.tasks.rollout import rollout_stage
-from rollflow.tasks.vllm_generator import VLLM_LOG, VLLMGenerator, lend
 
 MAX_LEN = 1024
 LORA_RANK = 8

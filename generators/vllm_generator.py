@@ -1,6 +1,6 @@
 """The vLLM generator: managed or external servers, the versions they hold, and restarts.
 
-``rollflow.tasks.generator`` says what a generator is and how a version reaches a vLLM
+``rollflow.generators.generator`` says what a generator is and how a version reaches a vLLM
 server (in place, merged, or as an adapter); this module does it.
 
 Replicas: ``[rollout].num_generator_replicas`` managed servers of one spec, started together,
@@ -19,9 +19,8 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,6 +28,15 @@ import httpx
 from transformers import PreTrainedTokenizerBase
 
 from rollflow.envs.agent import Policy
+from rollflow.generators.cpu_split import deal_cores
+from rollflow.generators.generator import (
+    UNMANAGED_SERVER,
+    GeneratorError,
+    GeneratorFault,
+    run_adapter_prefix,
+    sampling_settings,
+)
+from rollflow.generators.models import base_model_ref
 from rollflow.policy.models import ModelRef, hf_model_folder, load_tokenizer, stop_token_ids
 from rollflow.policy.procs import fault_point
 from rollflow.policy.sampling import SamplingSettings
@@ -38,16 +46,7 @@ from rollflow.policy.vllm_server import VLLMServer
 from rollflow.policy.vllm_spec import VLLMServerSpec, lora_rank_limit
 from rollflow.policy.vllm_weights import merge_adapter, untied_serving_folder
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.cpu_split import deal_cores
 from rollflow.tasks.config import ConfigError, RunConfig
-from rollflow.tasks.generator import (
-    UNMANAGED_SERVER,
-    GeneratorError,
-    GeneratorFault,
-    run_adapter_prefix,
-    sampling_settings,
-)
-from rollflow.tasks.models import base_model_ref
 
 class ManagedServer(Protocol):
     """What the generator asks of a managed server: ``VLLMServer``, or a replica's handle on
@@ -313,7 +312,7 @@ def replica_log(run_root: Path, replica: int) -> Path:
 def server_spec(config: RunConfig, *, versions_in_flight: int, cpus: Sequence[int] = ()) -> VLLMServerSpec:
     """The managed server of a run: the base model, untied when weights are reloaded in
     place; LoRA flags only when versions reach it as adapters; bound to ``cpus`` (empty:
-    every core; an async run passes its split, ``tasks/cpu_split.py``)."""
+    every core; an async run passes its split, ``generators/cpu_split.py``)."""
     base = base_model_ref(config)
     model_dir = hf_model_folder(ModelRef(path=base.path, gguf_file=base.gguf_file))
     lora = not serves_in_place(config)
@@ -405,43 +404,6 @@ def managed_policy(
     )  # fmt: skip
     policy.connect(check_logprobs_mode=False)  # our flags: processed logprobs
     return policy
-
-
-# ---------------------------------------------------------------- lent to the flows a caller runs
-
-
-_LENT: list[VLLMGenerator] = []  # the innermost last
-
-
-@contextmanager
-def lend(generator: VLLMGenerator) -> Iterator[VLLMGenerator]:
-    """While open, ``open_generator`` for a config this generator serves (an equal
-    ``generator_key``) yields ``generator`` and leaves it running when it closes: one server
-    for the runs and stages a caller starts in a row (a test module, a notebook, a bench).
-    The caller opened it and closes it; nothing outlives the ``with`` of its owner."""
-    _LENT.append(generator)
-    try:
-        yield generator
-    finally:
-        if generator in _LENT:
-            _LENT.remove(generator)
-
-
-def lent_generator(
-    config: RunConfig, folder: RunFolder | None, *, versions_in_flight: int, cpus: Sequence[int] = ()
-) -> VLLMGenerator | None:
-    """The lent generator serving ``config`` on ``cpus``, bound to ``folder`` (its restarts
-    log there, its merged versions go there), restarted if its server died since; None when
-    none is."""
-    key = generator_key(config, versions_in_flight=versions_in_flight, cpus=cpus)
-    for lent in reversed(_LENT):
-        if lent.key == key and not lent.closed:
-            lent.config, lent.folder = config, folder
-            dead = [server for server in lent.servers if not server.running]
-            if dead:  # died since the last use
-                lent.restart(f"{dead[0].base_url} {dead[0].describe_exit()} since its last use")
-            return lent
-    return None
 
 
 def server_fault(server: ManagedServer | None, base_urls: Sequence[str]) -> GeneratorFault | None:

@@ -6,7 +6,7 @@ before it (policy version ``s`` in a lockstep run), or the base model at step 0
 (``step_checkpoint``).
 
 ``open_policy(config, folder, step, source)`` asks ``source`` (a ``Generator``,
-``rollflow.tasks.generator``) for that version's policy and binds the two in an
+``rollflow.generators.generator``) for that version's policy and binds the two in an
 ``ActingPolicy``, which the rollout stage asks after each chunk whether the generator
 still samples (``fault``) and has restart it (``restart``: the same version again on a
 fresh server). ``source`` may also be a plain ``Policy`` (tests, the Python API: wrapped
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollflow.envs.agent import Policy
+from rollflow.generators.checkpoints import Checkpoint, CheckpointError, latest_checkpoint
+from rollflow.generators.generator import FixedGenerator, Generator, GeneratorError, GeneratorFault
+from rollflow.generators.run_generator import open_generator
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.checkpoints import Checkpoint, CheckpointError, latest_checkpoint
 from rollflow.tasks.config import ConfigError, RunConfig
-from rollflow.tasks.generator import FixedGenerator, Generator, GeneratorError, GeneratorFault
-from rollflow.tasks.run_generator import open_generator
 
 
 @dataclass

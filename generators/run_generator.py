@@ -1,7 +1,7 @@
 """Which generator a run gets, and its life: ``open_generator``.
 
-``tasks/generator.py`` says what a generator is and holds what every backend shares;
-``tasks/vllm_generator.py`` is the vLLM one. This module sits above both, so neither
+``generators/generator.py`` says what a generator is and holds what every backend shares;
+``generators/vllm_generator.py`` is the vLLM one. This module sits above both, so neither
 imports the other's chooser: the import graph has no circle here.
 """
 
@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+from rollflow.generators.generator import Generator, LocalGenerator, openai_generator
+from rollflow.generators.lending import lent_generator
+from rollflow.generators.vllm_generator import ServerHost, start_vllm_generator
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.config import RunConfig
-from rollflow.tasks.generator import Generator, LocalGenerator, openai_generator
-from rollflow.tasks.vllm_generator import ServerHost, lent_generator, start_vllm_generator
 
 
 @contextmanager
@@ -22,7 +23,7 @@ def open_generator(
     cpus: Sequence[int] = (),
 ) -> Iterator[Generator]:  # fmt: skip
     """The run's generator (see the module docstring), closed afterwards, also on failure;
-    a vLLM generator lent by the caller (``vllm_generator.lend``) is used and left running.
+    a vLLM generator lent by the caller (``lending.lend``) is used and left running.
     ``host``: where a vLLM generator's managed servers start (None: this machine); ``cpus``:
     the cores they are bound to (empty: every core; an async run's split)."""
     if config.rollout.backend == "openai":

@@ -1,6 +1,6 @@
 """Which model a run loads, in which dtype and on which device, and the policy it trains.
 
-Shared by the stages (not a stage itself):
+The generator's room, shared with the train stage:
 
 - ``base_model_ref`` is ``[model]``'s model; ``policy_model_ref`` is what to load to act
   as a checkpoint's policy version (the base model with the checkpoint's adapter, or the
@@ -11,7 +11,7 @@ Shared by the stages (not a stage itself):
 - ``load_policy_for_training`` builds the policy the train stage updates and
   ``fresh_lora_policy`` version 0 of a LoRA run, exactly as the trainer builds it.
 
-The checkpoint format itself, saving, loading and pruning, is ``tasks/checkpoints.py``.
+The checkpoint format itself, saving, loading and pruning, is ``generators/checkpoints.py``.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from rollflow.generators.checkpoints import Checkpoint, CheckpointError
 from rollflow.policy.models import ModelRef, load_causal_lm, resolve_device
-from rollflow.tasks.checkpoints import Checkpoint, CheckpointError
 from rollflow.tasks.config import RunConfig
 
 

@@ -1,9 +1,10 @@
 """The run's generator: what samples the policy's versions, held for a whole run.
 
-A tasks-level helper, not a stage. ``open_generator(config, folder, versions_in_flight=N)``
-(``tasks/run_generator.py``, which picks the class; this module is what every class shares)
-yields a ``Generator`` for the whole run (lockstep: 1 version in flight; async:
-``max_steps_off_policy + 2``) and closes it after, also on failure. Its face:
+Not a stage; the stages sample through it. ``open_generator(config, folder,
+versions_in_flight=N)`` (``generators/run_generator.py``, which picks the class; this module
+is what every class shares) yields a ``Generator`` for the whole run (lockstep: 1 version
+in flight; async: ``max_steps_off_policy + 2``) and closes it after, also on failure. Its
+face:
 
 - ``policy_for(version, checkpoint)``: the policy acting as ``version``, whose weights are
   ``checkpoint`` (a checkpoint folder; None: the run's start, the base model or
@@ -17,7 +18,7 @@ One class per ``[rollout].backend``:
 - ``"vllm"``: ``VLLMGenerator``. With no ``[rollout].base_urls`` rollflow manages one
   server (``rollflow.policy.vllm_server``; its log is the run folder's
   ``logs/vllm-server.log``), or ``[rollout].num_generator_replicas`` of them, each version
-  published to all (``rollflow.tasks.vllm_generator``). How a version reaches it:
+  published to all (``rollflow.generators.vllm_generator``). How a version reaches it:
   - full weights: reloaded in place (``VLLMPolicy.reload_weights``) into a server started
     on an untied copy of the base model (``rollflow.policy.vllm_weights``);
   - LoRA, ``[rollout].lora_serving = "merged"`` (the default): each version's adapter is
@@ -49,7 +50,7 @@ server raises ``GeneratorError`` naming its URL.
 Who holds it: the training flow, for the whole run (``flows/train.py``), and the
 evaluation flow; a stage given none opens one for itself (``open_policy``). A caller that
 runs several flows or stages in a row can lend them one vLLM generator
-(``rollflow.tasks.vllm_generator.lend``): a server holds gigabytes and is slow to
+(``rollflow.generators.lending.lend``): a server holds gigabytes and is slow to
 start, so a test module or a notebook starts it once.
 """
 
@@ -64,12 +65,12 @@ from pathlib import Path
 from typing import Protocol
 
 from rollflow.envs.agent import Policy
+from rollflow.generators.checkpoints import read_checkpoint
+from rollflow.generators.models import policy_model_ref, torch_device, torch_dtype
 from rollflow.policy.models import load_causal_lm
 from rollflow.policy.sampling import SamplingSettings
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.checkpoints import read_checkpoint
 from rollflow.tasks.config import RunConfig
-from rollflow.tasks.models import policy_model_ref, torch_device, torch_dtype
 
 BATCH_WINDOW_S = 10.0
 MAX_GENERATOR_RESTARTS = 2  # per budget: a server that keeps dying is not a transient fault

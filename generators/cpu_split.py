@@ -61,7 +61,7 @@ def deal_cores(cores: Sequence[int], index: int, count: int) -> tuple[int, ...]:
 
 
 def _trainer_device(config: RunConfig) -> str:
-    from rollflow.tasks.models import torch_device
+    from rollflow.generators.models import torch_device
 
     return torch_device(config).type
 

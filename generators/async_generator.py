@@ -3,7 +3,7 @@
 ``tasks/collect.py``'s rollout workers play each group through ``group_policy(version)``,
 pinned to the version published when the group started; the trainer publishes each new
 version here (``publish``) and it reaches the run's vLLM generator
-(``rollflow.tasks.vllm_generator.VLLMGenerator``) as its weight-sync type says (see
+(``rollflow.generators.vllm_generator.VLLMGenerator``) as its weight-sync type says (see
 ``tasks/collect.py``'s docstring): LoRA adapters side by side as ``policy-<run>-v{N}``
 (``[rollout].lora_serving = "adapter"``), or weights reloaded in place under a pause (full
 weights, and LoRA merged into the base, the default). ``open_async_generator`` opens the run's
@@ -13,7 +13,7 @@ and closes it afterwards, also on failure.
 Version 0 is the trainer's version 0: a LoRA run's start adapter (``[model].adapter``, or
 the trainer's fresh one, ``fresh_adapter``), or for weights served in place the base
 model, merged with ``[model].adapter`` when there is one. While open, it tells checkpoint
-pruning which versions it still reads (``tasks/checkpoints.py``'s
+pruning which versions it still reads (``generators/checkpoints.py``'s
 ``checkpoints_to_keep``): its loaded adapters, the version whose weights the server holds
 (a restart reloads them) and a publication in flight.
 
@@ -41,16 +41,16 @@ from pathlib import Path
 
 from rollflow.envs.agent import PolicyAction, PolicySession
 from rollflow.envs.types import Message, ToolSpec
+from rollflow.generators.checkpoints import prune_checkpoints, reading_versions
+from rollflow.generators.generator import GeneratorFault, RestartBudget
+from rollflow.generators.policy_io import ActingPolicy, step_checkpoint
+from rollflow.generators.run_generator import open_generator as open_run_generator
+from rollflow.generators.vllm_generator import ServerHost, VLLMGenerator
 from rollflow.policy.vllm_admin import VLLMPolicyError
 from rollflow.policy.vllm_backend import VLLMPolicy
 from rollflow.storage.parquet import temporary_path
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.checkpoints import prune_checkpoints, reading_versions
 from rollflow.tasks.config import RunConfig
-from rollflow.tasks.generator import GeneratorFault, RestartBudget
-from rollflow.tasks.run_generator import open_generator as open_run_generator
-from rollflow.tasks.policy_io import ActingPolicy, step_checkpoint
-from rollflow.tasks.vllm_generator import ServerHost, VLLMGenerator
 
 POLL_S = 0.05
 
@@ -331,7 +331,7 @@ def start_source(config: RunConfig, folder: RunFolder, generator: VLLMGenerator)
 
 def fresh_adapter(config: RunConfig, folder: RunFolder) -> Path:
     """Version 0 as an adapter: the trainer's own fresh LoRA (seeded, B = 0), saved once."""
-    from rollflow.tasks.models import fresh_lora_policy
+    from rollflow.generators.models import fresh_lora_policy
 
     target = folder.root / "async" / "policy-v0"
     if not (target / "adapter_config.json").exists():

@@ -1,7 +1,7 @@
 """Policy checkpoints: what a policy version is on disk, its RNG state, and pruning.
 
-Shared by the stages (not a stage itself): the train stage writes a checkpoint after each
-update; the rollout stage loads the newest one to act with (``tasks/models.py`` says what
+The generator's room, shared with the stages: the train stage writes a checkpoint after each
+update; the generator serves the newest one to act with (``generators/models.py`` says what
 to load for it). The train stage that finishes step ``s`` commits ``checkpoints/step=s/``
 holding policy version ``v + 1`` (version 0 is the base model)::
 
