@@ -50,7 +50,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Backend = Literal["transformers", "vllm", "openai"]
 Objective = Literal["grpo", "opd"]  # tasks/objectives.py's OBJECTIVES
 WeightSyncType = Literal["synchronous", "background_publish", "pipeline"]  # tasks/collect.py
-LoraServing = Literal["merged", "adapter"]  # tasks/generator.py
+LoraServing = Literal["merged", "adapter"]  # generators/generator.py
 Compression = Literal["zstd", "snappy", "gzip", "lz4", "brotli", "none"]
 
 
@@ -123,7 +123,7 @@ class RolloutConfig:
     vllm_startup_timeout_s: float = 600.0  # a managed server must be healthy within this
     # Managed vLLM servers of the run (backend "vllm", no base_urls), each its own process with
     # its share of the generator's cores; episodes are dealt across them, every version is
-    # published to all, a dead one is restarted alone (tasks/vllm_generator.py)
+    # published to all, a dead one is restarted alone (generators/vllm_generator.py)
     num_generator_replicas: int = 1
     groups_in_flight: int | None = None  # None resolves to batch_size (reference)
     max_steps_off_policy: int | None = None  # None = lockstep (reference); see tasks/collect.py
@@ -137,11 +137,11 @@ class RolloutConfig:
     admission_control: bool = True
     # How a LoRA version reaches a managed vLLM server: "merged" into the base and reloaded
     # in place (the base model's speed), or "adapter" (vLLM's LoRA kernels: many adapters on
-    # one server, large models); the user's base_urls always get adapters. tasks/generator.py
+    # one server, large models); the user's base_urls always get adapters. generators/generator.py
     lora_serving: LoraServing = "merged"
     # Async with a managed vLLM server on the CPU: the server's threads bound to the first half
     # of the cores, the trainer's threads as many as the other half, so that the two do not
-    # oversubscribe them (tasks/cpu_split.py); false: both use every core
+    # oversubscribe them (generators/cpu_split.py); false: both use every core
     split_cpus: bool = True
     # Dynamic sampling that refills the batch (DAPO's): after the step's batch_size tasks,
     # up to this many more rounds draw fresh tasks while fewer than batch_size groups have

@@ -74,7 +74,7 @@ def check_async(config: RunConfig) -> None:
             "the new weights, which LoRA adapters keep per version instead ('background_publish')"
         )
     # Any keep_checkpoints works: pruning spares what the run still reads (a publication in
-    # flight, adapters in use, the resume's checkpoint): tasks/checkpoints.py's checkpoints_to_keep.
+    # flight, adapters in use, the resume's checkpoint): generators/checkpoints.py's checkpoints_to_keep.
     if rollout.backend != "vllm":
         raise ConfigError(
             "[rollout].max_steps_off_policy (async collection) needs [rollout].backend = 'vllm': "
@@ -90,8 +90,8 @@ def check_async(config: RunConfig) -> None:
 
 def check_cluster(config: RunConfig) -> None:
     """What runs on a Ray cluster today: lockstep rollouts on a vLLM generator
-    (``flows/ray_rollout.py``), its managed replicas and the train stage where ``[cluster]``
-    places them (``flows/ray_replicas.py``, ``flows/ray_trainer.py``). Anything else is
+    (``cluster/ray_rollout.py``), its managed replicas and the train stage where ``[cluster]``
+    places them (``cluster/ray_replicas.py``, ``cluster/ray_trainer.py``). Anything else is
     refused rather than run on one machine while ``[cluster]`` says otherwise."""
     mode = config.cluster.mode
     if mode == "none":

@@ -1,4 +1,4 @@
-"""The ``[cluster]`` section: where a run's Ray work runs (``flows/cluster.py`` acts on it).
+"""The ``[cluster]`` section: where a run's Ray work runs (``cluster/ray_cluster.py`` acts on it).
 
 - ``mode = "none"`` (the default): no Ray; every stage runs in the run's own process tree,
   as before this section existed.
@@ -14,7 +14,7 @@ tasks pass file paths, so little goes through it), ``memory_gib_per_node`` is th
 Ray may schedule on a node (a logical resource for placement, not an OS limit).
 
 The trainer runs in the run's own process unless ``trainer_node`` or ``trainer_gpus`` places
-it on the cluster (``flows/ray_trainer.py``): ``trainer_node`` names a node rollflow named
+it on the cluster (``cluster/ray_trainer.py``): ``trainer_node`` names a node rollflow named
 ("head", "worker-1", ... of a local cluster; on an existing cluster, a node started with the
 resource ``rollflow_node_<name>``), ``trainer_gpus`` the GPUs the training task asks for
 (any node with them), ``trainer_cpus`` its CPUs and torch threads.

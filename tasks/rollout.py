@@ -39,7 +39,7 @@ server's process group is gone or ``GET /health`` fails, checked after every chu
 - a managed server is restarted (same spec, the step's adapter reloaded under the same
   version, ``logs/vllm-server.log`` says it restarted and why) and the discarded chunk is
   replayed with its seed: nothing lost, nothing doubled. At most
-  ``MAX_GENERATOR_RESTARTS`` (``tasks/generator.py``) restarts per stage; one more death fails the stage with
+  ``MAX_GENERATOR_RESTARTS`` (``generators/generator.py``) restarts per stage; one more death fails the stage with
   ``GeneratorError`` naming the server, how it ended and its log's tail;
 - an external server (``[rollout].base_urls``) cannot be restarted by us: the stage fails
   with ``GeneratorError`` naming the URL, and a resumed run replays only the missing
@@ -48,7 +48,7 @@ server's process group is gone or ``GET /health`` fails, checked after every chu
 The stage does its own replay: Prefect ``retries=`` would restart the whole stage, and the
 stage resumes from its parts anyway.
 
-On a Ray cluster (``[cluster]``, lockstep, vLLM; ``flows/ray_rollout.py``'s ``RayFanOut``
+On a Ray cluster (``[cluster]``, lockstep, vLLM; ``cluster/ray_rollout.py``'s ``RayFanOut``
 as ``fan_out``) the missing chunks are played on the cluster's nodes instead of one after
 another here: each worker recomputes this stage's plan (``stage_plan``), plays its chunk
 with the chunk's seed and writes the part (``play_chunk_to_part``, the same records, with
@@ -73,6 +73,8 @@ from rollflow.envs.handle import EnvironmentHandle, EpisodeLimits, EpisodeScore,
 from rollflow.envs.runner import load_environment_handle, play_groups
 from rollflow.envs.tracebacks import keeping_tracebacks
 from rollflow.envs.types import Split
+from rollflow.generators.generator import Generator, RestartBudget
+from rollflow.generators.policy_io import ActingPolicy, open_policy
 from rollflow.storage.errors import StageExistsError
 from rollflow.storage.parquet import part_index, part_path, read_table
 from rollflow.storage.records import EpisodeRecord
@@ -81,8 +83,6 @@ from rollflow.storage.schemas import episode_records_to_table, table_to_episode_
 from rollflow.storage.stage_outputs import locate_output
 from rollflow.tasks.config import RunConfig
 from rollflow.tasks.curriculum import curriculum_weights, difficulty_labels, summarize
-from rollflow.generators.generator import Generator, RestartBudget
-from rollflow.generators.policy_io import ActingPolicy, open_policy
 from rollflow.tasks.schedule import (
     backfill_tasks,
     chunk_seed,
@@ -147,7 +147,7 @@ def rollout_stage(
     """Play step ``step``'s ``split`` episodes into ``out`` (the step's episodes folder, part by
     part); returns it sealed. ``source`` is what acts: a generator (asked for the step's
     version), a policy, or None (a generator opened for the stage; ``open_policy``).
-    ``fan_out`` (a Ray cluster's, ``flows/ray_rollout.py``) plays the missing chunks on the
+    ``fan_out`` (a Ray cluster's, ``cluster/ray_rollout.py``) plays the missing chunks on the
     cluster's nodes instead of in this process; None: here, one chunk after another."""
     folder = locate_output(out).folder
     if Path(out).absolute() != folder.parts_dir(step, "episodes", split):
@@ -292,7 +292,7 @@ def _write_plan(
 
 
 class ChunkFanOut(Protocol):
-    """Plays a rollout stage's missing chunks elsewhere (``flows/ray_rollout.RayFanOut``):
+    """Plays a rollout stage's missing chunks elsewhere (``cluster/ray_rollout.RayFanOut``):
     each chunk's part written, or an error naming the chunk."""
 
     def play_chunks(
