@@ -45,9 +45,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from rollflow.storage.query import open_run_sql, run_query
-from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import (
+from rollflow.config.run import (
     ModelConfig,
     RolloutConfig,
     RunConfig,
@@ -56,6 +54,8 @@ from rollflow.tasks.config import (
     ValidationConfig,
     config_to_toml,
 )
+from rollflow.storage.query import open_run_sql, run_query
+from rollflow.storage.runfolder import RunFolder
 
 
 def base_config(steps: int, tiny_model: Path | None) -> RunConfig:

@@ -49,9 +49,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from async_overlap import base_config, generator_idle_and_dropped, print_summary, stage_sum, step_window  # noqa: E402 - the bench beside this one
 
+from rollflow.config.cluster import ClusterConfig  # noqa: E402
+from rollflow.config.run import RunConfig, config_to_toml  # noqa: E402
 from rollflow.storage.runfolder import RunFolder  # noqa: E402
-from rollflow.tasks.config import RunConfig, config_to_toml  # noqa: E402
-from rollflow.tasks.config_cluster import ClusterConfig  # noqa: E402
 
 
 def on_the_cluster(config: RunConfig) -> RunConfig:

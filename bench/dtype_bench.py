@@ -36,10 +36,10 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from rollflow.config.run import ModelConfig, RunConfig
 from rollflow.generators.models import load_policy_for_training
 from rollflow.policy.generation import _cache_keyword
 from rollflow.policy.models import build_tiny_model
-from rollflow.tasks.config import ModelConfig, RunConfig
 
 DTYPES = ("float32", "bfloat16")
 

@@ -47,13 +47,13 @@ os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="rollflow-overhead
 
 from prefect import flow  # noqa: E402
 
+from rollflow.config.run import RunConfig, TrackingConfig, config_to_toml  # noqa: E402
 from rollflow.flows.runs import open_run  # noqa: E402
-from rollflow.flows.step import run_once, run_stage  # noqa: E402
 from rollflow.flows.runs import validation_due  # noqa: E402
+from rollflow.flows.step import run_once, run_stage  # noqa: E402
 from rollflow.flows.train import train_flow  # noqa: E402
 from rollflow.policy.models import build_tiny_model  # noqa: E402
 from rollflow.storage.runfolder import RunFolder  # noqa: E402
-from rollflow.tasks.config import RunConfig, TrackingConfig, config_to_toml  # noqa: E402
 from rollflow.tasks.flatten import flatten_stage  # noqa: E402
 from rollflow.tasks.metrics import metrics_stage, validation_metrics_stage  # noqa: E402
 from rollflow.tasks.rollout import rollout_stage  # noqa: E402

@@ -37,9 +37,9 @@ from transformers import DynamicCache
 
 from rollflow.generators.models import load_policy_for_training
 import rollflow.policy.generation as generation
+from rollflow.config.run import ModelConfig, RunConfig
 from rollflow.policy.generation import GenerationRequest
 from rollflow.policy.models import build_tiny_model
-from rollflow.tasks.config import ModelConfig, RunConfig
 
 SLICES = (None, 16384, 8192, 4096, 2048)  # None: the whole batch in one pass
 

@@ -59,7 +59,7 @@ if TYPE_CHECKING:  # the parent process imports neither torch nor rollflow's sta
     from rollflow.envs.agent import Policy
     from rollflow.generators.generator import Generator
     from rollflow.storage.runfolder import RunFolder
-    from rollflow.tasks.config import RunConfig
+    from rollflow.config.run import RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 RESULT_PREFIX = "rollout-bench-result "
@@ -92,7 +92,7 @@ LEGS = {
 
 def missing_settings(leg: Leg) -> list[str]:
     """The leg's ``[rollout]`` settings this checkout's config does not have."""
-    from rollflow.tasks.config import RolloutConfig
+    from rollflow.config.run import RolloutConfig
 
     known = {f.name for f in dataclasses.fields(RolloutConfig)}
     return [f"[rollout].{key}" for key in leg.rollout if key not in known]
@@ -138,7 +138,7 @@ ROW_HEADER = (
 
 
 def bench_config(leg: Leg, model_path: str | None, adapter: str | None, quick: bool) -> RunConfig:
-    from rollflow.tasks.config import ModelConfig, RolloutConfig, RunConfig, TrainConfig, ValidationConfig
+    from rollflow.config.run import ModelConfig, RolloutConfig, RunConfig, TrainConfig, ValidationConfig
 
     rollout = RolloutConfig(
         batch_size=2 if quick else 8, episodes_per_task=2 if quick else 8, max_turns=2 if quick else 6,

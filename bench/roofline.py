@@ -73,11 +73,11 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
+from rollflow.config.run import RunConfig, load_config
 from rollflow.generators.models import load_policy_for_training, torch_dtype
 from rollflow.policy.generation import _cache_keyword
 from rollflow.policy.models import build_tiny_model
 from rollflow.storage.records import SampleRecord
-from rollflow.tasks.config import RunConfig, load_config
 from rollflow.tasks.grpo_update import (
     UpdateSettings,
     _microbatch_tensors,

@@ -58,6 +58,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
+from rollflow.config.run import RunConfig, load_config
 from rollflow.envs.agent import PolicyAction
 from rollflow.envs.handle import EpisodeLimits
 from rollflow.envs.runner import load_environment_handle
@@ -68,7 +69,6 @@ from rollflow.policy.models import build_tiny_model, cache_root, generation_stop
 from rollflow.storage.records import SampleRecord
 from rollflow.storage.schemas import sample_records_to_table, table_to_sample_records
 from rollflow.tasks import grpo_update as update_module
-from rollflow.tasks.config import RunConfig, load_config
 from rollflow.tasks.grpo_update import UpdateSettings, grpo_update, make_optimizer, pack_microbatches
 from rollflow.tasks.sft_rows import examples_from_environment
 

@@ -63,7 +63,7 @@ from rollflow.policy import procs
 
 if TYPE_CHECKING:
     from prefect_ray import RayTaskRunner
-    from rollflow.tasks.config_cluster import ClusterConfig
+    from rollflow.config.cluster import ClusterConfig
 
 NODE_IP = "127.0.0.2"
 NODE_RESOURCE_PREFIX = "rollflow_node_"

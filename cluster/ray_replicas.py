@@ -40,10 +40,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rollflow.config.run import RunConfig
 from rollflow.generators.cpu_split import deal_cores
 from rollflow.policy.vllm_server import VLLMServer
 from rollflow.policy.vllm_spec import VLLMServerSpec
-from rollflow.tasks.config import RunConfig
 
 CALL_TIMEOUT_S = 30.0  # an actor call other than a start
 STOP_TIMEOUT_S = 30.0

@@ -63,12 +63,12 @@ from typing import TYPE_CHECKING, Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from rollflow.config.run import ConfigError, RunConfig
 from rollflow.generators.generator import GeneratorError, RestartBudget
 from rollflow.generators.models import base_model_ref
 from rollflow.policy.models import ModelRef
 from rollflow.policy.sampling import SamplingSettings
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import ConfigError, RunConfig
 from rollflow.tasks.rollout import ChunkOutcome, StagePlan, play_chunk_to_part
 
 if TYPE_CHECKING:

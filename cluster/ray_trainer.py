@@ -40,10 +40,10 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from rollflow.config.run import RunConfig
 from rollflow.generators.checkpoints import prune_checkpoints
 from rollflow.generators.cpu_split import trainer_threads
 from rollflow.storage.stage_outputs import locate_output
-from rollflow.tasks.config import RunConfig
 from rollflow.tasks.train import train_stage
 
 POLL_S = 1.0  # how often the driver checks that some live node can still hold the task

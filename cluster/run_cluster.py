@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from rollflow.tasks.config import RunConfig
+from rollflow.config.run import RunConfig
 
 if TYPE_CHECKING:
     from rollflow.cluster.ray_rollout import RayFanOut

@@ -106,7 +106,7 @@ def _own_folders() -> list[Path]:
     import rollflow
 
     folders = [Path(rollflow.__file__).parent]
-    for sub in ("envs", "tasks", "generators", "flows", "cluster", "storage", "policy"):
+    for sub in ("envs", "tasks", "generators", "config", "flows", "cluster", "storage", "policy"):
         spec = importlib.util.find_spec(f"rollflow.{sub}")
         folders += [Path(path) for path in (spec.submodule_search_locations or [])] if spec else []
     return [folder.resolve() for folder in folders]

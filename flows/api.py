@@ -16,11 +16,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from rollflow.config.grpo import GRPOConfig
+from rollflow.config.run import EnvConfig, RunConfig, config_to_toml
 from rollflow.envs.env import AsyncEnvSuite, Env
 from rollflow.envs.registry import register_environment
 from rollflow.envs.types import Task
-from rollflow.tasks.config import EnvConfig, RunConfig, config_to_toml
-from rollflow.tasks.grpo_config import GRPOConfig
 from rollflow.tasks.preflight import preflight
 
 

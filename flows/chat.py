@@ -49,7 +49,7 @@ if TYPE_CHECKING:  # loaded on use: torch and transformers cost seconds to impor
     from rollflow.envs.hooks import EnvironmentMultiTurn
     from rollflow.generators.checkpoints import Checkpoint
     from rollflow.policy.sampling import SamplingSettings
-    from rollflow.tasks.config import RunConfig
+    from rollflow.config.run import RunConfig
 
 MAX_TOOL_ROUNDS = 8
 PROMPT = "you> "
@@ -256,7 +256,7 @@ def chat_policy(
     from rollflow.flows.export import find_checkpoint
     from rollflow.policy.sampling import SamplingSettings
     from rollflow.storage.runfolder import RunFolder
-    from rollflow.tasks.config import load_config
+    from rollflow.config.run import load_config
 
     folder = RunFolder(run_dir)
     if not folder.config_path.is_file():

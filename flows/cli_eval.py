@@ -20,7 +20,7 @@ from rollflow.flows.cli import Command, UserError, register
 def _user_errors() -> tuple[type[BaseException], ...]:
     from rollflow.envs.runner import EnvironmentLoadError
     from rollflow.policy.models import ModelLoadError
-    from rollflow.tasks.config import ConfigError
+    from rollflow.config.run import ConfigError
     from rollflow.tasks.sft_rows import SFTDataError
 
     return (ConfigError, EnvironmentLoadError, ModelLoadError, SFTDataError, FileNotFoundError)
@@ -51,7 +51,7 @@ def run_eval(args: argparse.Namespace) -> int:
                                               args.api_model, args.tasks))
         from rollflow.flows.eval import describe_policy, eval_flow, eval_report, format_report
         from rollflow.flows.prefect_server import serve_prefect_in_own_session
-        from rollflow.tasks.config import load_config
+        from rollflow.config.run import load_config
 
         serve_prefect_in_own_session()  # out of reach of a terminal's Ctrl-C (flows/prefect_server.py)
         root = eval_flow(
@@ -76,7 +76,7 @@ def run_sft(args: argparse.Namespace) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     try:
         from rollflow.flows.sft import describe_sft, sft_flow
-        from rollflow.tasks.config import load_config
+        from rollflow.config.run import load_config
 
         from rollflow.flows.prefect_server import serve_prefect_in_own_session
 

@@ -26,7 +26,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from rollflow.flows.export import ExportError
     from rollflow.generators.checkpoints import CheckpointError
     from rollflow.policy.models import ModelLoadError
-    from rollflow.tasks.config import ConfigError
+    from rollflow.config.run import ConfigError
 
     return (ExportError, CheckpointError, ConfigError, EnvironmentLoadError, ModelLoadError, FileNotFoundError)
 
@@ -111,7 +111,7 @@ def run_chat(args: argparse.Namespace) -> int:
 
     try:
         from rollflow.flows.chat import chat_environment, chat_loop, chat_policy
-        from rollflow.tasks.config import load_config
+        from rollflow.config.run import load_config
 
         policy = chat_policy(args.run_dir, args.step, base_url=args.base_url, api_model=args.api_model,
                              temperature=args.temperature, tools_in_system_prompt=args.tools_in_system_prompt)

@@ -26,7 +26,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from rollflow.envs.runner import EnvironmentLoadError
     from rollflow.flows.runs import RunSetupError
     from rollflow.policy.models import ModelLoadError
-    from rollflow.tasks.config import ConfigError
+    from rollflow.config.run import ConfigError
     from rollflow.tasks.step_health import StepFailedError
 
     return (ConfigError, RunSetupError, EnvironmentLoadError, ModelLoadError, FileNotFoundError, StepFailedError)
@@ -90,7 +90,7 @@ def _run_flow(config_path: str | None, run_dir: str | None) -> int:
 def _checked_run(config_path: str | None, run_dir: str | None) -> RunHandle:
     """The run to start or resume, once ``preflight`` passed on its config."""
     from rollflow.flows.runs import open_run
-    from rollflow.tasks.config import load_config
+    from rollflow.config.run import load_config
     from rollflow.tasks.preflight import preflight
 
     if config_path is None:  # resume: the folder exists already, opening it makes nothing

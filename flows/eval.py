@@ -43,6 +43,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
+from rollflow.config.run import RunConfig
 from rollflow.flows.concurrency import one_training_at_a_time
 from rollflow.flows.eval_config import EvalOverrides, checked_eval_config
 from rollflow.flows.runs import freeze_config
@@ -51,7 +52,6 @@ from rollflow.storage.pass_at_k import overall_pass_at_k
 from rollflow.storage.query import open_run_sql, step_metrics
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.runs import mark_run_kind
-from rollflow.tasks.config import RunConfig
 from rollflow.tasks.tracking import finish_tracking, start_tracking
 
 __all__ = ["eval_flow", "eval_report", "format_report", "open_eval_run"]
@@ -179,7 +179,7 @@ def describe_environment(name: str, kwargs: Mapping[str, object]) -> str:
 
 
 def _frozen_environment(run_dir: Path) -> str | None:
-    from rollflow.tasks.config import load_config
+    from rollflow.config.run import load_config
 
     try:
         config = load_config(RunFolder(run_dir).config_path)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rollflow.tasks.config import ConfigError, EnvConfig, ModelConfig, RunConfig, load_config
+from rollflow.config.run import ConfigError, EnvConfig, ModelConfig, RunConfig, load_config
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rollflow.config.run import RunConfig, load_config
 from rollflow.flows.export_serving import write_serving_files
 from rollflow.generators.checkpoints import (
     OPTIMIZER_FILE,
@@ -53,7 +54,6 @@ from rollflow.policy.models import load_causal_lm, load_tokenizer
 from rollflow.storage.filemodes import give_ordinary_modes
 from rollflow.storage.parquet import temporary_path
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import RunConfig, load_config
 
 EXPORT_FILE = "export.json"
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")

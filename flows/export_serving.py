@@ -27,7 +27,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollflow.tasks.config import RunConfig
+from rollflow.config.run import RunConfig
 
 SYSTEM_PROMPT_FILE = "system_prompt.txt"
 TOOLS_FILE = "tools.json"

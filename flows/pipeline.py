@@ -51,13 +51,13 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from rollflow.config.run import RunConfig, config_to_toml, load_config
 from rollflow.flows.concurrency import one_training_at_a_time
 from rollflow.flows.runs import RunSetupError, freeze_config
 from rollflow.storage.registry import PolicyRegistry, PolicyVersion
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.runlock import run_folder_lock
 from rollflow.storage.runs import mark_run_kind
-from rollflow.tasks.config import RunConfig, config_to_toml, load_config
 from rollflow.tasks.gate import GATE_FILE, GateDecision, GateSettings, gate_stage, read_decision
 
 PIPELINE_FILE = "pipeline.json"

@@ -20,17 +20,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollflow.storage.errors import ConfigMismatchError
-from rollflow.storage.runfolder import METRICS_JSON, RunFolder
-from rollflow.storage.runlock import acquire_run_folder, release_run_folder
-from rollflow.tasks.config import (
+from rollflow.config.checks import check_run_config
+from rollflow.config.run import (
     ConfigError,
     RunConfig,
     config_to_toml,
     flatten_config,
     load_config,
 )
-from rollflow.tasks.config_checks import check_run_config
+from rollflow.storage.errors import ConfigMismatchError
+from rollflow.storage.runfolder import METRICS_JSON, RunFolder
+from rollflow.storage.runlock import acquire_run_folder, release_run_folder
 
 
 

@@ -18,11 +18,11 @@ from pathlib import Path
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from rollflow.config.run import RunConfig, load_config
 from rollflow.flows.concurrency import one_training_at_a_time
 from rollflow.flows.runs import freeze_config
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.runs import mark_run_kind
-from rollflow.tasks.config import RunConfig, load_config
 from rollflow.tasks.sft import log_sft_metrics, read_sft_result, sft_stage
 from rollflow.tasks.tracking import finish_tracking, start_tracking
 

@@ -29,6 +29,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.utilities.annotations import quote
 
+from rollflow.config.run import RunConfig
 from rollflow.envs.agent import Policy
 from rollflow.flows.runs import RunHandle
 from rollflow.generators.generator import Generator
@@ -36,7 +37,6 @@ from rollflow.generators.policy_io import ActingPolicy
 from rollflow.storage.runfolder import RunFolder, StepPaths, check_timed_stage
 from rollflow.storage.stage_outputs import finished_output
 from rollflow.tasks.collect import RolloutWorkers, admit_stage
-from rollflow.tasks.config import RunConfig
 from rollflow.tasks.flatten import flatten_stage
 from rollflow.tasks.metrics import metrics_stage, validation_metrics_stage
 from rollflow.tasks.rollout import ChunkFanOut, rollout_stage

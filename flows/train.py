@@ -45,6 +45,7 @@ from prefect.utilities.annotations import quote
 
 from rollflow.cluster.ray_replicas import replica_host
 from rollflow.cluster.run_cluster import run_cluster
+from rollflow.config.run import RunConfig
 from rollflow.envs.agent import Policy
 from rollflow.flows.concurrency import one_training_at_a_time
 from rollflow.flows.runs import RunHandle, open_run, validation_due
@@ -64,7 +65,6 @@ from rollflow.generators.policy_io import ActingPolicy
 from rollflow.generators.run_generator import open_generator
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.collect import Publisher, RolloutWorkers, write_collector_report
-from rollflow.tasks.config import RunConfig
 from rollflow.tasks.metrics import step_advice, step_outcome, validation_outcome
 from rollflow.tasks.rollout import ChunkFanOut
 from rollflow.tasks.run_summary import learning_summary

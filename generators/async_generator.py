@@ -39,6 +39,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from rollflow.config.run import RunConfig
 from rollflow.envs.agent import PolicyAction, PolicySession
 from rollflow.envs.types import Message, ToolSpec
 from rollflow.generators.checkpoints import prune_checkpoints, reading_versions
@@ -50,7 +51,6 @@ from rollflow.policy.vllm_admin import VLLMPolicyError
 from rollflow.policy.vllm_backend import VLLMPolicy
 from rollflow.storage.parquet import temporary_path
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import RunConfig
 
 POLL_S = 0.05
 

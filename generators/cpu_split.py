@@ -30,7 +30,7 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from rollflow.tasks.config import RunConfig
+from rollflow.config.run import RunConfig
 
 
 def async_cpu_split(config: RunConfig) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

@@ -64,13 +64,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from rollflow.config.run import RunConfig
 from rollflow.envs.agent import Policy
 from rollflow.generators.checkpoints import read_checkpoint
 from rollflow.generators.models import policy_model_ref, torch_device, torch_dtype
 from rollflow.policy.models import load_causal_lm
 from rollflow.policy.sampling import SamplingSettings
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import RunConfig
 
 BATCH_WINDOW_S = 10.0
 MAX_GENERATOR_RESTARTS = 2  # per budget: a server that keeps dying is not a transient fault

@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+from rollflow.config.run import RunConfig
 from rollflow.generators.vllm_generator import VLLMGenerator, generator_key
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import RunConfig
 
 
 _LENT: list[VLLMGenerator] = []  # the innermost last

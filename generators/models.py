@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from rollflow.config.run import RunConfig
 from rollflow.generators.checkpoints import Checkpoint, CheckpointError
 from rollflow.policy.models import ModelRef, load_causal_lm, resolve_device
-from rollflow.tasks.config import RunConfig
 
 
 def base_model_ref(config: RunConfig) -> ModelRef:

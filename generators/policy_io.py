@@ -14,7 +14,7 @@ in a ``FixedGenerator``, nothing to watch), or an ``ActingPolicy`` already bound
 run's validation, ``AsyncGenerator.pinned_for_validation``). With no ``source`` the
 stage opens the backend's generator for itself (``open_generator``: a vLLM one lent by the
 caller, else a new server, stopped when the stage ends); ``"openai"`` is evaluation only,
-and ``rollflow train`` refuses it (``tasks/config_checks.check_training_backend``).
+and ``rollflow train`` refuses it (``config/checks.check_training_backend``).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from rollflow.config.run import ConfigError, RunConfig
 from rollflow.envs.agent import Policy
 from rollflow.generators.checkpoints import Checkpoint, CheckpointError, latest_checkpoint
 from rollflow.generators.generator import FixedGenerator, Generator, GeneratorError, GeneratorFault
 from rollflow.generators.run_generator import open_generator
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import ConfigError, RunConfig
 
 
 @dataclass

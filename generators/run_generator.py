@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+from rollflow.config.run import RunConfig
 from rollflow.generators.generator import Generator, LocalGenerator, openai_generator
 from rollflow.generators.lending import lent_generator
 from rollflow.generators.vllm_generator import ServerHost, start_vllm_generator
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import RunConfig
 
 
 @contextmanager

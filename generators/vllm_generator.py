@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import httpx
 from transformers import PreTrainedTokenizerBase
 
+from rollflow.config.run import ConfigError, RunConfig
 from rollflow.envs.agent import Policy
 from rollflow.generators.cpu_split import deal_cores
 from rollflow.generators.generator import (
@@ -46,7 +47,6 @@ from rollflow.policy.vllm_server import VLLMServer
 from rollflow.policy.vllm_spec import VLLMServerSpec, lora_rank_limit
 from rollflow.policy.vllm_weights import merge_adapter, untied_serving_folder
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import ConfigError, RunConfig
 
 class ManagedServer(Protocol):
     """What the generator asks of a managed server: ``VLLMServer``, or a replica's handle on

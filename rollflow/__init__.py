@@ -41,11 +41,11 @@ from rollflow.envs.types import (
 
 if TYPE_CHECKING:
     from rollflow.flows.api import train_multi_turn
-    from rollflow.tasks.grpo_config import GRPOConfig
+    from rollflow.config.grpo import GRPOConfig
 
 _LAZY = {
     "train_multi_turn": "rollflow.flows.api",
-    "GRPOConfig": "rollflow.tasks.grpo_config",
+    "GRPOConfig": "rollflow.config.grpo",
 }
 
 __all__ = [

@@ -84,6 +84,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from rollflow.config.run import RunConfig
 from rollflow.envs.episode import EpisodeRollout
 from rollflow.envs.handle import EnvironmentHandle, TaskItem
 from rollflow.envs.runner import load_environment_handle, play_groups
@@ -105,7 +106,6 @@ from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import episode_records_to_table
 from rollflow.storage.stage_outputs import write_output
-from rollflow.tasks.config import RunConfig
 from rollflow.tasks.schedule import derive_seed, episode_limits, select_train_tasks
 from rollflow.tasks.step_health import EpisodeError, keep_episode_errors, read_episode_errors, write_episode_errors
 

@@ -46,10 +46,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
+from rollflow.config.run import RunConfig
 from rollflow.policy.loss import BatchTotals, LossSettings, LossStats, grpo_loss
 from rollflow.policy.stopping import raise_if_stop_requested
 from rollflow.storage.records import SampleRecord
-from rollflow.tasks.config import RunConfig
 from rollflow.tasks.shared_prefix import (
     SharedPrefix,
     first_trained,

@@ -16,10 +16,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from rollflow.config.run import RunConfig
 from rollflow.storage.records import SampleRecord, TeacherRecord
 from rollflow.storage.schemas import table_to_teacher_records
 from rollflow.storage.stage_outputs import read_output
-from rollflow.tasks.config import RunConfig
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ dead run folder and a page of tracebacks from inside a stage. ``preflight_eval(c
 is the same for ``rollflow eval`` and the evaluation flow, which play only validation
 tasks and may use a served model (``backend = "openai"``) or a nucleus:
 
-- **the rules across sections** a training run needs (``tasks.config_checks.check_run_config``:
+- **the rules across sections** a training run needs (``config.checks.check_run_config``:
   no nucleus, no ``openai`` backend, the async settings' rules), which ``open_run``
   applies again to every run it opens;
 - **model files**: ``[model].path``, ``[model].gguf_file``, ``[model].adapter`` and the
@@ -33,12 +33,12 @@ import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
+from rollflow.config.checks import check_run_config
+from rollflow.config.run import ConfigError, RunConfig
 from rollflow.envs.agent import PolicyAction
 from rollflow.envs.handle import EnvironmentHandle, EpisodeLimits, TaskItem
 from rollflow.envs.runner import EnvironmentLoadError, load_environment_handle
 from rollflow.envs.types import Message, Split, ToolSpec
-from rollflow.tasks.config import ConfigError, RunConfig
-from rollflow.tasks.config_checks import check_run_config
 
 
 class PreflightError(ConfigError):

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rollflow.config.run import ConfigError, RunConfig
 from rollflow.envs.handle import EnvironmentHandle
 from rollflow.envs.types import Split
-from rollflow.tasks.config import ConfigError, RunConfig
 
 
 @dataclass(frozen=True)

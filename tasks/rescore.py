@@ -35,6 +35,7 @@ from typing import Any, cast
 
 import pyarrow as pa
 
+from rollflow.config.run import RunConfig, load_config
 from rollflow.envs.handle import EnvironmentHandle
 from rollflow.envs.runner import load_environment_handle
 from rollflow.envs.types import Split
@@ -44,7 +45,6 @@ from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import SPLIT_DIRS, RunFolder
 from rollflow.storage.runs import looks_like_run
 from rollflow.storage.schemas import score_records_to_table, table_to_episode_records
-from rollflow.tasks.config import RunConfig, load_config
 from rollflow.tasks.scoring import ScoringSettings, score_episodes_to_records, score_groups
 
 

@@ -20,7 +20,7 @@ Simplified, and why:
 - A chunk holds as many groups as fit in ``concurrency`` episodes: the whole chunk is
   generated as one batch, and a crash loses at most one chunk of work.
 
-Two options change which tasks a training step plays (both lockstep, ``config_checks``):
+Two options change which tasks a training step plays (both lockstep, ``config/checks.py``):
 - ``[rollout].curriculum``: the step's tasks are a weighted draw instead of the epoch's
   slice, a task whose recent groups all passed or all failed weighing less
   (``tasks/curriculum.py``; the weights are recomputed from the run's scores on resume).
@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from rollflow.config.run import RunConfig
 from rollflow.envs.agent import Policy
 from rollflow.envs.episode import EpisodeRollout
 from rollflow.envs.handle import EnvironmentHandle, EpisodeLimits, EpisodeScore, TaskItem
@@ -81,7 +82,6 @@ from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import episode_records_to_table, table_to_episode_records
 from rollflow.storage.stage_outputs import locate_output
-from rollflow.tasks.config import RunConfig
 from rollflow.tasks.curriculum import curriculum_weights, difficulty_labels, summarize
 from rollflow.tasks.schedule import (
     backfill_tasks,
@@ -158,7 +158,7 @@ def rollout_stage(
         if fan_out is not None:
             missing = [index for index in range(len(plan.chunks)) if index not in written]
             fan_out.play_chunks(config, folder, step, split, plan, missing, acting, _Restarts().budget)
-            backfill = None  # refused on a cluster (config_checks.check_task_schedule)
+            backfill = None  # refused on a cluster (config/checks.py, check_task_schedule)
         else:
             player = _ChunkPlayer(config, folder, step, split, plan, acting, written)
             player.play(_first_round(plan), len(plan.chunks))

@@ -11,8 +11,8 @@ from __future__ import annotations
 import shlex
 import statistics
 
+from rollflow.config.run import RunConfig
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import RunConfig
 from rollflow.tasks.gate import GateError, episodes_by_task, paired_change, per_task
 from rollflow.tasks.tracking import REWARD_CURVE
 

@@ -14,9 +14,9 @@ import random
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from rollflow.config.run import ConfigError, RunConfig
 from rollflow.envs.handle import EpisodeLimits, Style, TaskItem
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import ConfigError, RunConfig
 
 
 def derive_seed(*parts: object) -> int:

@@ -81,6 +81,7 @@ from functools import partial
 from pathlib import Path
 from typing import cast
 
+from rollflow.config.run import RunConfig
 from rollflow.envs.episode import EpisodeRollout
 from rollflow.envs.handle import EnvironmentHandle, EpisodeScore
 from rollflow.envs.runner import load_environment_handle
@@ -89,7 +90,6 @@ from rollflow.envs.types import Split
 from rollflow.storage.records import EpisodeRecord, ScoreRecord
 from rollflow.storage.schemas import score_records_to_table, table_to_episode_records
 from rollflow.storage.stage_outputs import locate_output, read_output, write_output
-from rollflow.tasks.config import RunConfig
 from rollflow.tasks.preflight import prompt_tokens
 from rollflow.tasks.shaping import (
     STD_EPSILON,

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from rollflow.config.run import RunConfig
 from rollflow.generators.checkpoints import seed_everything
 from rollflow.generators.models import load_policy_for_training
 from rollflow.policy.codec import ChatCodec
@@ -47,7 +48,6 @@ from rollflow.policy.stopping import raise_if_stop_requested
 from rollflow.storage.filemodes import give_ordinary_modes
 from rollflow.storage.parquet import temporary_path
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import RunConfig
 from rollflow.tasks.sft_rows import SFTDataError, SFTRow, examples_from_environment, examples_from_file, tokenize_example
 from rollflow.tasks.shared_prefix import first_trained, gradient_checkpointed, pack_by_prefix, plan_prefixes
 from rollflow.tasks.trainer_logprobs import token_logprobs

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import cast
 
+from rollflow.config.run import RunConfig
 from rollflow.envs.episode import EpisodeRollout
 from rollflow.envs.handle import EnvironmentHandle, EpisodeScore, TaskItem
 from rollflow.envs.types import Split, TruncationCause
 from rollflow.storage.records import EpisodeRecord
-from rollflow.tasks.config import RunConfig
 
 STD_EPSILON = 1e-6
 SPLITS = ("train", "validation")

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from rollflow.config.run import ConfigError, RunConfig
 from rollflow.generators.models import base_model_ref, torch_device, torch_dtype
 from rollflow.policy.stopping import raise_if_stop_requested
 from rollflow.policy.teacher import (
@@ -41,7 +42,6 @@ from rollflow.policy.teacher import (
 from rollflow.storage.records import SampleRecord, TeacherRecord
 from rollflow.storage.schemas import table_to_sample_records, teacher_records_to_table
 from rollflow.storage.stage_outputs import read_output, write_output
-from rollflow.tasks.config import ConfigError, RunConfig
 
 
 def load_teacher(config: RunConfig) -> LocalTeacher | ServerTeacher:

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from rollflow.config.run import RunConfig, flatten_config
 from rollflow.storage.errors import NoDataError
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import RunConfig, flatten_config
 
 REWARD_CURVE = "reward_curve.png"
 

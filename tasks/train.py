@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from rollflow.config.checks import check_training_sampling
+from rollflow.config.run import RunConfig
 from rollflow.generators.checkpoints import (
     REFERENCE_ADAPTER,
     Checkpoint,
@@ -45,8 +47,6 @@ from rollflow.generators.models import base_model_ref, load_policy_for_training,
 from rollflow.storage.records import TrainResult
 from rollflow.storage.schemas import table_to_sample_records
 from rollflow.storage.stage_outputs import locate_output, read_output
-from rollflow.tasks.config import RunConfig
-from rollflow.tasks.config_checks import check_training_sampling
 from rollflow.tasks.grpo_update import RefLogprobsFn, UpdateSettings, UpdateStats, grpo_update, make_optimizer
 from rollflow.tasks.objectives import objective_samples
 from rollflow.tasks.shared_prefix import SharedPrefix

@@ -41,11 +41,11 @@ from pathlib import Path
 
 import pytest
 
+from rollflow.config.run import RunConfig, config_to_toml
 from rollflow.policy.procs import FAULT_POINT_ENV, Proc, descendants, is_alive, process_table, read_proc
 from rollflow.storage.async_groups import finished_groups
 from rollflow.storage.query import open_run_sql, run_query
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import RunConfig, config_to_toml
 
 TESTS = Path(__file__).parent
 STEPS, GROUPS, GROUP_SIZE = 2, 2, 2
@@ -231,7 +231,7 @@ def _episode_counts(run_dir: Path) -> list[tuple[int, str, str, int, int, int]]:
 
 def _train_tasks(config_path: Path) -> list:
     from rollflow.envs.runner import load_environment_handle
-    from rollflow.tasks.config import load_config
+    from rollflow.config.run import load_config
 
     config = load_config(config_path)
     return load_environment_handle(config.env.name, config.env.kwargs).tasks("train")

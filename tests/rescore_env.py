@@ -76,7 +76,7 @@ def changeable_run_config(dest: Path, model_dir: Path) -> Path:
 
     from tiny_run import tiny_config_at
 
-    from rollflow.tasks.config import config_to_toml, load_config
+    from rollflow.config.run import config_to_toml, load_config
 
     path = tiny_config_at(dest, model_dir)
     config = load_config(path)

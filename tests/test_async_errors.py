@@ -12,6 +12,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from rollflow.config.run import RolloutConfig, RunConfig
 from rollflow.envs.episode import EpisodeRollout
 from rollflow.storage.async_groups import (
     Admission,
@@ -23,7 +24,6 @@ from rollflow.storage.async_groups import (
 )
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.collect import RolloutWorkers, group_errors_path, keep_admitted_errors, keep_group_errors
-from rollflow.tasks.config import RolloutConfig, RunConfig
 from rollflow.tasks.step_health import errors_path, read_episode_errors
 
 TESTS = Path(__file__).parent

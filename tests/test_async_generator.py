@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from rollflow.config.run import ModelConfig, RolloutConfig, RunConfig, TrainConfig, ValidationConfig
 from rollflow.generators.async_generator import AsyncGenerator, open_async_generator
 from rollflow.generators.generator import run_adapter_prefix
 from rollflow.generators.vllm_generator import VLLMGenerator
 from rollflow.policy.vllm_weights import LM_HEAD_SHARD
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.collect import RolloutWorkers
-from rollflow.tasks.config import ModelConfig, RolloutConfig, RunConfig, TrainConfig, ValidationConfig
 from fake_vllm import DEAD_URL, FakePolicy, FakeServer
 
 TESTS = Path(__file__).parent

@@ -19,12 +19,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollflow.storage.async_groups import GroupStamp, consumed_groups, finished_groups, read_admission
-from rollflow.storage.query import open_run_sql, run_query
-from rollflow.storage.runfolder import RunFolder
-from rollflow.storage.schemas import table_to_episode_records
-from rollflow.tasks.collect import RolloutWorkers
-from rollflow.tasks.config import (
+from rollflow.config.checks import check_async, check_run_config
+from rollflow.config.run import (
     ConfigError,
     ModelConfig,
     RolloutConfig,
@@ -35,7 +31,11 @@ from rollflow.tasks.config import (
     config_to_toml,
     parse_config,
 )
-from rollflow.tasks.config_checks import check_async, check_run_config
+from rollflow.storage.async_groups import GroupStamp, consumed_groups, finished_groups, read_admission
+from rollflow.storage.query import open_run_sql, run_query
+from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.schemas import table_to_episode_records
+from rollflow.tasks.collect import RolloutWorkers
 from tiny_run import build_vllm_tiny_model
 
 TESTS = Path(__file__).parent
@@ -92,7 +92,7 @@ def test_an_unknown_sync_type_and_a_negative_limit_are_refused() -> None:
 
 
 def test_the_reference_api_takes_the_sync_type_in_either_spelling() -> None:
-    from rollflow.tasks.grpo_config import GRPOConfig
+    from rollflow.config.grpo import GRPOConfig
 
     for spelling in ("WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH", "background_publish"):
         config = GRPOConfig(max_turns=2, max_steps_off_policy=1, weight_sync_type=spelling).to_run_config()
@@ -100,7 +100,7 @@ def test_the_reference_api_takes_the_sync_type_in_either_spelling() -> None:
 
 
 def test_the_reference_api_sets_the_off_policy_correction() -> None:
-    from rollflow.tasks.grpo_config import GRPOConfig
+    from rollflow.config.grpo import GRPOConfig
 
     config = GRPOConfig(max_turns=2, max_steps_off_policy=1, off_policy_correction="mask",
                         off_policy_cap=3.0).to_run_config()

@@ -13,10 +13,8 @@ from pathlib import Path
 import pytest
 from difficulty_env import SeededPolicy
 
-from rollflow.storage.parquet import COMPLETE_MARKER, part_path
-from rollflow.storage.query import open_run_sql, run_query
-from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import (
+from rollflow.config.checks import check_run_config
+from rollflow.config.run import (
     ClusterConfig,
     ConfigError,
     EnvConfig,
@@ -25,7 +23,9 @@ from rollflow.tasks.config import (
     TrackingConfig,
     TrainConfig,
 )
-from rollflow.tasks.config_checks import check_run_config
+from rollflow.storage.parquet import COMPLETE_MARKER, part_path
+from rollflow.storage.query import open_run_sql, run_query
+from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.metrics import rollout_metrics
 from rollflow.tasks.rollout import rollout_stage
 from rollflow.tasks.schedule import chunk_seed

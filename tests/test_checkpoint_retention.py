@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from rollflow.config.run import parse_config
 from rollflow.generators import vllm_generator
 from rollflow.generators.checkpoints import prune_checkpoints
 from rollflow.storage.async_groups import Admission, write_admission
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import parse_config
 from fake_vllm import FakePolicy, FakeServer
 from test_async_generator import _config, _random_adapter
 
@@ -51,7 +51,7 @@ def test_an_async_run_keeping_one_checkpoint_resumes_after_dying_between_train_a
     serves version 1: checkpoint 0."""
     from rollflow.flows.runs import RunHandle
     from rollflow.flows.train import run_async_training
-    from rollflow.tasks.config_checks import check_run_config
+    from rollflow.config.checks import check_run_config
 
     class ServerStarted(Exception):
         pass

@@ -1,4 +1,4 @@
-"""The [cluster] section (tasks/config_cluster.py): defaults, round trip, and clear errors."""
+"""The [cluster] section (config/cluster.py): defaults, round trip, and clear errors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import tomllib
 
 import pytest
 
-from rollflow.tasks.config import ConfigError, config_to_toml, parse_config
+from rollflow.config.run import ConfigError, config_to_toml, parse_config
 
 
 def test_no_cluster_is_the_default_and_a_local_one_round_trips_through_toml() -> None:
@@ -62,7 +62,7 @@ def test_a_wrong_cluster_setting_names_itself(table: dict[str, object], message:
 )
 def test_a_training_run_refuses_what_a_cluster_does_not_run(rollout: dict[str, object], message: str) -> None:
     """Before: [cluster] was read and nothing acted on it, so these ran on one machine silently."""
-    from rollflow.tasks.config_checks import check_run_config
+    from rollflow.config.checks import check_run_config
 
     for mode in ({"mode": "local"}, {"mode": "address", "address": "10.0.0.5:6379"}):
         with pytest.raises(ConfigError, match=message):
@@ -72,7 +72,7 @@ def test_a_training_run_refuses_what_a_cluster_does_not_run(rollout: dict[str, o
 
 
 def test_replicas_placed_on_the_cluster_must_be_rollflows_and_one_per_named_node_at_least() -> None:
-    from rollflow.tasks.config_checks import check_run_config
+    from rollflow.config.checks import check_run_config
 
     placed = {"mode": "local", "num_worker_nodes": 1, "generator_nodes": ["head", "worker-1"]}
     config = parse_config({"cluster": placed, "rollout": {"backend": "vllm", "num_generator_replicas": 2}})
@@ -90,7 +90,7 @@ def test_an_async_run_on_a_cluster_places_its_trainer_or_its_replicas_there(monk
     review's R5: before, the driver's server bound every core while the worker trained); a
     side on a remote cluster's node has that node's cores: nothing to split here."""
     from rollflow.generators import cpu_split
-    from rollflow.tasks.config_checks import check_run_config
+    from rollflow.config.checks import check_run_config
 
     monkeypatch.setattr(cpu_split.os, "sched_getaffinity", lambda pid: {0, 1})
     rollout = {"backend": "vllm", "max_steps_off_policy": 1}

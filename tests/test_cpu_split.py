@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from rollflow.config.run import ModelConfig, RolloutConfig, RunConfig
 from rollflow.generators import cpu_split
 from rollflow.generators.cpu_split import async_cpu_split, trainer_threads
 from rollflow.generators.vllm_generator import server_spec
 from rollflow.policy.vllm_spec import VLLMServerSpec
-from rollflow.tasks.config import ModelConfig, RolloutConfig, RunConfig
 
 
 def _async(model_dir: Path, **rollout: object) -> RunConfig:
@@ -92,7 +92,7 @@ def test_the_async_opener_binds_its_server_to_the_cores_it_is_given(
 def test_replicas_on_a_cluster_node_deal_that_nodes_cores_among_them(tiny_model_dir: Path) -> None:
     """The review's R5: two replicas placed on one node both bound every core of it."""
     from rollflow.cluster.ray_replicas import node_share
-    from rollflow.tasks.config import parse_config
+    from rollflow.config.run import parse_config
 
     def placed(nodes: list[str], replicas: int, mode: str = "address") -> RunConfig:
         cluster = {"mode": "local", "num_worker_nodes": 1} if mode == "local" else {"mode": "address", "address": "10.0.0.5:6379"}

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from difficulty_env import SeededPolicy
 
+from rollflow.config.run import EnvConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
 from rollflow.envs.handle import TaskItem
 from rollflow.envs.types import TaskExample
 from rollflow.storage.query import open_run_sql, run_query
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import EnvConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
 from rollflow.tasks.curriculum import curriculum_weights, task_weight
 from rollflow.tasks.metrics import rollout_metrics
 from rollflow.tasks.rollout import rollout_stage, stage_plan

@@ -30,8 +30,8 @@ from prefect_server import (
     wait_for_final_state,
 )
 
+from rollflow.config.run import config_to_toml, load_config
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import config_to_toml, load_config
 
 pytestmark = pytest.mark.slow
 

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerBase
 
+from rollflow.config.run import config_to_toml, load_config
 from rollflow.envs.handle import EpisodeLimits
 from rollflow.envs.runner import load_environment_handle
 from rollflow.envs.scripted import ScriptedPolicy
 from rollflow.flows.cli import main
 from rollflow.policy.codec import ChatCodec
-from rollflow.tasks.config import config_to_toml, load_config
 
 GAME = "rollflow.envs.tool_use_game:load_environment"
 

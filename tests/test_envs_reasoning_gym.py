@@ -16,12 +16,12 @@ import pytest
 reasoning_gym = pytest.importorskip("reasoning_gym", reason="the reasoning-gym extra is not installed")
 from reasoning_gym.utils import extract_answer  # noqa: E402
 
+from rollflow.config.run import config_to_toml, load_config  # noqa: E402
 from rollflow.envs.handle import EpisodeLimits  # noqa: E402
 from rollflow.envs.reasoning_gym import dataset_names, expert_policy, load_environment  # noqa: E402
 from rollflow.envs.runner import EnvironmentLoadError, load_environment_handle, play_groups  # noqa: E402
 from rollflow.envs.scripted import ScriptedPolicy, latest_user_content  # noqa: E402
 from rollflow.storage.query import open_run_sql, run_query  # noqa: E402
-from rollflow.tasks.config import config_to_toml, load_config  # noqa: E402
 from tiny_run import train_tiny_on  # noqa: E402
 from rollflow.tasks.preflight import PreflightError, check_environment  # noqa: E402
 

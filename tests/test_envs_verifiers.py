@@ -20,6 +20,7 @@ import pytest
 
 vf = pytest.importorskip("verifiers", reason="the verifiers extra is not installed")
 
+from rollflow.config.run import load_config  # noqa: E402
 from rollflow.envs.handle import EpisodeLimits  # noqa: E402
 from rollflow.envs.protocol import make_tool_call, parse_action, render_tool_calls  # noqa: E402
 from rollflow.envs.runner import EnvironmentLoadError, load_environment_handle, play_groups  # noqa: E402
@@ -27,7 +28,6 @@ from rollflow.envs.scripted import ScriptedPolicy  # noqa: E402
 from rollflow.envs.types import Message  # noqa: E402
 from rollflow.envs.verifiers import load_verifiers_environment, to_rollflow_messages  # noqa: E402
 from rollflow.storage.query import open_run_sql, run_query  # noqa: E402
-from rollflow.tasks.config import load_config  # noqa: E402
 from rollflow.tasks.preflight import PreflightError, check_environment  # noqa: E402
 from tiny_run import REPO, train_tiny_on  # noqa: E402
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pytest
 
+from rollflow.config.run import ConfigError, EnvConfig, RolloutConfig, RunConfig, ValidationConfig
 from rollflow.envs.scripted import constant_policy
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import ConfigError, EnvConfig, RolloutConfig, RunConfig, ValidationConfig
 from rollflow.tasks.rollout import rollout_stage
 
 GUESS_NUMBER = EnvConfig(

@@ -16,12 +16,12 @@ import pyarrow.parquet as pq
 import pytest
 from json_server import json_server
 
+from rollflow.config.run import ConfigError, RunConfig, load_config
 from rollflow.flows.cli import main
 from rollflow.flows.eval import eval_flow, eval_report, format_report
 from rollflow.flows.eval_config import EvalOverrides, eval_config
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_episode_records
-from rollflow.tasks.config import ConfigError, RunConfig, load_config
 
 
 def hand_count(run_dir: Path) -> dict[str, Any]:
@@ -64,7 +64,7 @@ def test_overrides_replace_only_what_they_name() -> None:
 
 
 def test_env_override_keeps_kwargs_only_for_the_same_environment() -> None:
-    from rollflow.tasks.config import EnvConfig
+    from rollflow.config.run import EnvConfig
 
     base = RunConfig(env=EnvConfig(name="rollflow.envs.tool_use_game:load_environment", kwargs={"num_validation": 3}))
     assert eval_config(base, EvalOverrides(env=base.env.name)).env.kwargs == {"num_validation": 3}

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 import rollflow.flows.eval as eval_module
+from rollflow.config.run import ConfigError, EnvConfig, load_config
 from rollflow.flows.cli import main
 from rollflow.flows.eval import eval_flow
-from rollflow.tasks.config import ConfigError, EnvConfig, load_config
 from tiny_run import tiny_config_at
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from rollflow.config.run import RunConfig, config_to_toml, load_config
 from rollflow.envs.types import Message
 from rollflow.flows.cli import main
 from rollflow.flows.export import ExportError, export_policy
@@ -26,7 +27,6 @@ from rollflow.policy.transformers_backend import TransformersPolicy
 from rollflow.policy.vllm_spec import VLLMServerError, VLLMServerSpec, lora_rank_limit, resolve_python
 from rollflow.storage.records import TrainResult
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import RunConfig, config_to_toml, load_config
 from tiny_run import REPO
 
 MESSAGES: list[Message] = [

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from rollflow.config.grpo import GRPOConfig
 from rollflow.envs.calculator_math import load_environment as load_calculator_math
 from rollflow.flows.api import train_multi_turn
 from rollflow.storage.query import open_run_sql, run_query
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.grpo_config import GRPOConfig
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 

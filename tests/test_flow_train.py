@@ -15,6 +15,7 @@ import pytest
 from safetensors.torch import load_file
 
 import rollflow.flows.step as step_module
+from rollflow.config.run import ConfigError, load_config
 from rollflow.flows.cli import main
 from rollflow.flows.runs import RunSetupError, open_run
 from rollflow.flows.train import train_flow
@@ -24,7 +25,6 @@ from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_episode_records
 from rollflow.storage.stage_outputs import locate_output
 from rollflow.storage.tracking import RunTracker
-from rollflow.tasks.config import ConfigError, load_config
 from rollflow.tasks.run_summary import CURVE_SQL
 from tiny_run import kill_group, tiny_config_at
 

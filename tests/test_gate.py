@@ -105,7 +105,7 @@ def test_the_two_sides_need_the_same_episodes_per_task(tmp_path: Path) -> None:
 
 
 def test_a_negative_min_gain_is_warned_and_other_bad_settings_refused() -> None:
-    from rollflow.tasks.config import ConfigError, PipelineConfig
+    from rollflow.config.run import ConfigError, PipelineConfig
 
     with pytest.warns(UserWarning, match=r"gate_min_gain = -0.1 .*worse"):
         GateSettings(min_gain=-0.1)
@@ -119,14 +119,14 @@ def test_a_negative_min_gain_is_warned_and_other_bad_settings_refused() -> None:
 
 
 def test_a_stale_gate_z_key_says_what_to_set_instead() -> None:
-    from rollflow.tasks.config import ConfigError, parse_config
+    from rollflow.config.run import ConfigError, parse_config
 
     with pytest.raises(ConfigError, match=r"\[pipeline\].gate_z .*gate_alpha"):
         parse_config({"pipeline": {"gate_z": 1.0}})
 
 
 def test_every_shipped_config_still_loads() -> None:
-    from rollflow.tasks.config import load_config
+    from rollflow.config.run import load_config
 
     configs = sorted((Path(__file__).parent.parent / "configs").glob("*.toml"))
     assert configs

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rollflow.tasks.config import load_config
+from rollflow.config.run import load_config
 from rollflow.tasks.gate import GateSettings
 from rollflow.tasks.gate_simulation import SHAPES, promotion_rate
 

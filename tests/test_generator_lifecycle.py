@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from fake_vllm import FakePolicy, FakeServer
 
+from rollflow.config.run import ModelConfig, RolloutConfig, RunConfig, TrainConfig, config_to_toml, load_config
 from rollflow.generators import run_generator
 from rollflow.generators import vllm_generator
 from rollflow.generators.generator import LocalGenerator
@@ -22,7 +23,6 @@ from rollflow.generators.lending import lend
 from rollflow.generators.run_generator import open_generator
 from rollflow.generators.vllm_generator import VLLMGenerator
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import ModelConfig, RolloutConfig, RunConfig, TrainConfig, config_to_toml, load_config
 
 
 class CountingLocal(LocalGenerator):

@@ -31,7 +31,7 @@ def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_an_async_run_killed_at_every_point_leaves_nothing_and_resumes_to_the_same_episodes(
     vllm_model_dir: Path, tmp_path: Path
 ) -> None:
-    from rollflow.tasks.config import load_config
+    from rollflow.config.run import load_config
     from rollflow.tasks.schedule import select_train_tasks
 
     config_path = _config(vllm_model_dir, tmp_path, lockstep=False)

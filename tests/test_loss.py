@@ -8,8 +8,8 @@ import typing
 import pytest
 import torch
 
+from rollflow.config import run as config
 from rollflow.policy.loss import AGGREGATIONS, BatchTotals, LossSettings, LossStats, grpo_loss
-from rollflow.tasks import config
 
 
 def _t(rows: list[list[float]]) -> torch.Tensor:

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import broken_env
+from rollflow.config.run import config_to_toml, load_config
 from rollflow.flows.train import train_flow
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import config_to_toml, load_config
 from rollflow.tasks.step_health import ERRORS_JSONL, StepFailedError
 from tiny_run import tiny_config_at
 

@@ -14,14 +14,14 @@ import pytest
 import torch
 from test_train import batch, micro_model, on_policy, sample
 
+from rollflow.config.run import ConfigError, parse_config
 from rollflow.policy.loss import AGGREGATIONS, BatchTotals, LossSettings, grpo_loss
 from rollflow.storage.query import open_run_sql
 from rollflow.storage.records import TrainResult
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import train_result_from_json, train_result_to_json
-from rollflow.tasks.config import ConfigError, parse_config
-from rollflow.tasks.metrics import optim_metrics
 from rollflow.tasks.grpo_update import UpdateSettings, grpo_update
+from rollflow.tasks.metrics import optim_metrics
 
 
 def _t(rows: list[list[float]]) -> torch.Tensor:

@@ -11,15 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rollflow.config.run import ConfigError, config_to_toml, load_config, parse_config
 from rollflow.policy.models import ModelRef, build_tiny_model, load_causal_lm, load_tokenizer
 from rollflow.policy.teacher import TeacherError, TokenizerMismatchError, parse_prompt_logprobs
 from rollflow.storage.query import open_run_sql, run_query
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_sample_records, table_to_teacher_records
 from rollflow.storage.tracking import RunTracker
-from rollflow.tasks.config import ConfigError, config_to_toml, load_config, parse_config
-from rollflow.tasks.teacher import check_teacher
 from rollflow.tasks.objectives import ObjectiveSettings, opd_token_advantages
+from rollflow.tasks.teacher import check_teacher
 from tiny_run import tiny_config_at
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from rollflow.config.run import PipelineConfig, config_to_toml, load_config
 from rollflow.flows.runs import RunSetupError
 from rollflow.storage.registry import PolicyRegistry
 from rollflow.storage.runs import run_status
-from rollflow.tasks.config import PipelineConfig, config_to_toml, load_config
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import pytest
 from rollflow.storage.query import open_run_sql, run_query
 from rollflow.storage.runfolder import RunFolder
 from repo_script import load_script
-from rollflow.tasks.config import config_to_toml
+from rollflow.config.run import config_to_toml
 
 def _load_bench() -> ModuleType:
     return load_script("bench/pipeline_overhead.py")

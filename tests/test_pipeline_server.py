@@ -35,8 +35,8 @@ from prefect_server import (
     wait_for_final_state,
 )
 
+from rollflow.config.run import PipelineConfig, config_to_toml, load_config
 from rollflow.storage.registry import PolicyRegistry
-from rollflow.tasks.config import PipelineConfig, config_to_toml, load_config
 
 pytestmark = pytest.mark.slow
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from rollflow.config.run import config_to_toml, load_config
 from rollflow.flows.prefect_log import PREFECT_LOG, prefect_log_in
-from rollflow.tasks.config import config_to_toml, load_config
 from tiny_run import tiny_config_at
 
 TESTS = Path(__file__).resolve().parent

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rollflow.tasks.config import ConfigError, RunConfig, config_to_toml, load_config
+from rollflow.config.run import ConfigError, RunConfig, config_to_toml, load_config
 from rollflow.tasks.preflight import PreflightError, preflight
 from tiny_run import tiny_config_at
 
@@ -129,7 +129,7 @@ def test_a_sound_config_passes(tiny_model_dir: Path, tmp_path: Path) -> None:
 def test_train_multi_turn_checks_before_the_flow_starts(tmp_path: Path) -> None:
     from rollflow.envs.calculator_math import load_environment as load_calculator_math
     from rollflow.flows.api import train_multi_turn
-    from rollflow.tasks.grpo_config import GRPOConfig
+    from rollflow.config.grpo import GRPOConfig
 
     suite = load_calculator_math(num_train=2, num_validation=1)
     config = GRPOConfig(model=str(tmp_path / "no-model"), num_steps=1, max_turns=2, runs_dir=str(tmp_path / "runs"))
@@ -140,7 +140,7 @@ def test_train_multi_turn_checks_before_the_flow_starts(tmp_path: Path) -> None:
 
 def test_the_rules_across_sections_come_first(tiny_model_dir: Path, tmp_path: Path) -> None:
     """``preflight`` is the one check before Prefect starts: a training run's cross-section rules
-    (``tasks.config_checks.check_run_config``) fail there too, not later inside the flow."""
+    (``config.checks.check_run_config``) fail there too, not later inside the flow."""
     nucleus = tiny_config(tmp_path, tiny_model_dir, rollout={"top_p": 0.9}, model={"path": "models/nope"})
     with pytest.raises(ConfigError, match=r"^\[rollout\]\.top_p = 0\.9: training needs 1\.0"):
         preflight(nucleus)
@@ -152,7 +152,7 @@ def test_the_rules_across_sections_come_first(tiny_model_dir: Path, tmp_path: Pa
 def test_train_multi_turn_refuses_a_nucleus_before_a_run_folder_is_made(tmp_path: Path) -> None:
     from rollflow.envs.calculator_math import load_environment as load_calculator_math
     from rollflow.flows.api import train_multi_turn
-    from rollflow.tasks.grpo_config import GRPOConfig
+    from rollflow.config.grpo import GRPOConfig
 
     suite = load_calculator_math(num_train=2, num_validation=1)
     config = GRPOConfig(num_steps=1, max_turns=2, top_p=0.9, runs_dir=str(tmp_path / "runs"))

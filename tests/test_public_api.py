@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import rollflow
-from rollflow.tasks.config import config_to_toml, load_config
+from rollflow.config.run import config_to_toml, load_config
 from tiny_run import REPO
 
 ROLLFLOW = Path(sys.executable).parent / "rollflow"  # the installed console script

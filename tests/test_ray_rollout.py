@@ -40,6 +40,8 @@ from tiny_run import REPO, build_vllm_tiny_model
 from rollflow.cluster import ray_cluster
 from rollflow.cluster.ray_cluster import LocalRayCluster
 from rollflow.cluster.ray_rollout import node_import_env
+from rollflow.config.cluster import ClusterConfig
+from rollflow.config.run import RunConfig, config_to_toml, load_config
 from rollflow.generators.lending import lend
 from rollflow.generators.run_generator import open_generator
 from rollflow.generators.vllm_generator import VLLMGenerator
@@ -47,8 +49,6 @@ from rollflow.storage.parquet import read_table
 from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_episode_records
-from rollflow.tasks.config import RunConfig, config_to_toml, load_config
-from rollflow.tasks.config_cluster import ClusterConfig
 
 TESTS = Path(__file__).resolve().parent
 TRAIN_EPISODES, VALIDATION_EPISODES = 4, 2  # 2 tasks x 2 episodes in 2 chunks; 2 tasks x 1 in one
@@ -447,7 +447,7 @@ _LOCAL_CLUSTER_SCRIPT = """
 import sys
 sys.path.insert(0, sys.argv[1])  # this rollflow, for the child only: its nodes get it from node_import_env
 from rollflow.cluster.ray_rollout import RayFanOut, live_nodes, rollout_cluster
-from rollflow.tasks.config import parse_config
+from rollflow.config.run import parse_config
 
 config = parse_config({"rollout": {"backend": "vllm"}, "cluster": {
     "mode": "local", "num_worker_nodes": 1, "memory_gib_per_node": 1.0, "object_store_mib_per_node": 100}})

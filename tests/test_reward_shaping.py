@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from rollflow.config.run import parse_config
 from rollflow.envs.episode import ActionTokens, EpisodeRollout
 from rollflow.envs.handle import EpisodeScore
 from rollflow.envs.types import TruncationCause
-from rollflow.tasks.config import parse_config
 from rollflow.tasks.shaping import (
     SHAPING_RULES,
     Ending,

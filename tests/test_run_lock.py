@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from tiny_run import kill_group
 
+from rollflow.config.run import load_config
 from rollflow.flows.runs import freeze_config, open_run
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.runlock import RunFolderBusyError
-from rollflow.tasks.config import load_config
 
 HOLD = """
 import sys, time

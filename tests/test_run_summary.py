@@ -8,8 +8,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rollflow.config.run import parse_config
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import parse_config
 from rollflow.tasks.run_summary import CURVE_SQL, learning_summary, validation_change
 
 TASKS = [f"t{i}" for i in range(12)]

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from rollflow.config.run import config_to_toml, load_config
 from rollflow.envs.handle import EpisodeLimits
 from rollflow.envs.runner import load_environment_handle
 from rollflow.envs.scaffold import write_starter
 from rollflow.envs.scripted import constant_policy
 from rollflow.flows.cli import main
 from rollflow.storage.query import open_run_sql, run_query
-from rollflow.tasks.config import config_to_toml, load_config
 from rollflow.tasks.preflight import preflight
 
 # What a written test may import besides ``rollflow`` itself: the runner, its episode limits

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from rollflow.config.run import parse_config
 from rollflow.envs.episode import ActionTokens, EpisodeRollout
 from rollflow.envs.handle import EpisodeLimits, EpisodeScore
 from rollflow.envs.hook_handle import to_environment_episode
@@ -30,7 +31,6 @@ from rollflow.flows.step import run_once
 from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import episode_records_to_table, table_to_score_records
-from rollflow.tasks.config import parse_config
 from rollflow.tasks.scoring import (
     ScoringError,
     ScoringSettings,

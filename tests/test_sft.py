@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from rollflow.config.run import ModelConfig, RunConfig, SFTConfig, load_config
 from rollflow.envs.agent import PolicyAction
 from rollflow.envs.handle import EpisodeLimits
 from rollflow.envs.hooks import EnvironmentMultiTurn
@@ -24,7 +25,6 @@ from rollflow.generators.models import load_policy_for_training
 from rollflow.policy.codec import ChatCodec, TokenState
 from rollflow.policy.models import ModelRef, load_causal_lm
 from rollflow.storage.filemodes import current_umask
-from rollflow.tasks.config import ModelConfig, RunConfig, SFTConfig, load_config
 from rollflow.tasks.sft import completion_nll, mean_completion_loss, read_sft_result, sft_rows, sft_stage
 from rollflow.tasks.sft_rows import (
     SFTDataError,
@@ -349,7 +349,7 @@ def test_rollflow_sft_then_a_train_run_starts_from_its_adapter(
     from rollflow.flows.train import train_flow
     from rollflow.storage.runfolder import RunFolder
     from rollflow.storage.tracking import RunTracker
-    from rollflow.tasks.config import config_to_toml
+    from rollflow.config.run import config_to_toml
 
     config = replace(sft_config(tiny_model_dir, tmp_path, use_lora=True, learning_rate=1e-2),
                      tracking=RunConfig().tracking)

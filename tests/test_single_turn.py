@@ -185,7 +185,7 @@ def test_sft_rows_are_the_prompt_then_the_bare_answer(bundled_tokenizer: object)
 @pytest.mark.slow  # three LoRA SFT steps: 10-30 s on 2 busy cores
 def test_sft_on_the_arithmetic_answers_lowers_their_loss(tiny_model_dir: Path, tmp_path: Path) -> None:
     from rollflow.policy.models import ModelRef, load_causal_lm
-    from rollflow.tasks.config import ModelConfig, SFTConfig, load_config
+    from rollflow.config.run import ModelConfig, SFTConfig, load_config
     from rollflow.tasks.sft import mean_completion_loss, read_sft_result, sft_rows, sft_stage
     from tiny_run import REPO
 
@@ -234,7 +234,7 @@ def test_one_grpo_step_on_a_single_turn_environment(tiny_model_dir: Path, tmp_pa
     from rollflow.flows.train import train_flow
     from rollflow.storage.query import open_run_sql, run_query
     from rollflow.storage.runfolder import RunFolder
-    from rollflow.tasks.config import config_to_toml, load_config
+    from rollflow.config.run import config_to_toml, load_config
     from tiny_run import REPO
 
     spec = register_environment("single-turn-letters", LetterShareAnswer())

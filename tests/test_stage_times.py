@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 import rollflow.flows.step as step_module
+from rollflow.config.run import config_to_toml, load_config
 from rollflow.flows.step import run_stage
 from rollflow.flows.train import train_flow
 from rollflow.storage.errors import SchemaMismatchError
 from rollflow.storage.runfolder import STAGE_SECONDS_JSON, RunFolder
 from rollflow.storage.tracking import RunTracker
-from rollflow.tasks.config import config_to_toml, load_config
 
 
 def recorded_stage_seconds(folder: RunFolder, step: int) -> dict[str, float]:

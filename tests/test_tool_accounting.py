@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from rollflow.config.run import EnvConfig, RolloutConfig, RunConfig, TrackingConfig, ValidationConfig
 from rollflow.envs.scripted import ScriptedPolicy
 from rollflow.envs.types import Message
 from rollflow.storage.parquet import read_table
@@ -21,7 +22,6 @@ from rollflow.storage.query import describe_views, open_run_sql, run_query, step
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import episode_records_to_table, table_to_episode_records
 from rollflow.storage.synthetic import synthetic_episode
-from rollflow.tasks.config import EnvConfig, RolloutConfig, RunConfig, TrackingConfig, ValidationConfig
 from rollflow.tasks.metrics import rollout_metrics, validation_metrics_stage, validation_outcome
 from rollflow.tasks.rollout import rollout_stage
 from rollflow.tasks.scoring import score_stage

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from rollflow.config.run import RunConfig, parse_config
 from rollflow.envs.handle import EpisodeLimits
 from rollflow.envs.hooks import EnvironmentMultiTurn
 from rollflow.envs.runner import handle_from_hook, play_groups
@@ -24,7 +25,6 @@ from rollflow.policy.transformers_backend import TransformersPolicy
 from rollflow.storage.records import EpisodeRecord, SampleRecord, ScoreRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import sample_records_to_table
-from rollflow.tasks.config import RunConfig, parse_config
 from rollflow.tasks.flatten import flatten_episode_to_samples
 from rollflow.tasks.grpo_update import (
     UpdateSettings,

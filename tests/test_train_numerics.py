@@ -11,13 +11,13 @@ import torch
 from peft import LoraConfig, get_peft_model
 from test_train import batch, micro_model, stage_samples, tiny_config, train_step, write_samples
 
+from rollflow.config.run import ConfigError, RunConfig, config_to_toml, load_config
 from rollflow.flows.runs import open_run
 from rollflow.generators.checkpoints import latest_checkpoint
 from rollflow.generators.models import load_policy_for_training, policy_model_ref, torch_dtype
 from rollflow.policy.loss import LossSettings
 from rollflow.policy.models import load_causal_lm
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import ConfigError, RunConfig, config_to_toml, load_config
 from rollflow.tasks.grpo_update import UpdateSettings, grpo_update, make_optimizer
 from rollflow.tasks.train import adapter_off_reference
 

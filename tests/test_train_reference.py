@@ -11,11 +11,11 @@ import torch
 from peft import LoraConfig, get_peft_model
 from test_train import tiny_config, train_step, write_samples
 
+from rollflow.config.run import RunConfig
 from rollflow.generators.checkpoints import latest_checkpoint
 from rollflow.generators.models import load_policy_for_training
 from rollflow.policy.models import ModelRef, load_causal_lm
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import RunConfig
 from rollflow.tasks.train import kl_reference
 from rollflow.tasks.trainer_logprobs import token_logprobs
 

@@ -25,6 +25,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from rollflow.config.run import ModelConfig, RolloutConfig, RunConfig, TrainConfig
 from rollflow.envs.agent import PolicyAction
 from rollflow.envs.types import Message
 from rollflow.generators.generator import run_adapter_prefix
@@ -40,7 +41,6 @@ from rollflow.policy.vllm_server import VLLMServer, free_port
 from rollflow.policy.vllm_spec import VLLMServerError, VLLMServerSpec
 from rollflow.policy.vllm_weights import write_lm_head_shard
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.config import ModelConfig, RolloutConfig, RunConfig, TrainConfig
 from tiny_run import build_vllm_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -358,7 +358,7 @@ def test_rollflow_train_on_the_vllm_server_stamps_each_step_with_the_version_tha
     """Two GRPO steps through the real flow; step 1's tokens are scored against step 0's adapter."""
     from rollflow.flows.train import train_flow
     from rollflow.storage.schemas import table_to_episode_records
-    from rollflow.tasks.config import ValidationConfig, config_to_toml
+    from rollflow.config.run import ValidationConfig, config_to_toml
 
     config = replace(
         run_config,

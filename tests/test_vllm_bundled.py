@@ -36,6 +36,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from rollflow.config.run import RolloutConfig, RunConfig, TrainConfig
 from rollflow.envs.episode import ActionTokens
 from rollflow.envs.handle import EpisodeLimits
 from rollflow.envs.runner import load_environment_handle, play_groups
@@ -46,7 +47,6 @@ from rollflow.policy.models import ModelRef, hf_model_folder
 from rollflow.policy.sampling import sampling_logprobs
 from rollflow.policy.vllm_backend import VLLMPolicy
 from rollflow.policy.vllm_weights import untied_serving_folder
-from rollflow.tasks.config import RolloutConfig, RunConfig, TrainConfig
 
 pytestmark = pytest.mark.slow
 

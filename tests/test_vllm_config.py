@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
+from rollflow.config.run import ConfigError, config_to_toml, parse_config
 from rollflow.flows.runs import open_run
 from rollflow.policy.models import build_tiny_model
 from rollflow.policy.vllm_cpu import cpu_attention_problem, cpu_list, is_cpu_vllm, model_head_dim, parse_cpu_list
 from rollflow.policy.vllm_server import VLLMServer
 from rollflow.policy.vllm_spec import DEFAULT_PYTHON, VLLMServerError, VLLMServerSpec, lora_rank_limit
-from rollflow.tasks.config import ConfigError, config_to_toml, parse_config
 
 
 def test_vllm_backend_with_base_urls_round_trips() -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from test_vllm_backend import _adapter, _commit_checkpoint, _hf_logprobs, _with_adapter
 
+from rollflow.config.run import ConfigError, EnvConfig, ModelConfig, RolloutConfig, RunConfig, TrainConfig
 from rollflow.generators.lending import lend
 from rollflow.generators.run_generator import open_generator
 from rollflow.generators.vllm_generator import VLLMGenerator, replica_log, server_specs
@@ -28,7 +29,6 @@ from rollflow.policy.models import build_tiny_model
 from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_episode_records
-from rollflow.tasks.config import ConfigError, EnvConfig, ModelConfig, RolloutConfig, RunConfig, TrainConfig
 from rollflow.tasks.rollout import rollout_stage
 
 MAX_LEN = 1024

@@ -27,6 +27,7 @@ import pytest
 from test_vllm_backend import _adapter, _commit_checkpoint, _hf_logprobs, _with_adapter
 from test_vllm_server import CAPTURED_LOG, HEAD_DIM_16_FATAL, _fake_python
 
+from rollflow.config.run import EnvConfig, ModelConfig, RolloutConfig, RunConfig, TrainConfig
 from rollflow.generators import generator
 from rollflow.generators.generator import GeneratorError
 from rollflow.generators.lending import lend
@@ -39,7 +40,6 @@ from rollflow.policy.vllm_spec import PYTHON_ENV, VLLMServerError, VLLMServerSpe
 from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_episode_records
-from rollflow.tasks.config import EnvConfig, ModelConfig, RolloutConfig, RunConfig, TrainConfig
 from rollflow.tasks.rollout import rollout_stage
 
 MAX_LEN = 1024

@@ -9,7 +9,7 @@ import subprocess
 from dataclasses import replace
 from pathlib import Path
 
-from rollflow.tasks.config import config_to_toml, load_config
+from rollflow.config.run import config_to_toml, load_config
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollflow.policy.loss import LossName, OffPolicyCorrection
-from rollflow.tasks.config import (
+from rollflow.config.run import (
     ConfigError,
     RolloutConfig,
     RunConfig,
@@ -33,6 +32,7 @@ from rollflow.tasks.config import (
     ValidationConfig,
     parse_config,
 )
+from rollflow.policy.loss import LossName, OffPolicyCorrection
 
 # GRPOConfig field -> (section, key) in RunConfig.
 FIELD_HOMES: dict[str, tuple[str, str]] = {

@@ -1,6 +1,6 @@
 """How a config's text becomes section values: keys to fields, values to their types.
 
-``rollflow.tasks.config`` declares the sections and their rules; this module is the
+``rollflow.config.run`` declares the sections and their rules; this module is the
 machinery under them, so that file reads as the list of settings:
 
 - **keys**: ``parse_sections`` maps each ``[section].key`` of a TOML document to a field,

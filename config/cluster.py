@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from rollflow.tasks.config_parsing import ConfigError, at_least, check_types, in_range
+from rollflow.config.parsing import ConfigError, at_least, check_types, in_range
 
 ClusterMode = Literal["none", "local", "address"]
 RAY_MIN_OBJECT_STORE_MIB = 75  # Ray refuses a smaller object store

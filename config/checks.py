@@ -1,6 +1,6 @@
 """The rules across config sections that a training run needs.
 
-Each section checks its own fields (``rollflow.tasks.config``); what is left are the
+Each section checks its own fields (``rollflow.config.run``); what is left are the
 combinations a training run cannot use and evaluation can: ``check_run_config`` applies
 them all. ``flows.runs.open_run`` calls it on every run it opens, new or resumed, and
 ``tasks.preflight.preflight`` first of all, before Prefect starts.
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rollflow.tasks.config_parsing import ConfigError
+from rollflow.config.parsing import ConfigError
 
 if TYPE_CHECKING:
-    from rollflow.tasks.config import RunConfig
+    from rollflow.config.run import RunConfig
 
 
 def check_run_config(config: RunConfig) -> None:

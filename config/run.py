@@ -10,11 +10,11 @@ type, and the nearest known key when the name looks like a typo.
 
 The reference docs' field names keep their meaning (``batch_size``, ``episodes_per_task``
 alias ``group_size``, ``max_model_length`` alias ``max_context_tokens``, ...). The flat
-``GRPOConfig`` of the reference API lives in ``tasks/grpo_config.py``.
+``GRPOConfig`` of the reference API lives in ``config/grpo.py``.
 
-This file is the list of settings. The machinery under it is ``tasks/config_parsing.py``
-(keys, aliases, retired settings, type checks) and ``tasks/config_toml.py`` (the writer);
-the rules that span sections are ``tasks/config_checks.py``'s ``check_run_config``.
+This file is the list of settings. The machinery under it is ``config/parsing.py``
+(keys, aliases, retired settings, type checks) and ``config/toml_writer.py`` (the writer);
+the rules that span sections are ``config/checks.py``'s ``check_run_config``.
 Every name of all three imports from here.
 
 Simplified on purpose: no environment-variable interpolation, no config inheritance or
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from rollflow.policy.loss import LossName, OffPolicyCorrection
-from rollflow.tasks.config_parsing import (
+from rollflow.config.cluster import ClusterConfig
+from rollflow.config.parsing import (
     ConfigError,
     at_least,
     check_types,
@@ -43,8 +43,8 @@ from rollflow.tasks.config_parsing import (
     read_document,
     section_dict,
 )
-from rollflow.tasks.config_cluster import ClusterConfig
-from rollflow.tasks.config_toml import toml_document
+from rollflow.config.toml_writer import toml_document
+from rollflow.policy.loss import LossName, OffPolicyCorrection
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Backend = Literal["transformers", "vllm", "openai"]
@@ -406,7 +406,7 @@ class RunConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # tasks/config_cluster.py
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)  # config/cluster.py
 
     @property
     def groups_in_flight(self) -> int:
@@ -435,7 +435,7 @@ def load_config(path: str | Path, *, frozen: bool = False) -> RunConfig:
     """Read and validate a TOML config file.
 
     ``frozen``: the file is a run folder's own ``config.toml``, written by ``config_to_toml``
-    of an earlier rollflow; settings since retired (``config_parsing.RETIRED``) are dropped
+    of an earlier rollflow; settings since retired (``parsing.RETIRED``) are dropped
     from it, so an old run still resumes, exports and rescores. A user's config naming one
     is refused.
     """
