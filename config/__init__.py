@@ -8,7 +8,6 @@ reads; ``checks`` holds the rules across sections a training run needs; ``grpo``
 reference API's flat ``GRPOConfig``, mapped onto ``RunConfig``. The example TOML files live
 in ``configs/`` at the top of the repository, not here.
 
-Every other room reads the configuration; it imports ``policy`` (the loss names), never a
-generator or a flow. The one stage it still reaches is the gate, for the text of a warning
-(``tests/test_import_graph.py`` lists it as a known exception).
+Every other room reads the configuration; it imports ``policy`` (the loss names) and
+nothing above it: no stage, no generator, no flow.
 """

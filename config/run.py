@@ -388,11 +388,17 @@ class PipelineConfig:
         in_range(self, "pipeline", "gate_alpha", 0.0, 1.0, low_open=True)
         at_least(self, "pipeline", "gate_min_discordant", 0)
         if self.gate_min_gain < 0:
-            from rollflow.tasks.gate import negative_margin_warning
-
             warnings.warn(negative_margin_warning(self.gate_min_gain), UserWarning, stacklevel=3)
         if not self.model_name.strip():
             raise ConfigError("[pipeline].model_name must not be empty")
+
+
+def negative_margin_warning(min_gain: float, where: str = "[pipeline].gate_min_gain") -> str:
+    """What a negative gate margin means, warned by this section and by ``tasks/gate.py``'s
+    ``GateSettings`` (the rule it changes)."""
+    return (f"{where} = {min_gain:g} < 0 makes the gate a non-inferiority test: with gate_alpha >= 0.5 it "
+            f"promotes a policy up to {-min_gain:g} worse than the champion (below 0.5 the significance "
+            "test already asks for a gain, and the margin does nothing)")
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from rollflow.config.run import negative_margin_warning
+
 GATE_FILE = "gate.json"
 ERROR_COLUMN = "scoring_error"
 MAX_DENOMINATOR = 1000  # the finest lattice tried for the exact distribution
@@ -94,12 +96,6 @@ class GateSettings:
             raise GateError(f"[pipeline].gate_min_gain must be a finite number, got {self.min_gain!r}")
         if self.min_gain < 0:
             warnings.warn(negative_margin_warning(self.min_gain), UserWarning, stacklevel=3)
-
-
-def negative_margin_warning(min_gain: float, where: str = "[pipeline].gate_min_gain") -> str:
-    return (f"{where} = {min_gain:g} < 0 makes the gate a non-inferiority test: with gate_alpha >= 0.5 it "
-            f"promotes a policy up to {-min_gain:g} worse than the champion (below 0.5 the significance "
-            "test already asks for a gain, and the margin does nothing)")
 
 
 @dataclass(frozen=True)
