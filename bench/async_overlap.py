@@ -45,15 +45,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from rollflow.config.run import (
-    ModelConfig,
-    RolloutConfig,
-    RunConfig,
-    TrackingConfig,
-    TrainConfig,
-    ValidationConfig,
-    config_to_toml,
-)
+from rollflow.config.rollout import RolloutConfig
+from rollflow.config.run import ModelConfig, RunConfig, TrackingConfig, ValidationConfig, config_to_toml
+from rollflow.config.train import TrainConfig
 from rollflow.storage.query import open_run_sql, run_query
 from rollflow.storage.runfolder import RunFolder
 

@@ -92,7 +92,7 @@ LEGS = {
 
 def missing_settings(leg: Leg) -> list[str]:
     """The leg's ``[rollout]`` settings this checkout's config does not have."""
-    from rollflow.config.run import RolloutConfig
+    from rollflow.config.rollout import RolloutConfig
 
     known = {f.name for f in dataclasses.fields(RolloutConfig)}
     return [f"[rollout].{key}" for key in leg.rollout if key not in known]
@@ -138,7 +138,9 @@ ROW_HEADER = (
 
 
 def bench_config(leg: Leg, model_path: str | None, adapter: str | None, quick: bool) -> RunConfig:
-    from rollflow.config.run import ModelConfig, RolloutConfig, RunConfig, TrainConfig, ValidationConfig
+    from rollflow.config.rollout import RolloutConfig
+    from rollflow.config.run import ModelConfig, RunConfig, ValidationConfig
+    from rollflow.config.train import TrainConfig
 
     rollout = RolloutConfig(
         batch_size=2 if quick else 8, episodes_per_task=2 if quick else 8, max_turns=2 if quick else 6,

@@ -63,7 +63,8 @@ from typing import TYPE_CHECKING, Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from rollflow.config.run import ConfigError, RunConfig
+from rollflow.config.parsing import ConfigError
+from rollflow.config.run import RunConfig
 from rollflow.generators.generator import GeneratorError, RestartBudget
 from rollflow.generators.models import base_model_ref
 from rollflow.policy.models import ModelRef

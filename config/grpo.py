@@ -22,16 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollflow.config.run import (
-    ConfigError,
-    RolloutConfig,
-    RunConfig,
-    TrackingConfig,
-    TrainConfig,
-    StorageConfig,
-    ValidationConfig,
-    parse_config,
-)
+from rollflow.config.parsing import ConfigError
+from rollflow.config.rollout import RolloutConfig
+from rollflow.config.run import RunConfig, TrackingConfig, StorageConfig, ValidationConfig, parse_config
+from rollflow.config.train import TrainConfig
 from rollflow.policy.loss import LossName, OffPolicyCorrection
 
 # GRPOConfig field -> (section, key) in RunConfig.

@@ -72,7 +72,8 @@ def run_env_show(args: argparse.Namespace) -> int:
 
     from rollflow.envs.runner import EnvironmentLoadError, load_environment_handle
     from rollflow.policy.models import ModelLoadError
-    from rollflow.config.run import ConfigError, EnvConfig, RunConfig, load_config
+    from rollflow.config.parsing import ConfigError
+    from rollflow.config.run import EnvConfig, RunConfig, load_config
     from rollflow.tasks.prompt_preview import describe_preview, preview_prompt
 
     if args.spec is None and args.config is None:

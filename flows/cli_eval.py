@@ -20,7 +20,7 @@ from rollflow.flows.cli import Command, UserError, register
 def _user_errors() -> tuple[type[BaseException], ...]:
     from rollflow.envs.runner import EnvironmentLoadError
     from rollflow.policy.models import ModelLoadError
-    from rollflow.config.run import ConfigError
+    from rollflow.config.parsing import ConfigError
     from rollflow.tasks.sft_rows import SFTDataError
 
     return (ConfigError, EnvironmentLoadError, ModelLoadError, SFTDataError, FileNotFoundError)

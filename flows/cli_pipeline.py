@@ -29,7 +29,8 @@ def run_pipeline(args: argparse.Namespace) -> int:
     from rollflow.flows.pipeline import pipeline_flow
     from rollflow.flows.runs import RunSetupError
     from rollflow.storage.errors import ConfigMismatchError
-    from rollflow.config.run import ConfigError, load_config
+    from rollflow.config.parsing import ConfigError
+    from rollflow.config.run import load_config
     from rollflow.tasks.preflight import preflight
 
     try:

@@ -26,7 +26,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from rollflow.envs.runner import EnvironmentLoadError
-    from rollflow.config.run import ConfigError
+    from rollflow.config.parsing import ConfigError
     from rollflow.tasks.rescore import RescoreError
 
     return (ConfigError, EnvironmentLoadError, RescoreError)

@@ -26,7 +26,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from rollflow.flows.export import ExportError
     from rollflow.generators.checkpoints import CheckpointError
     from rollflow.policy.models import ModelLoadError
-    from rollflow.config.run import ConfigError
+    from rollflow.config.parsing import ConfigError
 
     return (ExportError, CheckpointError, ConfigError, EnvironmentLoadError, ModelLoadError, FileNotFoundError)
 

@@ -26,7 +26,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from rollflow.envs.runner import EnvironmentLoadError
     from rollflow.flows.runs import RunSetupError
     from rollflow.policy.models import ModelLoadError
-    from rollflow.config.run import ConfigError
+    from rollflow.config.parsing import ConfigError
     from rollflow.tasks.step_health import StepFailedError
 
     return (ConfigError, RunSetupError, EnvironmentLoadError, ModelLoadError, FileNotFoundError, StepFailedError)

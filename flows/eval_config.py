@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rollflow.config.run import ConfigError, EnvConfig, ModelConfig, RunConfig, load_config
+from rollflow.config.parsing import ConfigError
+from rollflow.config.run import EnvConfig, ModelConfig, RunConfig, load_config
 
 
 @dataclass(frozen=True)

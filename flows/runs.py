@@ -21,13 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollflow.config.checks import check_run_config
-from rollflow.config.run import (
-    ConfigError,
-    RunConfig,
-    config_to_toml,
-    flatten_config,
-    load_config,
-)
+from rollflow.config.parsing import ConfigError
+from rollflow.config.run import RunConfig, config_to_toml, flatten_config, load_config
 from rollflow.storage.errors import ConfigMismatchError
 from rollflow.storage.runfolder import METRICS_JSON, RunFolder
 from rollflow.storage.runlock import acquire_run_folder, release_run_folder

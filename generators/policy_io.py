@@ -24,7 +24,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollflow.config.run import ConfigError, RunConfig
+from rollflow.config.parsing import ConfigError
+from rollflow.config.run import RunConfig
 from rollflow.envs.agent import Policy
 from rollflow.generators.checkpoints import Checkpoint, CheckpointError, latest_checkpoint
 from rollflow.generators.generator import FixedGenerator, Generator, GeneratorError, GeneratorFault

@@ -27,7 +27,8 @@ from typing import Any, Protocol
 import httpx
 from transformers import PreTrainedTokenizerBase
 
-from rollflow.config.run import ConfigError, RunConfig
+from rollflow.config.parsing import ConfigError
+from rollflow.config.run import RunConfig
 from rollflow.envs.agent import Policy
 from rollflow.generators.cpu_split import deal_cores
 from rollflow.generators.generator import (

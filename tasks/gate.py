@@ -55,7 +55,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from rollflow.config.run import negative_margin_warning
+from rollflow.config.pipeline import negative_margin_warning
 
 GATE_FILE = "gate.json"
 ERROR_COLUMN = "scoring_error"

@@ -34,7 +34,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rollflow.config.checks import check_run_config
-from rollflow.config.run import ConfigError, RunConfig
+from rollflow.config.parsing import ConfigError
+from rollflow.config.run import RunConfig
 from rollflow.envs.agent import PolicyAction
 from rollflow.envs.handle import EnvironmentHandle, EpisodeLimits, TaskItem
 from rollflow.envs.runner import EnvironmentLoadError, load_environment_handle

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollflow.config.run import ConfigError, RunConfig
+from rollflow.config.parsing import ConfigError
+from rollflow.config.run import RunConfig
 from rollflow.envs.handle import EnvironmentHandle
 from rollflow.envs.types import Split
 

@@ -14,7 +14,8 @@ import random
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from rollflow.config.run import ConfigError, RunConfig
+from rollflow.config.parsing import ConfigError
+from rollflow.config.run import RunConfig
 from rollflow.envs.handle import EpisodeLimits, Style, TaskItem
 from rollflow.storage.runfolder import RunFolder
 

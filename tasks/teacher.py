@@ -26,7 +26,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from rollflow.config.run import ConfigError, RunConfig
+from rollflow.config.parsing import ConfigError
+from rollflow.config.run import RunConfig
 from rollflow.generators.models import base_model_ref, torch_device, torch_dtype
 from rollflow.policy.stopping import raise_if_stop_requested
 from rollflow.policy.teacher import (

@@ -12,7 +12,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from rollflow.config.run import RolloutConfig, RunConfig
+from rollflow.config.rollout import RolloutConfig
+from rollflow.config.run import RunConfig
 from rollflow.envs.episode import EpisodeRollout
 from rollflow.storage.async_groups import (
     Admission,

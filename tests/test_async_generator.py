@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollflow.config.run import ModelConfig, RolloutConfig, RunConfig, TrainConfig, ValidationConfig
+from rollflow.config.rollout import RolloutConfig
+from rollflow.config.run import ModelConfig, RunConfig, ValidationConfig
+from rollflow.config.train import TrainConfig
 from rollflow.generators.async_generator import AsyncGenerator, open_async_generator
 from rollflow.generators.generator import run_adapter_prefix
 from rollflow.generators.vllm_generator import VLLMGenerator

@@ -20,17 +20,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rollflow.config.checks import check_async, check_run_config
-from rollflow.config.run import (
-    ConfigError,
-    ModelConfig,
-    RolloutConfig,
-    RunConfig,
-    TrackingConfig,
-    TrainConfig,
-    ValidationConfig,
-    config_to_toml,
-    parse_config,
-)
+from rollflow.config.parsing import ConfigError
+from rollflow.config.rollout import RolloutConfig
+from rollflow.config.run import ModelConfig, RunConfig, TrackingConfig, ValidationConfig, config_to_toml, parse_config
+from rollflow.config.train import TrainConfig
 from rollflow.storage.async_groups import GroupStamp, consumed_groups, finished_groups, read_admission
 from rollflow.storage.query import open_run_sql, run_query
 from rollflow.storage.runfolder import RunFolder

@@ -14,15 +14,11 @@ import pytest
 from difficulty_env import SeededPolicy
 
 from rollflow.config.checks import check_run_config
-from rollflow.config.run import (
-    ClusterConfig,
-    ConfigError,
-    EnvConfig,
-    RolloutConfig,
-    RunConfig,
-    TrackingConfig,
-    TrainConfig,
-)
+from rollflow.config.cluster import ClusterConfig
+from rollflow.config.parsing import ConfigError
+from rollflow.config.rollout import RolloutConfig
+from rollflow.config.run import EnvConfig, RunConfig, TrackingConfig
+from rollflow.config.train import TrainConfig
 from rollflow.storage.parquet import COMPLETE_MARKER, part_path
 from rollflow.storage.query import open_run_sql, run_query
 from rollflow.storage.runfolder import RunFolder

@@ -8,14 +8,8 @@ from pathlib import Path
 import pytest
 
 from rollflow.config.grpo import GRPOConfig
-from rollflow.config.run import (
-    ConfigError,
-    RunConfig,
-    config_to_toml,
-    flatten_config,
-    load_config,
-    parse_config,
-)
+from rollflow.config.parsing import ConfigError
+from rollflow.config.run import RunConfig, config_to_toml, flatten_config, load_config, parse_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -88,7 +82,7 @@ def test_bad_config_errors_name_the_key(document: dict, pattern: str) -> None:
 
 
 def test_sections_validate_when_built_from_python_too() -> None:
-    from rollflow.config.run import TrainConfig
+    from rollflow.config.train import TrainConfig
 
     with pytest.raises(ConfigError, match=r"\[train\]\.clip_eps_low must be in"):
         TrainConfig(clip_eps_low=-0.1)

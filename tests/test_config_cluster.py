@@ -6,7 +6,8 @@ import tomllib
 
 import pytest
 
-from rollflow.config.run import ConfigError, config_to_toml, parse_config
+from rollflow.config.parsing import ConfigError
+from rollflow.config.run import config_to_toml, parse_config
 
 
 def test_no_cluster_is_the_default_and_a_local_one_round_trips_through_toml() -> None:

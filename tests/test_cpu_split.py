@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollflow.config.run import ModelConfig, RolloutConfig, RunConfig
+from rollflow.config.rollout import RolloutConfig
+from rollflow.config.run import ModelConfig, RunConfig
 from rollflow.generators import cpu_split
 from rollflow.generators.cpu_split import async_cpu_split, trainer_threads
 from rollflow.generators.vllm_generator import server_spec

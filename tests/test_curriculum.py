@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 from difficulty_env import SeededPolicy
 
-from rollflow.config.run import EnvConfig, RolloutConfig, RunConfig, TrackingConfig, TrainConfig
+from rollflow.config.rollout import RolloutConfig
+from rollflow.config.run import EnvConfig, RunConfig, TrackingConfig
+from rollflow.config.train import TrainConfig
 from rollflow.envs.handle import TaskItem
 from rollflow.envs.types import TaskExample
 from rollflow.storage.query import open_run_sql, run_query

@@ -12,7 +12,9 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pytest
 
-from rollflow.config.run import ConfigError, EnvConfig, RolloutConfig, RunConfig, ValidationConfig
+from rollflow.config.parsing import ConfigError
+from rollflow.config.rollout import RolloutConfig
+from rollflow.config.run import EnvConfig, RunConfig, ValidationConfig
 from rollflow.envs.scripted import constant_policy
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.rollout import rollout_stage

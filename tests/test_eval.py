@@ -16,7 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 from json_server import json_server
 
-from rollflow.config.run import ConfigError, RunConfig, load_config
+from rollflow.config.parsing import ConfigError
+from rollflow.config.run import RunConfig, load_config
 from rollflow.flows.cli import main
 from rollflow.flows.eval import eval_flow, eval_report, format_report
 from rollflow.flows.eval_config import EvalOverrides, eval_config

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 import rollflow.flows.eval as eval_module
-from rollflow.config.run import ConfigError, EnvConfig, load_config
+from rollflow.config.parsing import ConfigError
+from rollflow.config.run import EnvConfig, load_config
 from rollflow.flows.cli import main
 from rollflow.flows.eval import eval_flow
 from tiny_run import tiny_config_at

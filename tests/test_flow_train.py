@@ -15,7 +15,8 @@ import pytest
 from safetensors.torch import load_file
 
 import rollflow.flows.step as step_module
-from rollflow.config.run import ConfigError, load_config
+from rollflow.config.parsing import ConfigError
+from rollflow.config.run import load_config
 from rollflow.flows.cli import main
 from rollflow.flows.runs import RunSetupError, open_run
 from rollflow.flows.train import train_flow

@@ -105,7 +105,8 @@ def test_the_two_sides_need_the_same_episodes_per_task(tmp_path: Path) -> None:
 
 
 def test_a_negative_min_gain_is_warned_and_other_bad_settings_refused() -> None:
-    from rollflow.config.run import ConfigError, PipelineConfig
+    from rollflow.config.parsing import ConfigError
+    from rollflow.config.pipeline import PipelineConfig
 
     with pytest.warns(UserWarning, match=r"gate_min_gain = -0.1 .*worse"):
         GateSettings(min_gain=-0.1)
@@ -119,7 +120,8 @@ def test_a_negative_min_gain_is_warned_and_other_bad_settings_refused() -> None:
 
 
 def test_a_stale_gate_z_key_says_what_to_set_instead() -> None:
-    from rollflow.config.run import ConfigError, parse_config
+    from rollflow.config.parsing import ConfigError
+    from rollflow.config.run import parse_config
 
     with pytest.raises(ConfigError, match=r"\[pipeline\].gate_z .*gate_alpha"):
         parse_config({"pipeline": {"gate_z": 1.0}})

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 from fake_vllm import FakePolicy, FakeServer
 
-from rollflow.config.run import ModelConfig, RolloutConfig, RunConfig, TrainConfig, config_to_toml, load_config
+from rollflow.config.rollout import RolloutConfig
+from rollflow.config.run import ModelConfig, RunConfig, config_to_toml, load_config
+from rollflow.config.train import TrainConfig
 from rollflow.generators import run_generator
 from rollflow.generators import vllm_generator
 from rollflow.generators.generator import LocalGenerator

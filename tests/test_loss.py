@@ -8,7 +8,7 @@ import typing
 import pytest
 import torch
 
-from rollflow.config import run as config
+from rollflow.config.train import TrainConfig
 from rollflow.policy.loss import AGGREGATIONS, BatchTotals, LossSettings, LossStats, grpo_loss
 
 
@@ -142,4 +142,4 @@ def test_stats_add_up_and_empty_stats_are_zero() -> None:
 
 
 def test_config_loss_names_match_the_aggregation_table() -> None:
-    assert set(typing.get_args(config.LossName)) == set(AGGREGATIONS)
+    assert set(typing.get_args(typing.get_type_hints(TrainConfig)["loss"])) == set(AGGREGATIONS)

@@ -14,7 +14,8 @@ import pytest
 import torch
 from test_train import batch, micro_model, on_policy, sample
 
-from rollflow.config.run import ConfigError, parse_config
+from rollflow.config.parsing import ConfigError
+from rollflow.config.run import parse_config
 from rollflow.policy.loss import AGGREGATIONS, BatchTotals, LossSettings, grpo_loss
 from rollflow.storage.query import open_run_sql
 from rollflow.storage.records import TrainResult

@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollflow.config.run import ConfigError, config_to_toml, load_config, parse_config
+from rollflow.config.parsing import ConfigError
+from rollflow.config.run import config_to_toml, load_config, parse_config
 from rollflow.policy.models import ModelRef, build_tiny_model, load_causal_lm, load_tokenizer
 from rollflow.policy.teacher import TeacherError, TokenizerMismatchError, parse_prompt_logprobs
 from rollflow.storage.query import open_run_sql, run_query

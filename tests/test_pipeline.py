@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from rollflow.config.run import PipelineConfig, config_to_toml, load_config
+from rollflow.config.pipeline import PipelineConfig
+from rollflow.config.run import config_to_toml, load_config
 from rollflow.flows.runs import RunSetupError
 from rollflow.storage.registry import PolicyRegistry
 from rollflow.storage.runs import run_status

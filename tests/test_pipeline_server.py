@@ -35,7 +35,8 @@ from prefect_server import (
     wait_for_final_state,
 )
 
-from rollflow.config.run import PipelineConfig, config_to_toml, load_config
+from rollflow.config.pipeline import PipelineConfig
+from rollflow.config.run import config_to_toml, load_config
 from rollflow.storage.registry import PolicyRegistry
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rollflow.config.run import ConfigError, RunConfig, config_to_toml, load_config
+from rollflow.config.parsing import ConfigError
+from rollflow.config.run import RunConfig, config_to_toml, load_config
 from rollflow.tasks.preflight import PreflightError, preflight
 from tiny_run import tiny_config_at
 

@@ -11,7 +11,8 @@ import torch
 from repo_script import load_script
 from torch.utils.flop_counter import FlopCounterMode
 
-from rollflow.config.run import ModelConfig, RunConfig, TrainConfig
+from rollflow.config.run import ModelConfig, RunConfig
+from rollflow.config.train import TrainConfig
 from rollflow.generators.models import load_policy_for_training
 from rollflow.policy.models import build_tiny_model
 from rollflow.tasks.grpo_update import _microbatch_tensors

@@ -14,7 +14,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from rollflow.config.run import EnvConfig, RolloutConfig, RunConfig, TrackingConfig, ValidationConfig
+from rollflow.config.rollout import RolloutConfig
+from rollflow.config.run import EnvConfig, RunConfig, TrackingConfig, ValidationConfig
 from rollflow.envs.scripted import ScriptedPolicy
 from rollflow.envs.types import Message
 from rollflow.storage.parquet import read_table

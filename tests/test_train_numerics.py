@@ -11,7 +11,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from test_train import batch, micro_model, stage_samples, tiny_config, train_step, write_samples
 
-from rollflow.config.run import ConfigError, RunConfig, config_to_toml, load_config
+from rollflow.config.parsing import ConfigError
+from rollflow.config.run import RunConfig, config_to_toml, load_config
 from rollflow.flows.runs import open_run
 from rollflow.generators.checkpoints import latest_checkpoint
 from rollflow.generators.models import load_policy_for_training, policy_model_ref, torch_dtype

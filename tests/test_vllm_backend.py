@@ -25,7 +25,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from rollflow.config.run import ModelConfig, RolloutConfig, RunConfig, TrainConfig
+from rollflow.config.rollout import RolloutConfig
+from rollflow.config.run import ModelConfig, RunConfig
+from rollflow.config.train import TrainConfig
 from rollflow.envs.agent import PolicyAction
 from rollflow.envs.types import Message
 from rollflow.generators.generator import run_adapter_prefix

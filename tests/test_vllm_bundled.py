@@ -36,7 +36,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from rollflow.config.run import RolloutConfig, RunConfig, TrainConfig
+from rollflow.config.rollout import RolloutConfig
+from rollflow.config.run import RunConfig
+from rollflow.config.train import TrainConfig
 from rollflow.envs.episode import ActionTokens
 from rollflow.envs.handle import EpisodeLimits
 from rollflow.envs.runner import load_environment_handle, play_groups

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from rollflow.config.run import ConfigError, config_to_toml, parse_config
+from rollflow.config.parsing import ConfigError
+from rollflow.config.run import config_to_toml, parse_config
 from rollflow.flows.runs import open_run
 from rollflow.policy.models import build_tiny_model
 from rollflow.policy.vllm_cpu import cpu_attention_problem, cpu_list, is_cpu_vllm, model_head_dim, parse_cpu_list

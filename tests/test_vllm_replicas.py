@@ -21,7 +21,10 @@ from pathlib import Path
 import pytest
 from test_vllm_backend import _adapter, _commit_checkpoint, _hf_logprobs, _with_adapter
 
-from rollflow.config.run import ConfigError, EnvConfig, ModelConfig, RolloutConfig, RunConfig, TrainConfig
+from rollflow.config.parsing import ConfigError
+from rollflow.config.rollout import RolloutConfig
+from rollflow.config.run import EnvConfig, ModelConfig, RunConfig
+from rollflow.config.train import TrainConfig
 from rollflow.generators.lending import lend
 from rollflow.generators.run_generator import open_generator
 from rollflow.generators.vllm_generator import VLLMGenerator, replica_log, server_specs

@@ -27,7 +27,9 @@ import pytest
 from test_vllm_backend import _adapter, _commit_checkpoint, _hf_logprobs, _with_adapter
 from test_vllm_server import CAPTURED_LOG, HEAD_DIM_16_FATAL, _fake_python
 
-from rollflow.config.run import EnvConfig, ModelConfig, RolloutConfig, RunConfig, TrainConfig
+from rollflow.config.rollout import RolloutConfig
+from rollflow.config.run import EnvConfig, ModelConfig, RunConfig
+from rollflow.config.train import TrainConfig
 from rollflow.generators import generator
 from rollflow.generators.generator import GeneratorError
 from rollflow.generators.lending import lend
