@@ -127,7 +127,8 @@ def scaling(root: Path, tiny_model: Path | None) -> None:
     """The ``--scaling`` legs (see the module docstring)."""
     from rollflow.cluster.ray_rollout import rollout_cluster
     from rollflow.generators.run_generator import open_generator
-    from rollflow.tasks.rollout import rollout_stage, stage_plan
+    from rollflow.tasks.rollout import rollout_stage
+    from rollflow.tasks.rollout_plan import stage_plan
 
     config = scaling_config(tiny_model)
     chunks = len(stage_plan(config, 0, "train").chunks)

@@ -70,7 +70,8 @@ from rollflow.generators.models import base_model_ref
 from rollflow.policy.models import ModelRef
 from rollflow.policy.sampling import SamplingSettings
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.rollout import ChunkOutcome, StagePlan, play_chunk_to_part
+from rollflow.tasks.rollout import ChunkOutcome, play_chunk_to_part
+from rollflow.tasks.rollout_plan import StagePlan
 
 if TYPE_CHECKING:
     from prefect_ray import RayTaskRunner

@@ -3,7 +3,7 @@
 Its fields and their defaults, each with why; the options that change which tasks a
 training step plays (``backfill_rounds``, ``curriculum``) and the async schedule
 (``max_steps_off_policy``, ``weight_sync_type``) are explained where they act
-(``tasks/rollout.py``, ``tasks/collect.py``). What spans sections (a setting a
+(``tasks/rollout_plan.py``, ``tasks/collect.py``). What spans sections (a setting a
 training run cannot use, what the async schedule or a cluster refuses) is
 ``config/checks.py``'s.
 """
@@ -70,7 +70,7 @@ class RolloutConfig:
     split_cpus: bool = True
     # Dynamic sampling that refills the batch (DAPO's): after the step's batch_size tasks,
     # up to this many more rounds draw fresh tasks while fewer than batch_size groups have
-    # reward variance (tasks/rollout.py); 0: none, zero-variance groups are only skipped.
+    # reward variance (tasks/rollout_plan.py); 0: none, zero-variance groups are only skipped.
     # Needs [train].dynamic_sampling = true and lockstep on one machine.
     backfill_rounds: int = 0
     # Draw tasks whose recent groups all passed or all failed less often (tasks/curriculum.py),

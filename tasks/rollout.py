@@ -20,16 +20,9 @@ Simplified, and why:
 - A chunk holds as many groups as fit in ``concurrency`` episodes: the whole chunk is
   generated as one batch, and a crash loses at most one chunk of work.
 
-Two options change which tasks a training step plays (both lockstep, ``config/checks.py``):
-- ``[rollout].curriculum``: the step's tasks are a weighted draw instead of the epoch's
-  slice, a task whose recent groups all passed or all failed weighing less
-  (``tasks/curriculum.py``; the weights are recomputed from the run's scores on resume).
-- ``[rollout].backfill_rounds``: after the step's ``batch_size`` groups (played exactly as
-  without it), rounds of fresh tasks while fewer than ``batch_size`` groups have reward
-  variance (``_backfill``), their chunks numbered on from the first round's, each with its
-  own seed, into the same episodes folder. The decision is scoring's own
-  (``tasks/shaping.py``), on the environment's scores of the episodes read back from disk.
-Either way the step's ``rollout_plan.json`` records what the metrics report of it.
+Which tasks, in which chunks, is the stage's plan (``tasks/rollout_plan.py``): the epoch's
+slice or the curriculum's weighted draw, the backfill rounds after the first, and the
+step's ``rollout_plan.json``. This module plays the chunks the plan names.
 
 A generator that dies mid-rollout (vLLM; ``Generator.fault``: the managed
 server's process group is gone or ``GET /health`` fails, checked after every chunk):
@@ -50,9 +43,9 @@ stage resumes from its parts anyway.
 
 On a Ray cluster (``[cluster]``, lockstep, vLLM; ``cluster/ray_rollout.py``'s ``RayFanOut``
 as ``fan_out``) the missing chunks are played on the cluster's nodes instead of one after
-another here: each worker recomputes this stage's plan (``stage_plan``), plays its chunk
-with the chunk's seed and writes the part (``play_chunk_to_part``, the same records, with
-the node that played them); this process keeps the generator and its restarts.
+another here: each worker recomputes this stage's plan (``rollout_plan.stage_plan``),
+plays its chunk with the chunk's seed and writes the part (``play_chunk_to_part``, the same
+records, with the node that played them); this process keeps the generator and its restarts.
 """
 
 from __future__ import annotations
@@ -63,7 +56,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -71,7 +64,7 @@ from rollflow.config.run import RunConfig
 from rollflow.envs.agent import Policy
 from rollflow.envs.episode import EpisodeRollout
 from rollflow.envs.handle import EnvironmentHandle, EpisodeLimits, EpisodeScore, TaskItem
-from rollflow.envs.runner import load_environment_handle, play_groups
+from rollflow.envs.runner import play_groups
 from rollflow.envs.tracebacks import keeping_tracebacks
 from rollflow.envs.types import Split
 from rollflow.generators.generator import Generator, RestartBudget
@@ -82,62 +75,12 @@ from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import episode_records_to_table, table_to_episode_records
 from rollflow.storage.stage_outputs import locate_output
-from rollflow.tasks.curriculum import curriculum_weights, difficulty_labels, summarize
-from rollflow.tasks.schedule import (
-    backfill_tasks,
-    chunk_seed,
-    episode_limits,
-    rollout_plan_path,
-    select_train_tasks,
-    select_validation_tasks,
-    select_weighted_train_tasks,
-)
+from rollflow.tasks.rollout_plan import Chunk, StagePlan, first_round, play_backfill_rounds, stage_plan, write_plan
+from rollflow.tasks.schedule import chunk_seed
 from rollflow.tasks.shaping import ScoringSettings, groups_with_variance, score_groups
 from rollflow.tasks.step_health import episode_errors, errors_path, keep_episode_errors
 
 PROGRESS_EVERY_S = 15.0
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """What a rollout stage plays: the same on the driver and on a cluster's worker, which
-    recomputes it from the config (so nothing but the chunk's index travels)."""
-
-    handle: EnvironmentHandle
-    chunks: list[list[TaskItem]]
-    group_size: int
-    concurrency: int
-    groups_per_chunk: int
-    limits: EpisodeLimits
-    weights: dict[str, float] = field(default_factory=dict)  # the curriculum's; {}: uniform
-
-    def label(self, split: str, step: int, index: int) -> str:
-        return f"rollout {split} step {step} chunk {index + 1}/{len(self.chunks)}"
-
-
-def stage_plan(config: RunConfig, step: int, split: str, folder: RunFolder | None = None) -> StagePlan:
-    """The step's first round of chunks (the whole step without backfill). The curriculum
-    (``tasks/curriculum.py``) weighs the draw by the run's earlier steps, read in ``folder``."""
-    handle = load_environment_handle(config.env.name, config.env.kwargs)
-    weights: dict[str, float] = {}
-    if split == "train":
-        train_items, batch_size, seed = handle.tasks("train"), config.rollout.batch_size, config.train.seed
-        if config.rollout.curriculum:
-            if folder is None:
-                raise ValueError("[rollout].curriculum reads the run's earlier steps: stage_plan needs its folder")
-            weights = curriculum_weights(folder, step, config.rollout.curriculum_floor)
-            items = select_weighted_train_tasks(train_items, step, batch_size, seed, weights)
-        else:
-            items = select_train_tasks(train_items, step, batch_size, seed)
-        group_size, concurrency = config.rollout.episodes_per_task, config.rollout.concurrency
-    else:
-        items = select_validation_tasks(handle.tasks("validation"), config.validation.num_tasks)
-        group_size = config.validation.episodes_per_task  # a repeated measure, not a baseline
-        concurrency = 1 if config.validation.sequential_validation else config.rollout.concurrency
-    limits = episode_limits(config, split, handle.style)
-    groups_per_chunk = max(1, concurrency // group_size)
-    chunks = [items[i : i + groups_per_chunk] for i in range(0, len(items), groups_per_chunk)]
-    return StagePlan(handle, chunks, group_size, concurrency, groups_per_chunk, limits, weights)
 
 
 def rollout_stage(
@@ -161,21 +104,11 @@ def rollout_stage(
             backfill = None  # refused on a cluster (config/checks.py, check_task_schedule)
         else:
             player = _ChunkPlayer(config, folder, step, split, plan, acting, written)
-            player.play(_first_round(plan), len(plan.chunks))
-            backfill = _backfill(config, player) if split == "train" and config.rollout.backfill_rounds > 0 else None
-    _write_plan(config, folder, step, split, plan, backfill)
+            player.play(first_round(plan), len(plan.chunks))
+            backfill = (play_backfill_rounds(config, plan, step, player)
+                        if split == "train" and config.rollout.backfill_rounds > 0 else None)
+    write_plan(config, folder, step, split, plan, backfill)
     return folder.seal_stage(step, "episodes", split)
-
-
-@dataclass(frozen=True)
-class _Chunk:
-    index: int  # its part file, and its seed (``chunk_seed``)
-    first_group: int  # its groups are numbered from here
-    items: list[TaskItem]
-
-
-def _first_round(plan: StagePlan) -> list[_Chunk]:
-    return [_Chunk(i, i * plan.groups_per_chunk, chunk) for i, chunk in enumerate(plan.chunks)]
 
 
 class _ChunkPlayer:
@@ -191,7 +124,7 @@ class _ChunkPlayer:
         self.restarts = _Restarts()
         self.started = time.perf_counter()
 
-    def play(self, chunks: Sequence[_Chunk], total: int, what: str = "") -> None:
+    def play(self, chunks: Sequence[Chunk], total: int, what: str = "") -> None:
         """Play ``chunks`` (``total``: how many the label counts, ``what``: which round)."""
         plan, config, folder, step, split = self.plan, self.config, self.folder, self.step, self.split
         for number, chunk in enumerate(chunks, start=1):
@@ -213,7 +146,7 @@ class _ChunkPlayer:
             self.written.add(chunk.index)
             _progress(f"{split} step {step}{what}", number, total, self.started)
 
-    def groups_with_variance(self, chunks: Sequence[_Chunk]) -> int:
+    def groups_with_variance(self, chunks: Sequence[Chunk]) -> int:
         """How many of ``chunks``' groups have reward variance, as scoring will decide
         (``tasks/shaping.py``), read back from their part files: the same numbers whether
         this process played them or a process that died did."""
@@ -224,71 +157,6 @@ class _ChunkPlayer:
         ]
         scores = asyncio.run(score_groups(self.plan.handle, self.split, episodes, self.config.rollout.concurrency))
         return sum(groups_with_variance(episodes, scores, ScoringSettings.from_config(self.config)).values())
-
-
-@dataclass(frozen=True)
-class BackfillOutcome:
-    rounds: int  # backfill rounds played after the first
-    groups: int  # groups they added
-    varied: int  # groups of the whole step with reward variance
-    items: list[TaskItem]  # the tasks they drew, in play order
-
-
-def _backfill(config: RunConfig, player: _ChunkPlayer) -> BackfillOutcome:
-    """DAPO's dynamic sampling with refill, after the step's first round (its ``batch_size``
-    groups, played as without backfill): while fewer than ``batch_size`` groups have
-    reward variance and rounds remain, draw tasks not yet drawn this step
-    (``backfill_tasks``: seeded by (seed, step, round), weighted by the curriculum when
-    on), as many as are missing rounded up to whole chunks (a chunk is one generation
-    batch of ``concurrency`` episodes, so a part-filled one leaves room unused), and play
-    them as further chunks with their own indices and seeds.
-
-    Every decision is recomputed from the part files, so a stage resumed after a kill
-    takes the same rounds and replays only the missing chunks. A round that overshoots
-    (more groups with variance than missing) keeps them all on disk; scoring trains the
-    first ``batch_size`` of them in play order (``ScoringSettings.max_trained_groups``).
-    When the rounds, or the tasks not yet drawn, run out first, the step trains the
-    groups with variance it has."""
-    plan, batch_size = player.plan, config.rollout.batch_size
-    chunks = _first_round(plan)
-    varied = player.groups_with_variance(chunks)
-    drawn = {item.task_id for chunk in chunks for item in chunk.items}
-    items = plan.handle.tasks("train")
-    next_index, next_group = len(chunks), sum(len(c.items) for c in chunks)
-    rounds, added = 0, []
-    for round_ in range(1, config.rollout.backfill_rounds + 1):
-        missing = batch_size - varied
-        if missing <= 0:
-            break
-        count = -(-missing // plan.groups_per_chunk) * plan.groups_per_chunk
-        fresh = backfill_tasks(items, drawn, count, config.train.seed, player.step, round_, plan.weights)
-        if not fresh:
-            break
-        per_chunk = plan.groups_per_chunk
-        extra = [
-            _Chunk(next_index + n, next_group + n * per_chunk, fresh[n * per_chunk : (n + 1) * per_chunk])
-            for n in range(-(-len(fresh) // per_chunk))
-        ]
-        player.play(extra, len(extra), f" backfill round {round_}")
-        varied += player.groups_with_variance(extra)
-        drawn.update(item.task_id for item in fresh)
-        added.extend(fresh)
-        next_index, next_group, rounds = next_index + len(extra), next_group + len(fresh), round_
-    return BackfillOutcome(rounds, len(added), varied, added)
-
-
-def _write_plan(
-    config: RunConfig, folder: RunFolder, step: int, split: str, plan: StagePlan, backfill: BackfillOutcome | None
-) -> None:
-    """The step's ``rollout_plan.json`` (``tasks/schedule.py``): what the metrics report
-    of the backfill and the curriculum, and the difficulty label of each task it played."""
-    drawn = [item for chunk in plan.chunks for item in chunk]
-    data: dict[str, object] = {"difficulty": difficulty_labels(drawn + (backfill.items if backfill else []))}
-    if backfill is not None:
-        data["backfill"] = {"rounds": backfill.rounds, "groups": backfill.groups, "varied_groups": backfill.varied}
-    if split == "train" and config.rollout.curriculum:
-        data["curriculum"] = summarize(plan.weights, drawn).metrics()
-    folder.write_json_atomic(rollout_plan_path(folder, step, split), data)
 
 
 class ChunkFanOut(Protocol):

@@ -1,5 +1,5 @@
-"""Dynamic sampling that backfills (``[rollout].backfill_rounds``, ``tasks/rollout.py``'s
-``_backfill``): a step's first round is the plain step, further rounds of fresh tasks fill
+"""Dynamic sampling that backfills (``[rollout].backfill_rounds``, ``tasks/rollout_plan.py``'s
+``play_backfill_rounds``): a step's first round is the plain step, further rounds of fresh tasks fill
 the batch with groups that have reward variance (the scoring stage's own decision, from
 ``tasks/shaping.py``), an overshoot is scored but not trained, the rounds limit holds, a
 killed rollout replays only its missing chunks to the same episodes, and the step metrics

@@ -21,7 +21,8 @@ from rollflow.storage.query import open_run_sql, run_query
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.curriculum import curriculum_weights, task_weight
 from rollflow.tasks.metrics import rollout_metrics
-from rollflow.tasks.rollout import rollout_stage, stage_plan
+from rollflow.tasks.rollout import rollout_stage
+from rollflow.tasks.rollout_plan import stage_plan
 from rollflow.tasks.schedule import draw_tasks, select_weighted_train_tasks
 from rollflow.tasks.scoring import score_stage
 
