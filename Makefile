@@ -71,8 +71,12 @@ quick: setup .rollflow/tiny-model/config.json
 .rollflow/tiny-model/config.json: policy/models.py | $(STAMP)
 	$(BIN)/python -c "from pathlib import Path; from rollflow.policy.models import build_tiny_model; build_tiny_model(Path('.rollflow/tiny-model'))"
 
+# Two workers, each taking whole modules (so a module's server starts once), the longest
+# first (tests/conftest.py): on 2 cores most of a test's time is waiting on a server or a
+# subprocess, so two at once overlap that wait (docs/testing.md has the figures).
+TEST_WORKERS ?= 2
 test: setup vllm-setup browser
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-fast: setup
 	$(BIN)/python -m pytest -m 'not slow and not gpu'

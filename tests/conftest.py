@@ -88,3 +88,40 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     monkeypatch.setattr(vllm_generator, "VLLMServer", FakeServer)
     monkeypatch.setattr(vllm_generator, "managed_policy", lambda *args: policy)
     yield policy
+
+
+# ---------------------------------------------------------------- order
+
+# The modules that take longest (docs/testing.md, "Time by module", the two-worker run of
+# 2026-12-05), longest first. `make test` runs the suite on two workers (`pytest -n 2 --dist
+# loadfile --no-loadscope-reorder`): a module runs whole on one worker, so that its
+# module-scoped servers start once, and the workers take modules in collection order (xdist
+# would otherwise order them by their number of tests, which put the two kill-matrix
+# modules, one long test each, last, the other worker idle for part of them). Longest first lets the
+# hundred short modules fill in around them at the end (longest-processing-time-first
+# scheduling). A plain `pytest` run is unaffected except for the order of the modules.
+HEAVIEST_MODULES = (
+    "test_ray_rollout.py",
+    "test_kill_matrix_async.py",
+    "test_pipeline_server.py",
+    "test_kill_matrix_lockstep.py",
+    "test_flow_train.py",
+    "test_async_training.py",
+    "test_vllm_restart.py",
+    "test_shared_prefix.py",
+    "test_vllm_bundled.py",
+    "test_update_bench.py",
+    "test_vllm_backend.py",
+    "test_vllm_replicas.py",
+    "test_vllm_merged.py",
+    "test_loud_failures.py",
+    "test_vllm_server.py",
+    "test_opd.py",
+    "test_deployment.py",
+    "test_export.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: index for index, name in enumerate(HEAVIEST_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
