@@ -11,11 +11,11 @@
 # Every stage is resumable: run the script again and finished work is skipped (the eval
 # and SFT folders are reused as they are; the GRPO run resumes from its last step).
 #
-#   scripts/learn.sh                   hours on 2 cores. With the settings of 2026-11-29
-#                                      (commit c9cdcab): 3 h 50 min. With these (measured
-#                                      2026-12-02 on a CPU without AMX, docs/results.md):
-#                                      SFT 52 min, GRPO steps of 3-5.5 min and validation
-#                                      passes of 4 min (about 2 h 45 min for 30 steps)
+#   scripts/learn.sh                   1 h 43 min on 2 cores (2026-12-05, a CPU without
+#                                      AMX, docs/results.md run 4): SFT ~15 min alone,
+#                                      GRPO steps of ~2 min and validation passes of
+#                                      ~1.6 min; with the settings of 2026-11-29 (commit
+#                                      c9cdcab) it took 3 h 50 min
 #   OUT=runs/learn2 scripts/learn.sh   into other folders (the GRPO config is rewritten to
 #                                      read that folder's SFT adapter)
 set -euo pipefail
