@@ -79,7 +79,7 @@ test: setup vllm-setup browser
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-fast: setup
-	$(BIN)/python -m pytest -m 'not slow and not gpu'
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m 'not slow and not gpu'
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .rollflow runs
