@@ -23,7 +23,8 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+# setup.py too: it lists the folders installed as rollflow.* (a new one needs a reinstall).
+$(STAMP): pyproject.toml constraints.txt setup.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU torch first: a floating torch requirement would pull a multi-GB CUDA build.
