@@ -7,6 +7,7 @@ gets its own PREFECT_HOME and the MLflow store goes wherever a test points it.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,6 +57,18 @@ def _no_stop_request_leaks() -> Iterator[None]:
 
     yield
     clear_stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_run_left_stopped() -> Iterator[None]:
+    """A real run a test started through tests/kill_matrix.py (the kill matrix, Ctrl-C) is
+    SIGKILLed with its whole tree when the test ends, also when it failed or pytest was
+    interrupted (Ctrl-C tears the fixtures down too): a run stopped at a fault point would
+    otherwise stay stopped, its servers up, for good. Free for the tests that start none."""
+    yield
+    kill_matrix = sys.modules.get("kill_matrix")
+    if kill_matrix is not None:
+        kill_matrix.end_runs()
 
 
 @pytest.fixture(scope="session")

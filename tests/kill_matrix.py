@@ -22,6 +22,11 @@ is exact. After it, every process of the run ever seen (by pid and start time) a
 member of their process groups must be gone within seconds: the run's watchdog
 (``rollflow.policy.procs``) is what ends them.
 
+A run stopped (SIGSTOP) by ``kill`` or at a fault point has no watchdog to end it: the
+watchdog waits for the run's death, and a stopped run never dies. So every ``RunProcess``
+is remembered, and ``end_runs`` (every test's teardown, ``tests/conftest.py``, also when the
+test failed or pytest was interrupted) SIGKILLs what is left of each one, stopped or not.
+
 "The same episodes as an uninterrupted run": each step holds its groups' episodes exactly
 once (counted in the ``episodes`` view), each group plays the task of its data position
 (the seeded draw an uninterrupted run makes), no episode carries an error, and async
@@ -30,14 +35,16 @@ trains every collected group at most once.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -92,9 +99,14 @@ def _describe(procs: list[Proc]) -> str:
 
 
 class RunProcess:
-    """One `rollflow train` / `resume` process, with every process of its tree it was seen with."""
+    """One `rollflow train` / `resume` process, with every process of its tree it was seen with.
 
-    def __init__(self, argv: list[str], log: Path, fault: str | None = None) -> None:
+    ``command``: what runs ``argv`` (the rollflow command line unless given; tests of this
+    machinery give another)."""
+
+    started: ClassVar[list[RunProcess]] = []  # every run of this test process not yet ended by end_runs
+
+    def __init__(self, argv: list[str], log: Path, fault: str | None = None, command: Sequence[str] | None = None) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
         env.pop("PREFECT_API_URL", None)  # it starts Prefect's temporary server, a child process
         env.pop(FAULT_POINT_ENV, None)
@@ -103,9 +115,10 @@ class RunProcess:
         self.log = log
         with log.open("w") as stderr:
             self.child = subprocess.Popen(
-                [sys.executable, "-m", "rollflow.flows.cli", *argv], env=env,
+                [*(command or [sys.executable, "-m", "rollflow.flows.cli"]), *argv], env=env,
                 stdout=subprocess.DEVNULL, stderr=stderr, text=True, start_new_session=True,
             )  # fmt: skip
+        RunProcess.started.append(self)
         self.seen: dict[tuple[int, int], Proc] = {}
         self.look()
 
@@ -182,6 +195,38 @@ def assert_gone(procs: list[Proc], when: str) -> None:
             except ProcessLookupError:
                 pass
         pytest.fail(f"{when}: {len(left)} process(es) of the run outlived it:\n{found}")
+
+
+def end_runs() -> list[str]:
+    """SIGKILL every run started here that is still alive (stopped by ``kill`` or at a fault
+    point, or running) and everything of its tree and its process groups that is left; returns
+    a line for each process found alive. A SIGKILL ends a stopped process too, so nothing
+    waits on a SIGCONT. Every test's teardown (tests/conftest.py) calls it."""
+    found: list[str] = []
+    while RunProcess.started:
+        run = RunProcess.started.pop()
+        if run.child.poll() is None:
+            with _quiet():
+                os.kill(run.child.pid, signal.SIGSTOP)  # no new children between the look and the kill
+            run.look()
+        left = _left(list(run.seen.values()))
+        found += _describe(left).splitlines()
+        deadline = time.monotonic() + LEFTOVER_WAIT_S
+        while left and time.monotonic() < deadline:
+            for proc in left:
+                with _quiet():
+                    os.kill(proc.pid, signal.SIGKILL)
+            if run.child.poll() is None:
+                with _quiet(subprocess.TimeoutExpired):
+                    run.child.wait(timeout=1)
+            time.sleep(0.05)
+            left = _left(list(run.seen.values()))
+        run.child.poll()
+    return found
+
+
+def _quiet(*more: type[BaseException]) -> contextlib.AbstractContextManager[None]:
+    return contextlib.suppress(ProcessLookupError, *more)
 
 
 # ---------------------------------------------------------------- kill points seen from outside
