@@ -6,7 +6,10 @@ Legs (``LEGS``), each a ``UpdateSettings`` of the config's own (``UpdateSettings
 - ``no-mask``: the same micro-batches without a mask (SDPA's causal kernel);
 - ``shared-prefix``: each GRPO group's opening prompt computed once per micro-batch, the
   prefix pass still given its padding mask (``SharedPrefix.padding_mask``);
-- ``exact``: both (shared prefixes, no padding mask anywhere): ``[train].shared_prefix``.
+- ``exact``: both (shared prefixes, no padding mask anywhere): ``[train].shared_prefix``;
+- ``bf16``: ``exact`` with its forwards under bfloat16 autocast (``[train].compute_dtype``)
+  and the ``tis`` correction that comes with it: not exact, so its logprob difference from
+  ``plain`` is the bfloat16 rounding the correction weighs (the mean |diff| is printed too).
 
 Each leg runs in a fresh process (its own allocator and caches), the legs interleaved and
 repeated, each repeat in another order; a leg loads the policy as the train stage does
@@ -32,7 +35,7 @@ does not exist here (the SFT start of scripts/learn.sh) is replaced by a fresh L
 matrices are drawn at random (an SFT-trained adapter is not 0), which costs the same.
 
     .venv/bin/python bench/update_bench.py [--config configs/learn_tool_use_game.toml]
-        [--repeats 3] [--tasks 8] [--episodes 8] [--legs plain,no-mask,shared-prefix,exact]
+        [--repeats 3] [--tasks 8] [--episodes 8] [--legs plain,no-mask,shared-prefix,exact,bf16]
 
 ``--tiny``: the 2-layer test model, 2 tasks x 4 episodes, to check the script in seconds.
 Numbers taken while other work runs on the machine are not results: the load is printed.
@@ -73,11 +76,12 @@ from rollflow.tasks.grpo_update import UpdateSettings, grpo_update, make_optimiz
 from rollflow.tasks.sft_rows import examples_from_environment
 
 CONFIG = "configs/learn_tool_use_game.toml"
-LEGS = {  # leg -> (padding_mask, shared_prefix)
-    "plain": (True, False),
-    "no-mask": (False, False),
-    "shared-prefix": (True, True),
-    "exact": (False, True),
+LEGS = {  # leg -> (padding_mask, shared_prefix, bfloat16 forwards)
+    "plain": (True, False, False),
+    "no-mask": (False, False, False),
+    "shared-prefix": (True, True, False),
+    "exact": (False, True, False),
+    "bf16": (False, True, True),
 }
 BATCH_VERSION = 2  # in the saved batch's name: a batch made by another generator is not reused
 
@@ -204,7 +208,9 @@ def fixed_batch(path: Path, config: RunConfig, tasks: int, episodes: int) -> lis
 
 def run_leg(leg: str, config: RunConfig, batch: list[SampleRecord], out: Path) -> None:
     """One timed update; writes seconds, tokens/s, peak RSS, logprobs and gradient to ``out``."""
-    padding_mask, shared_prefix = LEGS[leg]
+    padding_mask, shared_prefix, bfloat16 = LEGS[leg]
+    if bfloat16:
+        config = dataclasses.replace(config, train=dataclasses.replace(config.train, compute_dtype="bfloat16"))
     model, tokenizer = load_policy(config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     settings = dataclasses.replace(UpdateSettings.from_config(config, pad), padding_mask=padding_mask,
@@ -233,30 +239,35 @@ def run_leg(leg: str, config: RunConfig, batch: list[SampleRecord], out: Path) -
     stats = grpo_update(model, None, optimizer, batch, settings)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     torch.save({"seconds": stats.seconds, "tokens_per_s": stats.tokens_per_s, "peak_rss_mb": peak_mb,
+                "mismatch_kl": stats.mismatch_kl,
                 "microbatches": stats.num_microbatches, "logprobs": logprobs, "grads": grads}, out)
 
 
 # ---------------------------------------------------------------- the table
 
 
-def compare(result: dict, plain: dict) -> tuple[float, float]:
-    """Largest |difference| from ``plain``: over the action tokens' logprobs, over the gradient."""
+def compare(result: dict, plain: dict) -> tuple[float, float, float]:
+    """|difference| from ``plain``: largest and mean over the action tokens' logprobs, largest
+    over the gradient."""
     assert result["logprobs"].keys() == plain["logprobs"].keys(), "the legs trained different rows"
-    logprob = max(float((result["logprobs"][k] - v).abs().max()) for k, v in plain["logprobs"].items() if v.numel())
+    diffs = torch.cat([(result["logprobs"][k] - v).abs() for k, v in plain["logprobs"].items()])
     grad = max(float((a - b).abs().max()) for a, b in zip(result["grads"], plain["grads"], strict=True))
-    return logprob, grad
+    return float(diffs.max()), float(diffs.mean()), grad
 
 
 def print_tables(results: dict[tuple[str, int], dict], legs: Sequence[str], repeats: int) -> None:
-    print("| leg | repeat | update s | tokens/s | max logprob diff vs plain | max grad diff vs plain | micro-batches | peak RSS MB |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| leg | repeat | update s | tokens/s | max / mean logprob diff vs plain | max grad diff vs plain "
+          "| mismatch k3 | micro-batches | peak RSS MB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in range(repeats):
         for leg in legs:
             res = results[(leg, r)]
             plain = results.get(("plain", r))
-            diffs = compare(res, plain) if plain is not None else (float("nan"), float("nan"))
-            print(f"| {leg} | {r} | {res['seconds']:.2f} | {res['tokens_per_s']:.0f} | {diffs[0]:.2e} | "
-                  f"{diffs[1]:.2e} | {res['microbatches']} | {res['peak_rss_mb']:.0f} |")
+            diffs = compare(res, plain) if plain is not None else (float("nan"),) * 3
+            mismatch = res.get("mismatch_kl")
+            print(f"| {leg} | {r} | {res['seconds']:.2f} | {res['tokens_per_s']:.0f} | {diffs[0]:.2e} / {diffs[1]:.2e} | "
+                  f"{diffs[2]:.2e} | {'-' if mismatch is None else f'{mismatch:.2e}'} | {res['microbatches']} | "
+                  f"{res['peak_rss_mb']:.0f} |")
     print()
     print("| leg | median update s | min-max s | median tokens/s | speed-up vs plain (medians) |")
     print("|---|---|---|---|---|")

@@ -170,10 +170,12 @@ class RunConfig:
 
     @property
     def off_policy_correction(self) -> OffPolicyCorrection:
-        """[train].off_policy_correction, else "tis" for async runs and "none" in lockstep."""
+        """[train].off_policy_correction, else "tis" for async runs and for a bfloat16 trainer
+        (whose logprobs are not the float32 sampler's), "none" otherwise."""
         if self.train.off_policy_correction is not None:
             return self.train.off_policy_correction
-        return "tis" if self.rollout.max_steps_off_policy is not None else "none"
+        stale = self.rollout.max_steps_off_policy is not None
+        return "tis" if stale or self.train.compute_dtype != "float32" else "none"
 
     @property
     def val_max_turns(self) -> int | None:

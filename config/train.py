@@ -15,6 +15,7 @@ from rollflow.config.parsing import ConfigError, at_least, check_types, in_range
 from rollflow.policy.loss import LossName, OffPolicyCorrection
 
 Objective = Literal["grpo", "opd"]  # tasks/objectives.py's OBJECTIVES
+ComputeDtype = Literal["float32", "bfloat16"]
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,8 @@ class TrainConfig:
     # Stale (async) samples: "tis" weights each token's surrogate by the truncated ratio
     # min(exp(prox_logp - sampler_logp), off_policy_cap) and clips against the trainer's
     # step-start policy; "mask" drops tokens whose ratio leaves [1/cap, cap]; "none" is the
-    # uncorrected loss. None: "tis" when [rollout].max_steps_off_policy is set, else "none"
-    # (RunConfig.off_policy_correction). 2.0 is verl's rollout_is_threshold.
+    # uncorrected loss. None: "tis" when [rollout].max_steps_off_policy is set or
+    # compute_dtype is bfloat16, else "none" (RunConfig.off_policy_correction). 2.0 is verl's rollout_is_threshold.
     off_policy_correction: OffPolicyCorrection | None = None
     off_policy_cap: float = 2.0
     scale_advantages_by_std: bool = True  # GRPO as published; Dr. GRPO sets False
@@ -62,6 +63,13 @@ class TrainConfig:
     # per micro-batch, forward and backward (tasks/shared_prefix.py); exact within float32
     # rounding. Ignored under gradient_checkpointing.
     shared_prefix: bool = False
+    # The GRPO update's forward passes (the policy's, the proximal and KL reference passes)
+    # under bfloat16 autocast: weights, optimizer state and the log-softmax stay float32.
+    # About 2x faster on a CPU with native bfloat16 (docs/performance.md), but the
+    # trainer's logprobs then differ from the float32 sampler's (mean |diff| ~0.03 on the
+    # learning config), so it comes with an off-policy correction ("tis" unless
+    # off_policy_correction says otherwise) and the mismatch in every step's metrics.
+    compute_dtype: ComputeDtype = "float32"
     keep_checkpoints: int = 2  # the newest N policy versions stay on disk (resume needs 1)
     # "grpo": the environment's group-relative advantage. "opd": on-policy distillation, the
     # per-token reverse-KL signal kl_penalty_coef * (teacher_logp - sampler_logp) from a

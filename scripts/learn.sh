@@ -18,6 +18,9 @@
 #                                      c9cdcab) it took 3 h 50 min
 #   OUT=runs/learn2 scripts/learn.sh   into other folders (the GRPO config is rewritten to
 #                                      read that folder's SFT adapter)
+#   GRPO_CONFIG=my.toml OUT=... scripts/learn.sh
+#                                      another GRPO config (an arm of a comparison); its
+#                                      adapter line is rewritten the same way
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,7 +33,7 @@ export PREFECT_LOGGING_LEVEL=${PREFECT_LOGGING_LEVEL:-WARNING}
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=${PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS:-300}
 
 SFT_CONFIG=configs/learn_tool_use_game_sft.toml
-GRPO_CONFIG=configs/learn_tool_use_game.toml
+GRPO_CONFIG=${GRPO_CONFIG:-configs/learn_tool_use_game.toml}
 ADAPTER=$OUT/sft/sft/policy
 
 if [ ! -f "$OUT/baseline/validation/step=000000/metrics.json" ]; then

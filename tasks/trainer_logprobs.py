@@ -6,6 +6,7 @@ sampler agree; given the wanted positions, the vocabulary projection runs only t
 ``SharedPrefix`` plan instead of a mask, rows that share an opening compute it once
 (``rollflow.tasks.shared_prefix``), with the same result within float32 rounding.
 ``chosen_logprobs`` is that log-softmax and its gradient, a few rows of logits at a time.
+``forward_autocast`` runs them in bfloat16 where ``[train].compute_dtype`` asks.
 ``train_without_dropout`` puts the model in eval mode for those forward passes (no dropout: the
 sampler has none either). ``top_p`` < 1 samples from a truncated distribution the trainer does
 not rebuild, so a training run refuses it (``check_training_sampling``).
@@ -19,6 +20,14 @@ from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from rollflow.tasks.shared_prefix import SharedPrefix, shared_prefix_logits
+
+
+def forward_autocast(model: PreTrainedModel, dtype: torch.dtype | None) -> torch.autocast:
+    """Autocast to ``dtype`` on the model's device (``[train].compute_dtype``), for the
+    forward passes only; None: a disabled context, the model runs as loaded. The weights,
+    peft's float32 LoRA factors and the optimizer's state are untouched, and
+    ``chosen_logprobs`` upcasts the logits, so the log-softmax and the loss stay float32."""
+    return torch.autocast(model.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
 
 
 def token_logprobs(

@@ -12,7 +12,7 @@ from peft import LoraConfig, get_peft_model
 from test_train import batch, micro_model, stage_samples, tiny_config, train_step, write_samples
 
 from rollflow.config.parsing import ConfigError
-from rollflow.config.run import RunConfig, config_to_toml, load_config
+from rollflow.config.run import RunConfig, config_to_toml, load_config, parse_config
 from rollflow.flows.runs import open_run
 from rollflow.generators.checkpoints import latest_checkpoint
 from rollflow.generators.models import load_policy_for_training, policy_model_ref, torch_dtype
@@ -136,3 +136,36 @@ def test_training_refuses_top_p_below_1_and_evaluation_keeps_it(tiny_model_dir: 
     write_samples(tmp_path / "api", 0)
     with pytest.raises(ConfigError, match=refusal):
         train_step(config, tmp_path / "api", 0)
+
+
+def test_bfloat16_forwards_keep_float32_weights_and_correct_the_mismatch() -> None:
+    """[train].compute_dtype = "bfloat16": the forwards run under autocast (their logprobs
+    move off the float32 sampler's, within bfloat16 rounding), the weights and gradients stay
+    float32, and the step's metrics carry the mismatch the correction weighs."""
+    def update(settings: UpdateSettings) -> tuple[object, torch.nn.Module]:
+        model = micro_model()
+        samples = batch(model)  # float32 sampler logprobs, as vLLM samples
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        return grpo_update(model, None, optimizer, samples, settings), model
+
+    tis = LossSettings(off_policy_correction="tis")
+    exact, exact_model = update(UpdateSettings(loss=tis))
+    low, low_model = update(UpdateSettings(loss=tis, autocast_dtype=torch.bfloat16))
+    assert exact.mismatch_kl == pytest.approx(0.0, abs=1e-10) and exact.is_weight_mean == pytest.approx(1.0)
+    assert 0.0 < low.mismatch_kl < 1e-3  # bfloat16 rounding, not another policy
+    assert low.is_weight_mean != 1.0 and low.corrected_fraction == 0.0
+    assert {p.dtype for p in low_model.parameters()} == {torch.float32}
+    for (name, a), b in zip(low_model.named_parameters(), exact_model.parameters(), strict=True):
+        step = (b.detach() - micro_model().state_dict()[name]).abs().max()
+        assert (a - b).abs().max() <= 0.05 * step + 1e-6, name  # the same update, within rounding
+
+
+def test_bfloat16_compute_dtype_defaults_to_the_tis_correction() -> None:
+    config = parse_config({"train": {"compute_dtype": "bfloat16"}})
+    assert config.off_policy_correction == "tis"
+    assert UpdateSettings.from_config(config, 0).autocast_dtype == torch.bfloat16
+    assert parse_config({}).off_policy_correction == "none"
+    explicit = parse_config({"train": {"compute_dtype": "bfloat16", "off_policy_correction": "mask"}})
+    assert explicit.off_policy_correction == "mask"
+    with pytest.raises(ConfigError, match="compute_dtype"):
+        parse_config({"train": {"compute_dtype": "bf16"}})
