@@ -8,7 +8,7 @@ else; only the computed package list lives here.
 
 from setuptools import find_packages, setup
 
-FOLDERS = ("envs", "tasks", "generators", "config", "flows", "cluster", "storage", "policy")
+FOLDERS = ("envs", "tasks", "generators", "config", "flows", "cluster", "ops", "storage", "policy")
 
 subpackages = find_packages(include=[pattern for folder in FOLDERS for pattern in (folder, f"{folder}.*")])
 setup(

@@ -3,7 +3,8 @@
 Each section checks its own fields (``rollflow.config.run``); what is left are the
 combinations a training run cannot use and evaluation can: ``check_run_config`` applies
 them all. ``flows.runs.open_run`` calls it on every run it opens, new or resumed, and
-``tasks.preflight.preflight`` first of all, before Prefect starts.
+``ops.preflight.preflight`` first of all, before Prefect starts. ``PreflightError`` is what
+preflight's own checks (the model files, the environment, the prompts) raise.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from rollflow.config.parsing import ConfigError
 
 if TYPE_CHECKING:
     from rollflow.config.run import RunConfig
+
+
+class PreflightError(ConfigError):
+    """A run would fail once started; the message names the setting and the value."""
 
 
 def check_run_config(config: RunConfig) -> None:

@@ -1,7 +1,7 @@
 """The Python API of the reference docs: ``train_multi_turn(config, tasks, env_factory, val_tasks)``.
 
 It runs the very same Prefect flow as ``rollflow train``, after the same checks
-(``tasks/preflight.py``): the environment objects are
+(``ops/preflight.py``): the environment objects are
 registered in-process (``envs/registry.py``) and named in the run's config, so the stages
 load them exactly as they load a bundled environment by name.
 
@@ -21,7 +21,7 @@ from rollflow.config.run import EnvConfig, RunConfig, config_to_toml
 from rollflow.envs.env import AsyncEnvSuite, Env
 from rollflow.envs.registry import register_environment
 from rollflow.envs.types import Task
-from rollflow.tasks.preflight import preflight
+from rollflow.ops.preflight import preflight
 
 
 def train_multi_turn(

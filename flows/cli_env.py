@@ -6,7 +6,7 @@ or into ``--dir``: a folder of the user's own, never rollflow's package folders,
 same classes could be imported under a second name. It ends by saying which
 ``[env].name`` loads what it wrote (on stderr: stdout lists the files, one a line).
 
-``env show SPEC`` prints the rendered opening prompt of one task (``tasks/prompt_preview.py``)
+``env show SPEC`` prints the rendered opening prompt of one task (``ops/prompt_preview.py``)
 to stdout, exactly what the policy is given, and one line about it (task, tokens, model,
 tools) to stderr. ``--config`` renders it for that config's model, and without a SPEC
 shows that config's environment with its ``[env].kwargs``.
@@ -74,7 +74,7 @@ def run_env_show(args: argparse.Namespace) -> int:
     from rollflow.policy.models import ModelLoadError
     from rollflow.config.parsing import ConfigError
     from rollflow.config.run import EnvConfig, RunConfig, load_config
-    from rollflow.tasks.prompt_preview import describe_preview, preview_prompt
+    from rollflow.ops.prompt_preview import describe_preview, preview_prompt
 
     if args.spec is None and args.config is None:
         raise UserError("give the environment (module:function) or a --config whose [env] to show")

@@ -31,7 +31,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
     from rollflow.storage.errors import ConfigMismatchError
     from rollflow.config.parsing import ConfigError
     from rollflow.config.run import load_config
-    from rollflow.tasks.preflight import preflight
+    from rollflow.ops.preflight import preflight
 
     try:
         if args.config is not None:  # before Prefect starts and before a folder is made

@@ -1,7 +1,7 @@
 """``rollflow rescore`` and ``rollflow replay``: a stored run against a changed environment.
 
 Both read the run's files and write only beside them (``RUN_DIR/rescores/NAME``,
-``RUN_DIR/replays/NAME``); see ``tasks/rescore.py`` and ``tasks/replay.py``. Running the
+``RUN_DIR/replays/NAME``); see ``ops/rescore.py`` and ``ops/replay.py``. Running the
 same command again resumes an interrupted one. They register themselves in
 ``rollflow.flows.cli``'s table when this module is imported; the environment and scoring
 code is imported only when a command runs.
@@ -27,13 +27,13 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 def _user_errors() -> tuple[type[BaseException], ...]:
     from rollflow.envs.runner import EnvironmentLoadError
     from rollflow.config.parsing import ConfigError
-    from rollflow.tasks.rescore import RescoreError
+    from rollflow.ops.rescore import RescoreError
 
     return (ConfigError, EnvironmentLoadError, RescoreError)
 
 
 def run_rescore(args: argparse.Namespace) -> int:
-    from rollflow.tasks.rescore import rescore_run
+    from rollflow.ops.rescore import rescore_run
 
     try:
         summary = rescore_run(args.run_dir, args.env, json_object_flag(args.kwargs), args.name, args.where)
@@ -48,7 +48,7 @@ def run_rescore(args: argparse.Namespace) -> int:
 
 def run_replay(args: argparse.Namespace) -> int:
     from rollflow.storage.query import open_run_sql, run_query
-    from rollflow.tasks.replay import replay_run
+    from rollflow.ops.replay import replay_run
 
     try:
         summary = replay_run(args.run_dir, args.env, json_object_flag(args.kwargs), args.name, args.where)

@@ -91,7 +91,7 @@ def _checked_run(config_path: str | None, run_dir: str | None) -> RunHandle:
     """The run to start or resume, once ``preflight`` passed on its config."""
     from rollflow.flows.runs import open_run
     from rollflow.config.run import load_config
-    from rollflow.tasks.preflight import preflight
+    from rollflow.ops.preflight import preflight
 
     if config_path is None:  # resume: the folder exists already, opening it makes nothing
         handle = open_run(None, run_dir)

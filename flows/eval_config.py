@@ -67,7 +67,7 @@ def _model_config(model: str, current: ModelConfig) -> ModelConfig:
 def checked_eval_config(config_path: str | None, overrides: EvalOverrides) -> RunConfig:
     """The config an evaluation runs on (the defaults without ``config_path``), checked by
     ``preflight_eval``; the first problem raises a one-line ``ConfigError``."""
-    from rollflow.tasks.preflight import preflight_eval
+    from rollflow.ops.preflight import preflight_eval
 
     base = load_config(config_path) if config_path is not None else RunConfig()
     config = eval_config(base, overrides)

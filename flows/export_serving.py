@@ -47,7 +47,7 @@ def serving_text(config: RunConfig) -> ServingText | None:
     from rollflow.envs.protocol import describe_tools
     from rollflow.envs.runner import load_environment_handle
     from rollflow.policy.codec import with_tools_in_system_prompt
-    from rollflow.tasks.preflight import opening_prompt
+    from rollflow.tasks.prompts import opening_prompt
 
     handle = load_environment_handle(config.env.name, config.env.kwargs)
     items = handle.tasks("validation") or handle.tasks("train")

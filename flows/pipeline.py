@@ -58,7 +58,8 @@ from rollflow.storage.registry import PolicyRegistry, PolicyVersion
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.runlock import run_folder_lock
 from rollflow.storage.runs import mark_run_kind
-from rollflow.tasks.gate import GATE_FILE, GateDecision, GateSettings, gate_stage, read_decision
+from rollflow.tasks.gate import GATE_FILE, GateDecision, gate_stage, read_decision
+from rollflow.tasks.gate_rule import GateSettings
 
 PIPELINE_FILE = "pipeline.json"
 GRPO_CONFIG = "grpo.toml"

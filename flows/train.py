@@ -30,7 +30,7 @@ the admissions already written and the groups already collected.
 Validation runs before every ``validation_interval``-th step (step 0 gives the baseline)
 and once more after the last step, on the validation tasks, without training on them.
 A finished run ends by printing the first and last validation's paired change and where
-the curve is (``tasks/run_summary.py``).
+the curve is (``ops/run_summary.py``).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.collect import Publisher, RolloutWorkers, write_collector_report
 from rollflow.tasks.metrics import step_advice, step_outcome, validation_outcome
 from rollflow.tasks.rollout import ChunkFanOut
-from rollflow.tasks.run_summary import learning_summary
+from rollflow.ops.run_summary import learning_summary
 from rollflow.tasks.teacher import check_teacher
 from rollflow.tasks.tracking import finish_tracking, start_tracking
 

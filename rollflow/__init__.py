@@ -6,9 +6,9 @@ One import gives environment authors every name the reference docs use::
     from rollflow import Env, StepResult, Task, Tool, ToolResult, tool_to_spec
     from rollflow import train_multi_turn, GRPOConfig
 
-The project's folders (``envs/``, ``policy/``, ``storage/``, ``tasks/``, ``cluster/``,
-``flows/``) stay at the top of the repository and install as subpackages of this one
-(``rollflow.envs``, ...), so a user's own ``tasks.py`` or ``storage/`` never shadows them.
+The project's folders (``envs/``, ``policy/``, ``storage/``, ``config/``, ``generators/``,
+``tasks/``, ``ops/``, ``cluster/``, ``flows/``) stay at the top of the repository and
+install as subpackages of this one (``rollflow.envs``, ...), so a user's own ``tasks.py`` or ``storage/`` never shadows them.
 The environment names are imported eagerly (they are light); ``train_multi_turn`` and
 ``GRPOConfig`` pull in Prefect and the trainer, so they load on first use.
 """

@@ -29,7 +29,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollflow.tasks.gate import Change, GateError, episodes_by_task, paired_change, per_task
+from rollflow.tasks.gate_rule import Change, GateError, episodes_by_task, paired_change, per_task
 
 __all__ = ["Change", "episodes_by_task", "paired_change", "per_task"]  # the maths live in the gate stage
 

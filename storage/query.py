@@ -28,7 +28,7 @@ The metrics are two SQL texts kept here as constants, one per family, so the pip
   never a parse failure, never an error), so shaping moves the reward statistics but not
   the pass rate, and an episode that errored counts as a failure, not as absent. That is
   the one pass rate everywhere: the step and validation lines, ``val/reward/pass_rate``,
-  ``rollflow eval`` and the run's closing summary (``tasks/run_summary.py``, per task over
+  ``rollflow eval`` and the run's closing summary (``ops/run_summary.py``, per task over
   every episode) agree. Leaving errors out would let a broken environment look better.
   ``zero_variance_skip_ratio`` is the share of groups whose counted final rewards are all
   equal, trivially so with fewer than two (GRPO learns nothing from them; the same rule as

@@ -58,7 +58,8 @@ Then, per episode:
    (``[rollout].backfill_rounds``: a backfill round that found more than were missing).
 
 The pure pieces (the shaping table and function, the group baseline, the environment's
-scores per group) live in ``tasks/shaping.py``, where the rollout stage's backfill asks
+scores per group, and ``score_episodes_to_records``, the records this stage writes, which
+``rollflow rescore`` computes too) live in ``tasks/shaping.py``, where the rollout stage's backfill asks
 the same question of its groups.
 
 The stage keeps each scorer's traceback in the step's ``errors.jsonl`` and refuses a step
@@ -75,34 +76,20 @@ overlong length counts context tokens of scripted, tokenless episodes as 0. A gr
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import cast
 
 from rollflow.config.run import RunConfig
-from rollflow.envs.episode import EpisodeRollout
-from rollflow.envs.handle import EnvironmentHandle, EpisodeScore
+from rollflow.envs.handle import EnvironmentHandle
 from rollflow.envs.runner import load_environment_handle
 from rollflow.envs.tracebacks import keeping_tracebacks
 from rollflow.envs.types import Split
-from rollflow.storage.records import EpisodeRecord, ScoreRecord
+from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.schemas import score_records_to_table, table_to_episode_records
 from rollflow.storage.stage_outputs import locate_output, read_output, write_output
-from rollflow.tasks.preflight import prompt_tokens
-from rollflow.tasks.shaping import (
-    STD_EPSILON,
-    Ending,
-    GroupBaseline,
-    ScoringError,
-    ScoringSettings,
-    ShapedReward,
-    env_passed,
-    group_baseline,
-    score_groups,
-    shape_episode,
-)
+from rollflow.tasks.prompts import prompt_tokens
+from rollflow.tasks.shaping import ScoringSettings, score_episodes_to_records, score_groups
 from rollflow.tasks.step_health import (
     StepFailedError,
     check_step_outcome,
@@ -111,94 +98,6 @@ from rollflow.tasks.step_health import (
     errors_path,
     keep_episode_errors,
 )
-
-__all__ = ["ScoringError", "ScoringSettings", "score_episodes_to_records", "score_groups", "score_stage"]
-
-
-# ---------------------------------------------------------------- records
-
-
-@dataclass(frozen=True)
-class _Shaped:
-    """One episode after shaping: its ending, final reward and whether it counts."""
-
-    episode: EpisodeRecord
-    score: EpisodeScore
-    ending: Ending
-    shaped: ShapedReward
-
-
-def _shape(episode: EpisodeRecord, score: EpisodeScore, settings: ScoringSettings) -> _Shaped:
-    return _Shaped(episode, score, *shape_episode(episode, score, settings))
-
-
-def score_episodes_to_records(
-    episodes: Sequence[EpisodeRecord],
-    env_scores: Sequence[EpisodeScore],
-    settings: ScoringSettings,
-) -> list[ScoreRecord]:
-    """One ``ScoreRecord`` per episode, in input order; ``env_scores[i]`` scores ``episodes[i]``."""
-    if len(episodes) != len(env_scores):
-        raise ScoringError(f"{len(episodes)} episodes but {len(env_scores)} scores")
-    shaped = [_shape(e, s, settings) for e, s in zip(episodes, env_scores, strict=True)]
-    groups: dict[str, list[_Shaped]] = {}
-    for item in shaped:
-        groups.setdefault(item.episode.group_id, []).append(item)
-    baselines = {
-        group: group_baseline([m.shaped.final_reward for m in members if m.shaped.counted])
-        for group, members in groups.items()
-    }
-    surplus = _surplus_groups(baselines, settings.max_trained_groups)
-    records = {}
-    for group, members in groups.items():
-        for member in members:
-            record = _record(member, baselines[group], group in surplus, settings)
-            records[record.episode_id] = record
-    if len(records) != len(episodes):
-        raise ScoringError("episode ids are not unique within the step")
-    return [records[e.episode_id] for e in episodes]
-
-
-def _surplus_groups(baselines: dict[str, GroupBaseline], max_trained: int | None) -> set[str]:
-    """The groups with reward variance beyond the first ``max_trained`` of them, by group
-    number (the order the rollout played them): a backfill round's overshoot, not trained."""
-    if max_trained is None:
-        return set()
-    varied = sorted((g for g, b in baselines.items() if not b.zero_variance), key=_group_number)
-    return set(varied[max_trained:])
-
-
-def _group_number(group_id: str) -> int:
-    return int(group_id.rsplit("/", 1)[1])  # f"{split}/{step}/{group}"
-
-
-def _record(member: _Shaped, baseline: GroupBaseline, surplus: bool, settings: ScoringSettings) -> ScoreRecord:
-    episode, score, shaped = member.episode, member.score, member.shaped
-    mean, std, zero_variance = baseline.mean, baseline.std, baseline.zero_variance
-    advantage = 0.0
-    if shaped.counted and not zero_variance:
-        advantage = shaped.final_reward - mean
-        if settings.scale_advantages_by_std:
-            advantage /= std + STD_EPSILON
-    masked = settings.overlong_masking and episode.rollout.truncated
-    skipped = (settings.dynamic_sampling and zero_variance) or surplus
-    return ScoreRecord(
-        run_id=episode.run_id, step=episode.step, split=episode.split, task_id=episode.task_id,
-        group_id=episode.group_id, episode_id=episode.episode_id, reward=score.reward,
-        threshold=score.threshold, components=dict(score.components),
-        overlong_penalty=shaped.overlong_penalty, final_reward=shaped.final_reward,
-        passed=env_passed(member.ending, score), group_mean=mean, group_std=std,
-        group_size=baseline.counted, zero_variance=zero_variance, advantage=advantage,
-        trained=episode.split == "train" and shaped.counted and not (masked or skipped),
-        scoring_error=None if shaped.counted else _why_left_out(episode.rollout, score),
-    )
-
-
-def _why_left_out(rollout: EpisodeRollout, score: EpisodeScore) -> str:
-    if score.error is not None:
-        return score.error
-    assert rollout.error is not None, "an episode is left out only for an error"
-    return rollout.error
 
 
 # ---------------------------------------------------------------- the stage

@@ -2,8 +2,8 @@
 per group, as pure functions that the rollout stage's backfill (``tasks/rollout.py``) asks too.
 
 Not a stage: scoring (``tasks/scoring.py``, whose docstring has the table of rules and the
-formulas), the rollout stage's backfill and ``rollflow rescore`` import it, so no stage
-imports another and a group the rollout kept for its reward variance is exactly a group
+formulas), the rollout stage's backfill and ``rollflow rescore`` (``ops/rescore.py``)
+import it, so no stage imports another and a group the rollout kept for its reward variance is exactly a group
 that scoring gives an advantage:
 
 - ``score_groups``: the environment's scores of a step's episodes, one ``handle.score``
@@ -12,7 +12,10 @@ that scoring gives an advantage:
   reward; ``env_passed``: the environment's verdict;
 - ``group_baseline``: mean and population std of a group's counted final rewards, and
   whether it has no variance (fewer than two counted, or all equal);
-- ``groups_with_variance``: the last two over a step's episodes, group by group.
+- ``groups_with_variance``: the last two over a step's episodes, group by group;
+- ``score_episodes_to_records``: a step's ``ScoreRecord``s (shaping, baselines,
+  advantages, what is trained), what the scoring stage writes and ``rollflow rescore``
+  recomputes.
 
 Simplified, and why: the backfill decides on scores it asks the environment for itself,
 before the scoring stage asks again. A deterministic scorer (every bundled one) gives the
@@ -34,7 +37,7 @@ from rollflow.config.run import RunConfig
 from rollflow.envs.episode import EpisodeRollout
 from rollflow.envs.handle import EnvironmentHandle, EpisodeScore, TaskItem
 from rollflow.envs.types import Split, TruncationCause
-from rollflow.storage.records import EpisodeRecord
+from rollflow.storage.records import EpisodeRecord, ScoreRecord
 
 STD_EPSILON = 1e-6
 SPLITS = ("train", "validation")
@@ -271,3 +274,89 @@ def _group_item(items: dict[str, TaskItem], members: list[EpisodeRecord], split:
             f"{split} tasks (did the environment or its kwargs change since the rollout?)"
         )
     return items[task_id]
+
+
+# ---------------------------------------------------------------- a step's score records
+
+
+@dataclass(frozen=True)
+class _Shaped:
+    """One episode after shaping: its ending, final reward and whether it counts."""
+
+    episode: EpisodeRecord
+    score: EpisodeScore
+    ending: Ending
+    shaped: ShapedReward
+
+
+def _shape(episode: EpisodeRecord, score: EpisodeScore, settings: ScoringSettings) -> _Shaped:
+    return _Shaped(episode, score, *shape_episode(episode, score, settings))
+
+
+def score_episodes_to_records(
+    episodes: Sequence[EpisodeRecord],
+    env_scores: Sequence[EpisodeScore],
+    settings: ScoringSettings,
+) -> list[ScoreRecord]:
+    """One ``ScoreRecord`` per episode, in input order; ``env_scores[i]`` scores ``episodes[i]``."""
+    if len(episodes) != len(env_scores):
+        raise ScoringError(f"{len(episodes)} episodes but {len(env_scores)} scores")
+    shaped = [_shape(e, s, settings) for e, s in zip(episodes, env_scores, strict=True)]
+    groups: dict[str, list[_Shaped]] = {}
+    for item in shaped:
+        groups.setdefault(item.episode.group_id, []).append(item)
+    baselines = {
+        group: group_baseline([m.shaped.final_reward for m in members if m.shaped.counted])
+        for group, members in groups.items()
+    }
+    surplus = _surplus_groups(baselines, settings.max_trained_groups)
+    records = {}
+    for group, members in groups.items():
+        for member in members:
+            record = _record(member, baselines[group], group in surplus, settings)
+            records[record.episode_id] = record
+    if len(records) != len(episodes):
+        raise ScoringError("episode ids are not unique within the step")
+    return [records[e.episode_id] for e in episodes]
+
+
+def _surplus_groups(baselines: dict[str, GroupBaseline], max_trained: int | None) -> set[str]:
+    """The groups with reward variance beyond the first ``max_trained`` of them, by group
+    number (the order the rollout played them): a backfill round's overshoot, not trained."""
+    if max_trained is None:
+        return set()
+    varied = sorted((g for g, b in baselines.items() if not b.zero_variance), key=_group_number)
+    return set(varied[max_trained:])
+
+
+def _group_number(group_id: str) -> int:
+    return int(group_id.rsplit("/", 1)[1])  # f"{split}/{step}/{group}"
+
+
+def _record(member: _Shaped, baseline: GroupBaseline, surplus: bool, settings: ScoringSettings) -> ScoreRecord:
+    episode, score, shaped = member.episode, member.score, member.shaped
+    mean, std, zero_variance = baseline.mean, baseline.std, baseline.zero_variance
+    advantage = 0.0
+    if shaped.counted and not zero_variance:
+        advantage = shaped.final_reward - mean
+        if settings.scale_advantages_by_std:
+            advantage /= std + STD_EPSILON
+    masked = settings.overlong_masking and episode.rollout.truncated
+    skipped = (settings.dynamic_sampling and zero_variance) or surplus
+    return ScoreRecord(
+        run_id=episode.run_id, step=episode.step, split=episode.split, task_id=episode.task_id,
+        group_id=episode.group_id, episode_id=episode.episode_id, reward=score.reward,
+        threshold=score.threshold, components=dict(score.components),
+        overlong_penalty=shaped.overlong_penalty, final_reward=shaped.final_reward,
+        passed=env_passed(member.ending, score), group_mean=mean, group_std=std,
+        group_size=baseline.counted, zero_variance=zero_variance, advantage=advantage,
+        trained=episode.split == "train" and shaped.counted and not (masked or skipped),
+        scoring_error=None if shaped.counted else _why_left_out(episode.rollout, score),
+    )
+
+
+def _why_left_out(rollout: EpisodeRollout, score: EpisodeScore) -> str:
+    if score.error is not None:
+        return score.error
+    assert rollout.error is not None, "an episode is left out only for an error"
+    return rollout.error

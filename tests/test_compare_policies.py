@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from repo_script import REPO, load_script
 
-from rollflow.tasks.gate import GateError
+from rollflow.tasks.gate_rule import GateError
 
 compare = load_script("scripts/compare_policies.py")
 SCRIPT = REPO / "scripts" / "compare_policies.py"

@@ -1,4 +1,4 @@
-"""``rollflow env show``: the exact prompt a policy is given (flows/cli_env.py, tasks/prompt_preview.py)."""
+"""``rollflow env show``: the exact prompt a policy is given (flows/cli_env.py, ops/prompt_preview.py)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,8 @@ from rollflow.envs.runner import EnvironmentLoadError, load_environment_handle, 
 from rollflow.envs.scripted import ScriptedPolicy, latest_user_content  # noqa: E402
 from rollflow.storage.query import open_run_sql, run_query  # noqa: E402
 from tiny_run import train_tiny_on  # noqa: E402
-from rollflow.tasks.preflight import PreflightError, check_environment  # noqa: E402
+from rollflow.config.checks import PreflightError  # noqa: E402
+from rollflow.ops.preflight import check_environment  # noqa: E402
 
 SPEC = "rollflow.envs.reasoning_gym:load_environment"
 REPO = Path(__file__).resolve().parent.parent

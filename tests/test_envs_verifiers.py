@@ -28,7 +28,8 @@ from rollflow.envs.scripted import ScriptedPolicy  # noqa: E402
 from rollflow.envs.types import Message  # noqa: E402
 from rollflow.envs.verifiers import load_verifiers_environment, to_rollflow_messages  # noqa: E402
 from rollflow.storage.query import open_run_sql, run_query  # noqa: E402
-from rollflow.tasks.preflight import PreflightError, check_environment  # noqa: E402
+from rollflow.config.checks import PreflightError  # noqa: E402
+from rollflow.ops.preflight import check_environment  # noqa: E402
 from tiny_run import REPO, train_tiny_on  # noqa: E402
 
 SPEC = "rollflow.envs.verifiers:load_environment"

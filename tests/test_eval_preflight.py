@@ -83,7 +83,7 @@ def test_a_config_setting_is_named_as_the_setting(
 
 
 def test_an_environment_without_validation_tasks_is_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from rollflow.tasks.preflight import preflight_eval
+    from rollflow.ops.preflight import preflight_eval
 
     config = load_config(tiny_config_at(tmp_path, tiny_model_dir))
     game = EnvConfig(name="rollflow.envs.tool_use_game:load_environment", kwargs={"num_validation": 0})

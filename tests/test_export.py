@@ -196,7 +196,7 @@ def test_an_export_carries_the_system_text_that_serves_it_as_it_was_trained(
     exported template exactly the prompt a rollout gave the policy."""
     from rollflow.envs.runner import load_environment_handle
     from rollflow.policy.codec import ChatCodec
-    from rollflow.tasks.preflight import opening_prompt
+    from rollflow.tasks.prompts import opening_prompt
 
     out = tmp_path / "served"
     assert main(["export", str(lora_run.root), "--out", str(out), "--merged"]) == 0

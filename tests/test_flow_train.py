@@ -26,7 +26,7 @@ from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_episode_records
 from rollflow.storage.stage_outputs import locate_output
 from rollflow.storage.tracking import RunTracker
-from rollflow.tasks.run_summary import CURVE_SQL
+from rollflow.ops.run_summary import CURVE_SQL
 from tiny_run import kill_group, tiny_config_at
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")

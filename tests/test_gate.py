@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from rollflow.storage.registry import PolicyRegistry, RegistryError
-from rollflow.tasks.gate import GateError, GateSettings, decide, gate_stage, read_decision
+from rollflow.tasks.gate import decide, gate_stage, read_decision
+from rollflow.tasks.gate_rule import GateError, GateSettings
 
 
 def write_scores(path: Path, passed: dict[str, list[bool | None]]) -> Path:
@@ -206,7 +207,7 @@ def test_differences_on_no_lattice_get_random_flips_close_to_the_exact_p() -> No
     import itertools
     import random
 
-    from rollflow.tasks.gate import gain_p_value
+    from rollflow.tasks.gate_rule import gain_p_value
 
     rng = random.Random(3)
     diffs = [rng.uniform(-0.4, 0.9) for _ in range(12)]  # a continuous final_reward

@@ -1,4 +1,4 @@
-"""The gate's error rates, measured on simulated nights (rollflow.tasks.gate_simulation).
+"""The gate's error rates, measured on simulated nights (rollflow.ops.gate_simulation).
 
 Each simulated night draws every validation task's pass probability from a shape, then
 both sides' episodes from it (the candidate's raised by a gain), and runs the real gate
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from rollflow.config.run import load_config
-from rollflow.tasks.gate import GateSettings
-from rollflow.tasks.gate_simulation import SHAPES, promotion_rate
+from rollflow.ops.gate_simulation import SHAPES, promotion_rate
+from rollflow.tasks.gate_rule import GateSettings
 
 REPO = Path(__file__).resolve().parent.parent
 NIGHTS = 2000

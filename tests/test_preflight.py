@@ -1,4 +1,4 @@
-"""Checks before a run starts (tasks/preflight.py): one line in seconds, no run folder left behind."""
+"""Checks before a run starts (ops/preflight.py): one line in seconds, no run folder left behind."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 
 from rollflow.config.parsing import ConfigError
 from rollflow.config.run import RunConfig, config_to_toml, load_config
-from rollflow.tasks.preflight import PreflightError, preflight
+from rollflow.config.checks import PreflightError
+from rollflow.ops.preflight import preflight
 from tiny_run import tiny_config_at
 
 TESTS = Path(__file__).resolve().parent

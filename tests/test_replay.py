@@ -15,8 +15,8 @@ from rollflow.storage.derived import DerivedNameError
 from rollflow.storage.query import open_run_sql, run_query
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_episode_records
-from rollflow.tasks.replay import replay_run
-from rollflow.tasks.rescore import RescoreError
+from rollflow.ops.replay import replay_run
+from rollflow.ops.rescore import RescoreError
 
 ENV = "rescore_env:load_environment"
 SAME = {"num_tasks": 4}

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 from rescore_env import make_changeable_run
 
-import rollflow.tasks.rescore as rescore_module
+import rollflow.ops.rescore as rescore_module
 from rollflow.flows.cli import main
 from rollflow.storage.derived import DerivedNameError
 from rollflow.storage.runlock import RunFolderBusyError
 from rollflow.storage.query import open_run_sql, run_query
-from rollflow.tasks.replay import replay_run
-from rollflow.tasks.rescore import RescoreError, rescore_run
+from rollflow.ops.replay import replay_run
+from rollflow.ops.rescore import RescoreError, rescore_run
 
 ENV = "rescore_env:load_environment"
 SAME = {"num_tasks": 4}  # the run's own kwargs

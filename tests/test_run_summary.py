@@ -1,4 +1,4 @@
-"""tasks/run_summary.py: the lines a finished run ends with (what validation says it learned)."""
+"""ops/run_summary.py: the lines a finished run ends with (what validation says it learned)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 
 from rollflow.config.run import parse_config
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.run_summary import CURVE_SQL, learning_summary, validation_change
+from rollflow.ops.run_summary import CURVE_SQL, learning_summary, validation_change
 
 TASKS = [f"t{i}" for i in range(12)]
 

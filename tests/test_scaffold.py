@@ -20,7 +20,7 @@ from rollflow.envs.scaffold import write_starter
 from rollflow.envs.scripted import constant_policy
 from rollflow.flows.cli import main
 from rollflow.storage.query import open_run_sql, run_query
-from rollflow.tasks.preflight import preflight
+from rollflow.ops.preflight import preflight
 
 # What a written test may import besides ``rollflow`` itself: the runner, its episode limits
 # and scripted policies that play the environment (not reference-doc names, so not re-exported).

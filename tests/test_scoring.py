@@ -31,13 +31,8 @@ from rollflow.flows.step import run_once
 from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import episode_records_to_table, table_to_score_records
-from rollflow.tasks.scoring import (
-    ScoringError,
-    ScoringSettings,
-    score_episodes_to_records,
-    score_groups,
-    score_stage,
-)
+from rollflow.tasks.scoring import score_stage
+from rollflow.tasks.shaping import ScoringError, ScoringSettings, score_episodes_to_records, score_groups
 
 EPS = 1e-6
 

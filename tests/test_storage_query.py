@@ -158,8 +158,8 @@ def test_pass_rate_is_the_scored_verdict_not_the_shaped_reward(tmp_path: Path) -
 
 def test_the_pass_rate_counts_errored_episodes_as_failures_as_the_closing_summary_does(tmp_path: Path) -> None:
     """One pass rate: ``val/reward/pass_rate`` (this SQL) and the run's closing line
-    (``tasks/run_summary.py``, per task over the scores file) agree when a pass has errors."""
-    from rollflow.tasks.gate import episodes_by_task, per_task
+    (``ops/run_summary.py``, per task over the scores file) agree when a pass has errors."""
+    from rollflow.tasks.gate_rule import episodes_by_task, per_task
 
     folder = RunFolder(tmp_path / "run")
     rows = [

@@ -29,21 +29,16 @@ environment's ``start_episode`` / ``Env.reset`` really run, and its close. The
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 
-from rollflow.config.checks import check_run_config
-from rollflow.config.parsing import ConfigError
+from rollflow.config.checks import PreflightError, check_run_config
 from rollflow.config.run import RunConfig
-from rollflow.envs.agent import PolicyAction
-from rollflow.envs.handle import EnvironmentHandle, EpisodeLimits, TaskItem
+from rollflow.envs.handle import EnvironmentHandle
 from rollflow.envs.runner import EnvironmentLoadError, load_environment_handle
-from rollflow.envs.types import Message, Split, ToolSpec
-
-
-class PreflightError(ConfigError):
-    """A run would fail once started; the message names the setting and the value."""
+from rollflow.envs.types import Split
+from rollflow.tasks.prompts import prompt_tokens
+from rollflow.tasks.schedule import episode_limits
 
 
 def preflight(config: RunConfig) -> None:
@@ -126,8 +121,6 @@ def check_environment(config: RunConfig, splits: Sequence[Split] | None = None) 
     ``splits`` are the ones to be played (by default training's: train, and validation when
     it is on); the first of them must have tasks.
     """
-    from rollflow.tasks.schedule import episode_limits
-
     env = config.env
     splits = _measured_splits(config) if splits is None else tuple(splits)
     try:
@@ -166,52 +159,3 @@ def check_prompts_fit(
                 f"[rollout].max_model_length = {budget} cannot hold the prompt of {split} task "
                 f"{items[0].task_id!r}: it is {length} tokens, with no room left for a reply"
             )
-
-
-def prompt_tokens(config: RunConfig, handle: EnvironmentHandle, item: TaskItem) -> int:
-    """The length in tokens of ``item``'s opening prompt as the policy would see it."""
-    from rollflow.generators.models import base_model_ref
-    from rollflow.policy.codec import ChatCodec
-    from rollflow.policy.models import load_tokenizer
-
-    messages, tool_specs = opening_prompt(config.env.name, handle, item)
-    codec = ChatCodec(load_tokenizer(base_model_ref(config)))
-    return len(codec.render_prompt_ids(messages, tool_specs))
-
-
-def opening_prompt(
-    env_name: str, handle: EnvironmentHandle, item: TaskItem
-) -> tuple[list[Message], list[ToolSpec]]:
-    """The messages and tool specs of ``item``'s first policy call: the episode is played
-    up to its first action (its start and close really run), then ended there."""
-    probe = _PromptProbe()
-    rollout = asyncio.run(handle.play(item, probe, EpisodeLimits(max_turns=1)))
-    if not probe.prompts:
-        failure = rollout.error or "it never asked the policy for an action"
-        raise PreflightError(f"[env].name = {env_name!r}: task {item.task_id!r} cannot start: {failure}")
-    return probe.prompts[0]
-
-
-class _PromptProbe:
-    """A policy that records its first prompt and ends the episode there ("context")."""
-
-    version = 0
-
-    def __init__(self) -> None:
-        self.prompts: list[tuple[list[Message], list[ToolSpec]]] = []
-
-    def open_session(self, tool_specs: Sequence[ToolSpec]) -> _ProbeSession:
-        return _ProbeSession(self, list(tool_specs))
-
-
-class _ProbeSession:
-    def __init__(self, probe: _PromptProbe, tool_specs: list[ToolSpec]) -> None:
-        self.probe = probe
-        self.tool_specs = tool_specs
-
-    async def act(self, messages: Sequence[Message]) -> PolicyAction:
-        self.probe.prompts.append((list(messages), self.tool_specs))
-        return PolicyAction(text="", finish_reason="context", sampling_attempts=0)
-
-    async def close(self) -> None:
-        return None

@@ -13,7 +13,7 @@ import statistics
 
 from rollflow.config.run import RunConfig
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.gate import GateError, episodes_by_task, paired_change, per_task
+from rollflow.tasks.gate_rule import GateError, episodes_by_task, paired_change, per_task
 from rollflow.tasks.tracking import REWARD_CURVE
 
 NOISE_P = 0.05  # a two-sided p below this: the change is beyond the validation's own noise

@@ -17,7 +17,7 @@ same way with no text, which leaves no message. The ending of both sides is reco
 (``old_ending``, ``new_ending``): a replay can match every message and still end
 differently (the environment now says ``done`` where it used to cut the episode).
 
-Written like a rescore (``tasks/rescore.py``): one file per (split, step) under
+Written like a rescore (``ops/rescore.py``): one file per (split, step) under
 ``replays/<name>/``, resumable, refused on a name used with other arguments.
 """
 
@@ -39,7 +39,7 @@ from rollflow.envs.types import Message, Split, TruncationCause
 from rollflow.storage.derived import REPLAY_SCHEMA
 from rollflow.storage.nested import message_to_row, row_to_message
 from rollflow.storage.records import SCHEMA_VERSION, EpisodeRecord
-from rollflow.tasks.rescore import DerivedSummary, StoredRun, derive_run
+from rollflow.ops.rescore import DerivedSummary, StoredRun, derive_run
 from rollflow.tasks.schedule import episode_limits
 
 

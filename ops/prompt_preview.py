@@ -8,7 +8,7 @@ rollout does, so an author sees what a small model will copy (its example call, 
 
 The task's episode really starts (``start_episode`` / ``Env.reset`` run, then its close),
 through the same probe policy preflight measures prompts with
-(``tasks.preflight.opening_prompt``), and the text is ``ChatCodec.render_text``: the
+(``tasks.prompts.opening_prompt``), and the text is ``ChatCodec.render_text``: the
 very string whose tokens the policy is given for its first action. Only the opening
 prompt is shown: later turns depend on what the model replies.
 """
@@ -41,7 +41,7 @@ def preview_prompt(config: RunConfig, handle: EnvironmentHandle, split: Split = 
     from rollflow.generators.models import base_model_ref
     from rollflow.policy.codec import ChatCodec
     from rollflow.policy.models import load_tokenizer
-    from rollflow.tasks.preflight import opening_prompt
+    from rollflow.tasks.prompts import opening_prompt
 
     items = handle.tasks(split)
     if not items:

@@ -45,7 +45,7 @@ from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import SPLIT_DIRS, RunFolder
 from rollflow.storage.runs import looks_like_run
 from rollflow.storage.schemas import score_records_to_table, table_to_episode_records
-from rollflow.tasks.scoring import ScoringSettings, score_episodes_to_records, score_groups
+from rollflow.tasks.shaping import ScoringSettings, score_episodes_to_records, score_groups
 
 
 class RescoreError(ValueError):

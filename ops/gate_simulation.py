@@ -4,7 +4,7 @@ A simulated night: every validation task gets a pass probability ``p_i`` drawn f
 shape (``uniform``: U(0, 1); ``bimodal``: 0.1 or 0.9, half each; ``flat``: 0.3 for all),
 the baseline plays ``episodes`` Bernoulli(``p_i``) episodes per task and the candidate
 ``episodes`` Bernoulli(``min(1, p_i + gain)``) ones. The real gate rule
-(``rollflow.tasks.gate.judge_gain``) then decides on the per-task pass rates. ``gain = 0``
+(``rollflow.tasks.gate_rule.judge_gain``) then decides on the per-task pass rates. ``gain = 0``
 is two identical policies: the share promoted is the false-promotion rate.
 
 Simplified, and why: the gain is additive on every task, capped at 1 (so the true mean
@@ -12,7 +12,7 @@ gain is a little less than ``gain`` where ``p_i`` is near 1); tasks and episodes
 independent. Real policies differ unevenly across tasks, which a sign-flip test sees as
 fewer tasks changed: read the power as an upper bound.
 
-    .venv/bin/python -m rollflow.tasks.gate_simulation   # the table in docs/deployments.md
+    .venv/bin/python -m rollflow.ops.gate_simulation   # the table in docs/deployments.md
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from rollflow.tasks.gate import GateSettings, judge_gain
+from rollflow.tasks.gate_rule import GateSettings, judge_gain
 
 SHAPES: dict[str, Callable[[np.random.Generator, int, int], np.ndarray]] = {
     "uniform": lambda rng, nights, tasks: rng.uniform(0.0, 1.0, (nights, tasks)),
