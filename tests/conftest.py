@@ -130,7 +130,6 @@ HEAVIEST_MODULES = (
     "test_loud_failures.py",
     "test_vllm_server.py",
     "test_opd.py",
-    "test_deployment.py",
     "test_export.py",
 )
 
