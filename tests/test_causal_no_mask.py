@@ -1,6 +1,6 @@
 """Right-padded micro-batches run without an attention mask (issue 43, part 2): SDPA takes its
 ``is_causal`` path, and the logprobs, gradients and updates equal the masked path's within
-float32 rounding on the tiny model and on the bundled model's shape (4 of its 30 layers)."""
+float32 rounding on the tiny model and on the bundled model's shape (2 of its 30 layers)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The shared-prefix forward and backward (issue 43, part 1): rows that share an opening compute
 it once, and the logprobs, the gradient (LoRA and full weights) and whole updates equal the
-plain path's within float32 rounding, on the tiny model and on the bundled model's shape (4 of
+plain path's within float32 rounding, on the tiny model and on the bundled model's shape (2 of
 its 30 layers, random weights)."""
 
 from __future__ import annotations
