@@ -42,13 +42,9 @@ class RunHandle:
     def root(self) -> Path:
         return self.folder.root
 
-    def step_finished(self, step: int) -> bool:
-        return self.folder.step_finished(step)
-
     def next_step(self) -> int:
-        """The first step not finished (``num_steps`` when every step is)."""
-        steps = range(self.config.train.num_steps)
-        return next((s for s in steps if not self.step_finished(s)), self.config.train.num_steps)
+        """The first step not finished (``RunFolder.next_step``), ``num_steps`` when every step is."""
+        return min(self.folder.next_step(), self.config.train.num_steps)
 
     def nothing_left(self) -> bool:
         """Every step trained and the last validation (where one is due) written."""

@@ -151,7 +151,7 @@ def run_lockstep_training(handle: RunHandle) -> None:
         config, handle.folder, versions_in_flight=1, host=replica_host(config)
     ) as generator:
         for step in range(last):
-            if handle.step_finished(step):
+            if handle.folder.step_finished(step):
                 continue
             if validation_due(config, step):
                 validate(config, root, step, generator, fan_out, handle.report)

@@ -159,9 +159,7 @@ def checkpoints_to_keep(folder: RunFolder, keep: int) -> set[int]:
 
     found = folder.checkpoints()
     needed = {step for step, _ in found[-keep:]}  # keep >= 1 ([train] checks it)
-    first = 0
-    while folder.step_finished(first):
-        first += 1
+    first = folder.next_step()
     if first > 0 and admission_path(folder, first).exists():
         needed.add(first - 1)
     read = {v for versions in _VERSIONS_READ.get(folder.root.resolve(), []) for v in versions()}

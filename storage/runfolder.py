@@ -26,7 +26,7 @@ the right records for the right step, never over a finished output).
 
 Simplified: steps count from 0; a step is trained once its ``train.json`` exists (the
 train stage commits its checkpoint first, then writes ``train.json``) and finished once
-its ``metrics.json`` does. One process writes a run at a time; ``storage/runlock.py``
+its ``metrics.json`` does (``step_finished``, the one definition every reader uses). One process writes a run at a time; ``storage/runlock.py``
 holds the folder, nothing here locks it.
 """
 
@@ -298,17 +298,22 @@ class RunFolder:
         found = (parse_step_dirname(p.name) for p in folder.iterdir() if p.is_dir())
         return sorted(s for s in found if s is not None)
 
+    def step_finished(self, step: int) -> bool:
+        """The one meaning of a finished training step: its last file, ``metrics.json``,
+        is written. ``completed_steps``, ``next_step``, the flow's resume, checkpoint
+        retention and ``rollflow runs`` all ask this."""
+        return (self.step_dir(step) / METRICS_JSON).exists()
+
     def completed_steps(self) -> list[int]:
-        """Training steps whose last stage (``train.json``) is written."""
-        return [s for s in self.steps("train") if self.is_complete(s, "train")]
+        """The finished training steps (``step_finished``), ascending."""
+        return [s for s in self.steps("train") if self.step_finished(s)]
 
     def next_step(self) -> int:
-        done = self.completed_steps()
-        return done[-1] + 1 if done else 0
-
-    def step_finished(self, step: int) -> bool:
-        """The training step's last file, ``metrics.json``, is written."""
-        return (self.step_dir(step) / METRICS_JSON).exists()
+        """The first training step not finished: where a resume continues."""
+        step = 0
+        while self.step_finished(step):
+            step += 1
+        return step
 
     # ------------------------------------------------------------ stage times
 

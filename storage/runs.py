@@ -11,8 +11,9 @@ evaluation is complete when its one validation pass has ``metrics.json``; an SFT
 its policy has ``sft.json``; a pipeline when it has ``pipeline.json``. A folder with no marker is a training run, or an SFT run
 when it holds ``sft/`` (folders written before the marker existed).
 
-Simplified: a run is complete when it has that many finished training steps; a
-validation pass that was still pending does not count against it.
+Simplified: a run is complete when it has that many finished training steps (finished:
+``RunFolder.step_finished``, the step's ``metrics.json``, as the flow that resumes it
+counts); a validation pass that was still pending does not count against it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ KIND_FILE = "run_kind"
 RUN_KINDS = ("train", "eval", "sft", "pipeline")
 SFT_RESULT = Path("sft/policy/sft.json")  # tasks.sft.RESULT_FILE in the SFT flow's policy
 PIPELINE_RESULT = "pipeline.json"  # flows.pipeline.PIPELINE_FILE: written last
+METRICS_STAGE = "metrics"  # where a step stopped with every stage done but metrics.json
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class RunStatus:
     finished_steps: int
     last_finished_step: int | None
     next_step: int
-    stopped_stage: str | None  # the first stage of next_step that is not complete
+    stopped_stage: str | None  # the first stage of next_step that is not complete ("metrics": only metrics.json)
     latest_checkpoint: int | None
     temporaries: int  # half-written leftovers a resume would discard
     updated: float  # newest modification time in the folder, seconds since the epoch
@@ -121,7 +123,7 @@ def run_status(root: Path | str) -> RunStatus:
         finished_steps=len(done),
         last_finished_step=done[-1] if done else None,
         next_step=next_step,
-        stopped_stage=folder.first_incomplete_stage(next_step),
+        stopped_stage=folder.first_incomplete_stage(next_step) or METRICS_STAGE,
         latest_checkpoint=checkpoint[0] if checkpoint else None,
         temporaries=len(folder.temporaries()),
         updated=_newest_mtime(folder.root),
@@ -140,7 +142,8 @@ def resume_summary(root: Path | str) -> str:
     if s.complete:
         return f"{found}; only validation not yet written is left"
     stage = s.stopped_stage or STAGES["train"][0]
-    kept = STAGES["train"][: STAGES["train"].index(stage)]
+    order = (*STAGES["train"], METRICS_STAGE)
+    kept = order[: order.index(stage)]
     return f"{found}; continuing at step {s.next_step} from its {stage} stage" + (
         f" ({', '.join(kept)} kept)" if kept else "")
 

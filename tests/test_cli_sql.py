@@ -104,7 +104,9 @@ def test_show_prints_the_transcript(runs: Path, capsys: pytest.CaptureFixture[st
 
 def test_runs_lists_status_and_last_step(runs: Path, capsys: pytest.CaptureFixture[str]) -> None:
     result = TrainResult("run-a", 0, 1, 0.1, None, 0.0, 1.0, 4, 100, 10, 1e-5, 5.0, {})
-    RunFolder(runs / "run-a").write_train_result(result)
+    folder = RunFolder(runs / "run-a")
+    folder.write_train_result(result)
+    folder.write_json_atomic(folder.step_paths(0).metrics_json, {})  # written last: step 0 is finished
     code, out, _ = _run(capsys, "runs", "--runs-dir", str(runs))
     lines = out.splitlines()
     assert code == 0 and lines[0].split()[:2] == ["run", "status"]

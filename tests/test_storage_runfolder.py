@@ -29,6 +29,7 @@ def _finish_step(folder: RunFolder, step: int) -> None:
     folder.write_stage(episode_records_to_table(episodes), step, "episodes")
     folder.write_stage(score_records_to_table([synthetic_score(e, 1.0) for e in episodes]), step, "scores")
     folder.write_train_result(_train_result(step))
+    folder.write_json_atomic(folder.step_paths(step).metrics_json, {})  # written last: the step is finished
 
 
 def test_layout_matches_the_design(tmp_path: Path) -> None:
