@@ -20,7 +20,8 @@ the live objects a task is handed (a policy, the rollout workers) are wrapped in
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Protocol
@@ -41,6 +42,7 @@ from rollflow.tasks.flatten import flatten_stage
 from rollflow.tasks.metrics import metrics_stage, validation_metrics_stage
 from rollflow.tasks.rollout import ChunkFanOut, rollout_stage
 from rollflow.tasks.scoring import score_stage
+from rollflow.tasks.step_health import StepFailedError, discard_episodes
 from rollflow.tasks.teacher import teacher_stage
 from rollflow.tasks.train import train_stage
 
@@ -124,6 +126,20 @@ def run_stage(folder: RunFolder, step: int, name: str, out: Path, run: Callable[
     return path
 
 
+@contextmanager
+def replaying_failed_episodes(folder: RunFolder, p: StepPaths) -> Iterator[None]:
+    """Where the scoring stage refuses a step whose episodes failed in the rollout itself
+    (``StepFailedError.rollout_failed``), the step discards those episodes (and an async
+    step's admission), so that a resume plays them again; the error then says so."""
+    try:
+        yield
+    except StepFailedError as failed:
+        if not failed.rollout_failed:
+            raise
+        discard_episodes(folder, p.step, p.split)
+        raise StepFailedError(f"{failed}; its episodes were discarded: `rollflow resume` plays them again") from None
+
+
 def grpo_step(
     handle: RunHandle, step: int, episodes_from: Callable[[StepPaths], Path],
     publish: Callable[[int, Path], None] | None = None, trainer: RemoteTrainer | None = None,
@@ -140,7 +156,8 @@ def grpo_step(
     p = folder.step_paths(step)
     stage = partial(run_stage, folder, step)
     episodes = stage("rollout", p.episodes, partial(episodes_from, p))
-    scores = stage("scoring", p.scores, partial(scoring, config, episodes, p.scores, step))
+    with replaying_failed_episodes(folder, p):
+        scores = stage("scoring", p.scores, partial(scoring, config, episodes, p.scores, step))
     samples = stage("flatten", p.samples, partial(flatten, episodes, scores, p.samples, step))
     teacher = None
     if config.train.has_teacher:

@@ -52,6 +52,7 @@ from rollflow.flows.runs import RunHandle, open_run, validation_due
 from rollflow.flows.step import (
     admitted_from,
     grpo_step,
+    replaying_failed_episodes,
     rollout,
     rollout_from,
     run_once,
@@ -84,7 +85,8 @@ def validate(
     p = folder.step_paths(step, "validation")
     play = partial(rollout, config, p.episodes, step, "validation", quote(policy), quote(fan_out))
     episodes = run_once(p.episodes, play)
-    run_once(p.scores, partial(scoring, config, episodes, p.scores, step, "validation"))
+    with replaying_failed_episodes(folder, p):
+        run_once(p.scores, partial(scoring, config, episodes, p.scores, step, "validation"))
     run_once(p.metrics_json, partial(validation_metrics, config, run_dir, step))
     if report is not None:
         report(f"validation at step {step}: {validation_outcome(folder, step)}")

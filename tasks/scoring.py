@@ -64,7 +64,9 @@ the same question of its groups.
 
 The stage keeps each scorer's traceback in the step's ``errors.jsonl`` and refuses a step
 whose every episode failed or overflowed the context (``StepFailedError``, before
-``scores.parquet`` is written, so a resume scores again): ``tasks/step_health.py``.
+``scores.parquet`` is written, so a resume scores again): ``tasks/step_health.py``. Where
+episodes failed in the rollout, the error says so and the step discards them
+(``flows/step.py``): this stage never deletes the rollout's output.
 
 Simplified on purpose: dynamic sampling alone only skips zero-variance groups (a step
 trains on fewer groups); refilling the batch as DAPO does is the rollout stage's
@@ -93,7 +95,6 @@ from rollflow.tasks.shaping import ScoringSettings, score_episodes_to_records, s
 from rollflow.tasks.step_health import (
     StepFailedError,
     check_step_outcome,
-    discard_episodes,
     episode_errors,
     errors_path,
     keep_episode_errors,
@@ -128,10 +129,8 @@ def score_stage(
     measure = partial(_prompt_tokens, config, handle, split)
     try:
         check_step_outcome(episodes, records, errors_path(folder, step, split), config.rollout.max_model_length, measure)
-    except StepFailedError as failed:
-        if any(e.rollout.error for e in episodes):
-            discard_episodes(folder, step, split)
-            raise StepFailedError(f"{failed}; its episodes were discarded: `rollflow resume` plays them again") from None
+    except StepFailedError as failed:  # what to do with the episodes is the step's call (flows/step.py)
+        failed.rollout_failed = any(e.rollout.error for e in episodes)
         raise
     return write_output(score_records_to_table(records), out)
 

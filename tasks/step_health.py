@@ -17,9 +17,10 @@ never sinks a batch. Three things keep that from hiding a broken environment:
   (``StepFailedError``, raised by the scoring stage before it writes ``scores.parquet``,
   so a resume after the fix scores again): its message names the most common error and
   the traceback file, or the prompt's length against ``[rollout].max_model_length``.
-  Where episodes errored in the rollout itself, the step's episodes are also discarded
-  (``discard_episodes``; an async step's admission with them), so the resume plays them
-  again with the fixed environment.
+  Where episodes errored in the rollout itself, the error says so (``rollout_failed``) and
+  the step that ran the stage discards the step's episodes (``discard_episodes``; an async
+  step's admission with them: ``flows/step.py``), so the resume plays them again with the
+  fixed environment. No stage deletes another stage's output.
 - **each step line** says the step's reward, pass rate, failed and overflowed counts, its
   tool calls and the tool errors among them, and how many groups had reward variance
   (``step_summary``); a step where none had says plainly that it learned nothing, and what
@@ -50,7 +51,14 @@ ERRORS_JSONL = "errors.jsonl"
 
 
 class StepFailedError(RuntimeError):
-    """Every episode of a step failed or overflowed: there is nothing to learn from it."""
+    """Every episode of a step failed or overflowed: there is nothing to learn from it.
+
+    ``rollout_failed``: some of its episodes errored in the rollout itself, so they teach
+    nothing and a resume should play them again (the step discards them)."""
+
+    def __init__(self, message: str, *, rollout_failed: bool = False) -> None:
+        super().__init__(message)
+        self.rollout_failed = rollout_failed
 
 
 @dataclass(frozen=True)
