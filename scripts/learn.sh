@@ -11,11 +11,14 @@
 # Every stage is resumable: run the script again and finished work is skipped (the eval
 # and SFT folders are reused as they are; the GRPO run resumes from its last step).
 #
-#   scripts/learn.sh                   1 h 43 min on 2 cores (2026-12-05, a CPU without
-#                                      AMX, docs/results.md run 4): SFT ~15 min alone,
-#                                      GRPO steps of ~2 min and validation passes of
-#                                      ~1.6 min; with the settings of 2026-11-29 (commit
-#                                      c9cdcab) it took 3 h 50 min
+#   scripts/learn.sh                   1 h 43 min on 2 cores in float32 (2026-12-05, a CPU
+#                                      without AMX, docs/results.md run 4): SFT ~15 min
+#                                      alone, GRPO steps of ~2 min and validation passes
+#                                      of ~1.6 min; with the bfloat16 update the config
+#                                      now runs (run 5), GRPO, its validations and the
+#                                      final comparison took 56 min on a loaded machine
+#                                      (70 in float32); with the settings of 2026-11-29
+#                                      (commit c9cdcab) it took 3 h 50 min
 #   OUT=runs/learn2 scripts/learn.sh   into other folders (the GRPO config is rewritten to
 #                                      read that folder's SFT adapter)
 #   GRPO_CONFIG=my.toml OUT=... scripts/learn.sh
