@@ -37,6 +37,7 @@ from transformers import DynamicCache
 
 from rollflow.generators.models import load_policy_for_training
 import rollflow.policy.generation as generation
+import rollflow.policy.prefill as prefill
 from rollflow.config.run import ModelConfig, RunConfig
 from rollflow.policy.generation import GenerationRequest
 from rollflow.policy.models import build_tiny_model
@@ -50,15 +51,15 @@ def prefill_seconds(model: torch.nn.Module, requests: list[GenerationRequest], t
     pass_seconds: list[float] = []
     before = model.register_forward_pre_hook(lambda *_: starts.append(time.perf_counter()))
     after = model.register_forward_hook(lambda *_: pass_seconds.append(time.perf_counter() - starts[-1]))
-    previous = generation.PREFILL_TOKENS_PER_PASS
-    generation.PREFILL_TOKENS_PER_PASS = tokens_per_pass
+    previous = prefill.PREFILL_TOKENS_PER_PASS
+    prefill.PREFILL_TOKENS_PER_PASS = tokens_per_pass
     try:
         with torch.inference_mode():
             start = time.perf_counter()
-            generation._prefill(model, requests, 0, DynamicCache(), generation._cache_keyword(model))
+            prefill.prefill(model, requests, 0, DynamicCache(), generation._cache_keyword(model))
             total = time.perf_counter() - start
     finally:
-        generation.PREFILL_TOKENS_PER_PASS = previous
+        prefill.PREFILL_TOKENS_PER_PASS = previous
         before.remove()
         after.remove()
     return total, max(pass_seconds), len(pass_seconds)

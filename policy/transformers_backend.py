@@ -49,14 +49,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rollflow.envs.types import ToolSpec
 from rollflow.policy.codec import ChatCodec
-from rollflow.policy.generation import (
-    BatchReport,
-    CachedPrefix,
-    GenerationOutput,
-    GenerationRequest,
-    generate_batch_and_report,
-)
+from rollflow.policy.generation import BatchReport, GenerationOutput, GenerationRequest, generate_batch_and_report
 from rollflow.policy.models import ModelRef, generation_stop_ids, load_causal_lm
+from rollflow.policy.prefill import CachedPrefix
 from rollflow.policy.sampling import SamplingSettings
 from rollflow.policy.session import GenerationError, Sampled, TokenPolicy, TokenSession
 from rollflow.policy.stopping import StopRequested

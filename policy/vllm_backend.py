@@ -52,8 +52,8 @@ the folder is pruned); loading a name this policy already loaded from the same f
 a no-op, from another folder an unload and a load. The server must be able to read the
 adapter folder (same machine or a shared filesystem), and must run with ``--enable-lora``
 and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``. Full weights are swapped in place
-(``reload_weights``, through vLLM's development endpoints). The HTTP calls besides
-completions are in ``rollflow.policy.vllm_admin``.
+(``reload_weights``, through vLLM's development endpoints). The completion request and its
+answer are ``rollflow.policy.vllm_completions``; the other HTTP calls ``rollflow.policy.vllm_admin``.
 
 Simplifications, and why:
 - One HTTP client per session (sessions live in one event loop; the rollout stage runs a
@@ -80,11 +80,10 @@ from transformers import PreTrainedTokenizerBase
 
 from rollflow.envs.types import Message, ToolSpec
 from rollflow.policy.codec import ChatCodec
-from rollflow.policy.retries import RetriesExhausted, post_with_retries, server_error_message
+from rollflow.policy.retries import RetriesExhausted, post_with_retries
 from rollflow.policy.sampling import EpisodeSeeds, SamplingSettings
 from rollflow.policy.session import Sampled, TokenPolicy, TokenSession
 from rollflow.policy.vllm_admin import (
-    ADMIN_TIMEOUT_S,
     DEV_HINT,
     VLLMPolicyError,
     adapter_rank,
@@ -95,6 +94,7 @@ from rollflow.policy.vllm_admin import (
     served_models,
     unload_lora,
 )
+from rollflow.policy.vllm_completions import Completion, completion_body, parse_completion, top2_gap
 from rollflow.policy.vllm_weights import LM_HEAD_SHARD, is_tied
 
 _PROBE_TEMPERATURE = 0.5
@@ -119,13 +119,6 @@ class VLLMStats:
     prompt_tokens: int = 0  # the whole context of every request (vLLM caches prefixes)
     retries: int = 0
     request_s: float = 0.0  # summed wall time of successful requests
-
-
-@dataclass(frozen=True)
-class _Completion:
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    server_finish: str  # vLLM's finish_reason: "stop" or "length"
 
 
 class VLLMPolicy(TokenPolicy):
@@ -192,7 +185,7 @@ class VLLMPolicy(TokenPolicy):
 
     def _check_processed_logprobs(self, url: str) -> None:
         prompt = self.codec.render_prompt_ids(_PROBE_MESSAGES, ())
-        gaps = [_top2_gap(url, self.served_model, prompt, t) for t in (1.0, _PROBE_TEMPERATURE)]
+        gaps = [top2_gap(url, self.served_model, prompt, t) for t in (1.0, _PROBE_TEMPERATURE)]
         expected = gaps[0] / _PROBE_TEMPERATURE
         if abs(gaps[1] - expected) > 1e-3 * max(1.0, expected):
             raise VLLMPolicyError(
@@ -326,7 +319,7 @@ class VLLMSession(TokenSession[VLLMPolicy]):
             last = f"{failed.url}: {failed.reason}"
             raise VLLMPolicyError(f"all {failed.attempts} attempts at an action failed; last: {last}") from None
         policy.stats.retries += posted.attempt - 1
-        completion = _parse_completion(posted.url, posted.response, settings.temperature)
+        completion = parse_completion(posted.url, posted.response, settings.temperature)
         self._count(posted.url, completion, len(context_ids), posted.seconds)
         stopped = policy.codec.ends_with_stop(completion.token_ids)
         if not stopped and completion.server_finish == "stop":
@@ -343,7 +336,7 @@ class VLLMSession(TokenSession[VLLMPolicy]):
             await self._client.aclose()
             self._client = None
 
-    def _count(self, url: str, completion: _Completion, prompt_tokens: int, seconds: float) -> None:
+    def _count(self, url: str, completion: Completion, prompt_tokens: int, seconds: float) -> None:
         stats = self._policy.stats
         stats.sampled_by[SampledBy(url, self._policy.request_model, self._policy.version)] += 1
         stats.generated_tokens += len(completion.token_ids)
@@ -354,62 +347,3 @@ class VLLMSession(TokenSession[VLLMPolicy]):
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=self._policy.settings.generation_timeout_s)
         return self._client
-
-
-def completion_body(
-    model: str, context_ids: Sequence[int], max_new: int, seed: int, settings: SamplingSettings
-) -> dict[str, Any]:
-    """The ``/completions`` request; every sampling knob explicit, so no server default leaks in."""
-    return {
-        "model": model,
-        "prompt": list(context_ids),
-        "max_tokens": max_new,
-        "temperature": settings.temperature,
-        "top_p": settings.top_p,
-        "top_k": -1,
-        "min_p": 0.0,
-        "repetition_penalty": 1.0,
-        "presence_penalty": 0.0,
-        "frequency_penalty": 0.0,
-        "seed": seed,
-        "logprobs": 0,
-        "return_token_ids": True,
-        "return_tokens_as_token_ids": True,
-        "skip_special_tokens": False,
-    }
-
-
-def _parse_completion(url: str, response: httpx.Response, temperature: float) -> _Completion:
-    if response.status_code != 200:
-        raise VLLMPolicyError(f"{url} answered HTTP {response.status_code}: {server_error_message(response)}")
-    try:
-        choice = response.json()["choices"][0]
-        token_ids = tuple(int(t) for t in choice["token_ids"])
-        logprobs = tuple(float(lp) for lp in choice["logprobs"]["token_logprobs"])
-        spelled = tuple(int(str(t).removeprefix("token_id:")) for t in choice["logprobs"]["tokens"])
-        finish = str(choice["finish_reason"])
-    except (ValueError, KeyError, IndexError, TypeError) as error:
-        raise VLLMPolicyError(
-            f"{url} sent no completion with token ids and logprobs (a vLLM server?): {response.text[:300]!r}"
-        ) from error
-    if spelled != token_ids or len(logprobs) != len(token_ids) or not token_ids:
-        raise VLLMPolicyError(
-            f"{url}: {len(token_ids)} token ids, {len(spelled)} logprob tokens and {len(logprobs)} "
-            "logprobs do not pair up one to one"
-        )
-    if temperature == 0:  # greedy: the distribution sampled from is a point mass
-        logprobs = tuple(0.0 for _ in token_ids)
-    return _Completion(token_ids, logprobs, finish)
-
-
-def _top2_gap(url: str, model: str, prompt: Sequence[int], temperature: float) -> float:
-    """The logprob gap between the two likeliest first tokens at ``temperature``."""
-    settings = SamplingSettings(temperature=temperature)
-    body = completion_body(model, prompt, 1, 0, settings) | {"logprobs": 2}
-    try:
-        response = httpx.post(f"{url}/completions", json=body, timeout=ADMIN_TIMEOUT_S)
-        top = response.json()["choices"][0]["logprobs"]["top_logprobs"][0]
-        first, second = sorted((float(v) for v in top.values()), reverse=True)[:2]
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as error:
-        raise VLLMPolicyError(f"{url}: the logprobs probe request failed: {error}") from error
-    return first - second

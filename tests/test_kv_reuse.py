@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-import rollflow.policy.generation as generation
+import rollflow.policy.prefill as prefill
 import rollflow.policy.transformers_backend as backend
 from rollflow.envs.agent import PolicyAction
 from rollflow.envs.types import Message, ToolSpec
@@ -274,7 +274,7 @@ def test_rows_with_caches_of_different_lengths_batch_and_slice_like_fresh_ones(
     prefixes = [cached[0].cache, cached[1].cache, None, cached[3].cache]  # row 2 starts fresh
     reused = [GenerationRequest(c, 9, 50 + i, p) for i, (c, p) in enumerate(zip(contexts, prefixes, strict=True))]
     fresh = [GenerationRequest(c, 9, 50 + i) for i, c in enumerate(contexts)]
-    monkeypatch.setattr(generation, "PREFILL_TOKENS_PER_PASS", 20)  # several slices of different widths
+    monkeypatch.setattr(prefill, "PREFILL_TOKENS_PER_PASS", 20)  # several slices of different widths
     with_cache = generate_batch(model, reused, **OPTIONS)
     without = generate_batch(model, fresh, **OPTIONS)
     assert [o.prefilled_tokens for o in with_cache] == [1, 6, len(contexts[2]), 16]

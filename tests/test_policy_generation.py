@@ -189,13 +189,13 @@ def forward_shapes(model: PreTrainedModel, requests: list[GenerationRequest]) ->
 def test_a_sliced_prefill_samples_what_one_pass_samples(
     tiny: tuple[PreTrainedModel, PreTrainedTokenizerBase], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import rollflow.policy.generation as generation
+    import rollflow.policy.prefill as prefill
 
     model, _ = tiny
     requests = of_lengths([5, 8, 4, 6])
     one_pass, shapes = forward_shapes(model, requests)
     assert shapes[:2] == [(4, 8), (4, 1)]  # one prefill pass, then decoding
-    monkeypatch.setattr(generation, "PREFILL_TOKENS_PER_PASS", 16)  # 2 rows of 8 a pass
+    monkeypatch.setattr(prefill, "PREFILL_TOKENS_PER_PASS", 16)  # 2 rows of 8 a pass
     sliced, shapes = forward_shapes(model, requests)
     assert shapes[:3] == [(2, 8), (2, 5), (4, 1)]  # longest first, each slice its own width
     for a, b in zip(one_pass, sliced, strict=True):
@@ -219,11 +219,11 @@ def test_short_contexts_are_not_padded_to_a_long_one(
 def test_a_stop_request_during_the_prefill_ends_it_at_the_next_slice(
     tiny: tuple[PreTrainedModel, PreTrainedTokenizerBase], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import rollflow.policy.generation as generation
+    import rollflow.policy.prefill as prefill
     from rollflow.policy.stopping import StopRequested, request_stop
 
     model, tokenizer = tiny
-    monkeypatch.setattr(generation, "PREFILL_TOKENS_PER_PASS", 1)  # 1 row a pass
+    monkeypatch.setattr(prefill, "PREFILL_TOKENS_PER_PASS", 1)  # 1 row a pass
     rows: list[int] = []  # of each forward pass
 
     def count_and_stop(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
