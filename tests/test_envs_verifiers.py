@@ -26,7 +26,8 @@ from rollflow.envs.protocol import make_tool_call, parse_action, render_tool_cal
 from rollflow.envs.runner import EnvironmentLoadError, load_environment_handle, play_groups  # noqa: E402
 from rollflow.envs.scripted import ScriptedPolicy  # noqa: E402
 from rollflow.envs.types import Message  # noqa: E402
-from rollflow.envs.verifiers import load_verifiers_environment, to_rollflow_messages  # noqa: E402
+from rollflow.envs.verifiers import to_rollflow_messages  # noqa: E402
+from rollflow.envs.verifiers_loading import load_verifiers_environment  # noqa: E402
 from rollflow.storage.query import open_run_sql, run_query  # noqa: E402
 from rollflow.config.checks import PreflightError  # noqa: E402
 from rollflow.ops.preflight import check_environment  # noqa: E402
