@@ -24,7 +24,8 @@ from rollflow.storage.async_groups import (
     write_group,
 )
 from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.collect import RolloutWorkers, group_errors_path, keep_admitted_errors, keep_group_errors
+from rollflow.tasks.collect import RolloutWorkers
+from rollflow.tasks.group_errors import group_errors_path, keep_admitted_errors, keep_group_errors
 from rollflow.tasks.step_health import errors_path, read_episode_errors
 
 TESTS = Path(__file__).parent

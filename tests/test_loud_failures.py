@@ -148,7 +148,7 @@ def test_an_async_step_that_always_raises_keeps_its_tracebacks_fails_and_a_resum
 
     from rollflow.storage.async_groups import consumed_groups, finished_groups, read_admission
     from rollflow.storage.schemas import table_to_episode_records
-    from rollflow.tasks.collect import group_errors_path
+    from rollflow.tasks.group_errors import group_errors_path
 
     config = async_config(vllm_model_dir, tmp_path, groups_in_flight=2, train={"num_steps": 1})
     config = replace(config, env=replace(config.env, name="broken_env:load_environment", kwargs={"broken": "step"}))
