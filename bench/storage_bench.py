@@ -35,10 +35,11 @@ from pathlib import Path
 import numpy as np
 
 from rollflow.envs.episode import ActionTokens
-from rollflow.storage.query import metrics_by_step, open_run_sql, run_query, step_metrics
+from rollflow.storage.query import open_run_sql, run_query
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.schemas import episode_records_to_table, score_records_to_table
+from rollflow.storage.step_metrics import metrics_by_step, step_metrics
 from rollflow.storage.synthetic import synthetic_episode, synthetic_score
 
 

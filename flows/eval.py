@@ -9,7 +9,7 @@ run's validation pass on its own: the same rollout and scoring stages with
 ``rollflow sql`` and ``rollflow show`` work on it and its numbers are comparable with a
 training run's ``val/`` curves.
 
-The report's numbers come from ``rollflow.storage.query.step_metrics``, the very SQL the training
+The report's numbers come from ``rollflow.storage.step_metrics.step_metrics``, the very SQL the training
 flow logs; the worst episodes (errored first, then by final reward) are listed by id for
 ``rollflow show``.
 pass@k (k up to the episodes per task) and avg@k come from the ``pass_at_k`` view
@@ -49,7 +49,8 @@ from rollflow.flows.eval_config import EvalOverrides, checked_eval_config
 from rollflow.flows.runs import freeze_config
 from rollflow.flows.train import validate
 from rollflow.storage.pass_at_k import overall_pass_at_k
-from rollflow.storage.query import open_run_sql, step_metrics
+from rollflow.storage.query import open_run_sql
+from rollflow.storage.step_metrics import step_metrics
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.runs import mark_run_kind
 from rollflow.tasks.tracking import finish_tracking, start_tracking
@@ -140,7 +141,7 @@ class WorstEpisode:
 @dataclass(frozen=True)
 class EvalReport:
     run_dir: Path
-    metrics: Mapping[str, float]  # storage.query.METRIC_NAMES
+    metrics: Mapping[str, float]  # storage.step_metrics.METRIC_NAMES
     worst: tuple[WorstEpisode, ...]
     pass_at_k: tuple[Mapping[str, float], ...] = ()  # storage.pass_at_k.overall_pass_at_k, by k
     environment: str | None = None  # describe_environment of the frozen config

@@ -42,7 +42,8 @@ from rollflow.storage.arrow_schemas import KIND_KEY, SCORE_SCHEMA, VERSION_KEY, 
 from rollflow.storage.errors import CorruptFileError, SchemaMismatchError, StorageError
 from rollflow.storage.parquet import atomic_file, is_temporary, remove_temporaries, write_bytes_atomic
 from rollflow.storage.records import SCHEMA_VERSION
-from rollflow.storage.runfolder import DERIVED_DIRS, RunFolder, parse_step_dirname, step_dirname
+from rollflow.storage.runfolder import DERIVED_DIRS, RunFolder
+from rollflow.storage.step_names import parse_step_dirname, step_dirname
 from rollflow.storage.runlock import LOCK_FILE, RunFolderBusyError, acquire_run_folder, release_run_folder
 
 DERIVED_KINDS = DERIVED_DIRS

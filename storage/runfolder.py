@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rollflow.storage.arrow_schemas import KIND_KEY, RecordKind
+from rollflow.storage.checkpoint_folders import CheckpointFolders
 from rollflow.storage.errors import (
     ConfigMismatchError,
     CorruptFileError,
@@ -50,22 +50,20 @@ from rollflow.storage.errors import (
     StageExistsError,
     StorageError,
 )
-from rollflow.storage.filemodes import give_ordinary_modes
 from rollflow.storage.parquet import (
     COMPLETE_MARKER,
-    fsync_dir,
     is_temporary,
     list_parts,
     remove_temporaries,
     read_table,
     seal_parts,
-    temporary_path,
     write_bytes_atomic,
     write_part,
     write_table_atomic,
 )
 from rollflow.storage.records import TrainResult
 from rollflow.storage.schemas import train_result_from_json, train_result_to_json
+from rollflow.storage.step_names import parse_step_dirname, step_dirname
 
 SPLIT_DIRS = {"train": "steps", "validation": "validation"}
 DERIVED_DIRS = ("rescores", "replays")  # outputs other commands derive from the run (storage/derived.py)
@@ -78,18 +76,6 @@ STAGE_SECONDS_JSON = "stage_seconds.json"  # stage name -> wall seconds of its o
 # The stages whose wall time a training step records, in order; time/step needs them all.
 TIMED_STAGES = ("rollout", "scoring", "flatten", "train")
 OPTIONAL_TIMED_STAGES = ("teacher",)  # only where a teacher is configured (OPD)
-_STEP_RE = re.compile(r"^step=(\d+)$")
-
-
-def step_dirname(step: int) -> str:
-    if step < 0:
-        raise ValueError(f"steps count from 0, got {step}")
-    return f"step={step:06d}"
-
-
-def parse_step_dirname(name: str) -> int | None:
-    match = _STEP_RE.match(name)
-    return None if match is None else int(match.group(1))
 
 
 @dataclass(frozen=True)
@@ -114,19 +100,9 @@ class StepPaths:
     checkpoint: Path  # checkpoints/step=NNNNNN/, the version this step's training makes
 
 
-def _fsync_tree(folder: Path) -> None:
-    for dirpath, _, filenames in os.walk(folder):
-        for name in filenames:
-            fd = os.open(Path(dirpath) / name, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(Path(dirpath))
-
-
-class RunFolder:
-    """The files of one run under ``root`` (``runs/<run_id>``)."""
+class RunFolder(CheckpointFolders):
+    """The files of one run under ``root`` (``runs/<run_id>``); its checkpoint folders are
+    ``CheckpointFolders``' (``storage/checkpoint_folders.py``)."""
 
     def __init__(self, root: Path | str) -> None:
         # Absolute, so that a path this folder hands out (``stage_path``, ``step_dir``) can
@@ -335,48 +311,6 @@ class RunFolder:
 
     def first_incomplete_stage(self, step: int, split: str = "train") -> str | None:
         return next((s for s in STAGES[split] if not self.is_complete(step, s, split)), None)
-
-    # ------------------------------------------------------------ checkpoints
-
-    def checkpoint_dir(self, step: int) -> Path:
-        return self.root / "checkpoints" / step_dirname(step)
-
-    def new_checkpoint_tmp(self, step: int) -> Path:
-        """An empty hidden folder to save checkpoint ``step`` into before committing it."""
-        tmp = temporary_path(self.checkpoint_dir(step))
-        tmp.mkdir(parents=True)
-        return tmp
-
-    def commit_checkpoint(self, tmp_dir: Path, step: int) -> Path:
-        """fsync every file of ``tmp_dir`` and rename it to ``checkpoint_dir(step)``."""
-        final = self.checkpoint_dir(step)
-        if final.exists():
-            raise StageExistsError(f"{final}: checkpoint {step} is already committed")
-        if not Path(tmp_dir).is_dir():
-            raise StorageError(f"{tmp_dir}: not a folder; nothing to commit")
-        final.parent.mkdir(parents=True, exist_ok=True)
-        give_ordinary_modes(Path(tmp_dir))  # safetensors writes 0600
-        _fsync_tree(Path(tmp_dir))
-        os.rename(tmp_dir, final)
-        fsync_dir(final.parent)
-        return final
-
-    def checkpoints(self) -> list[tuple[int, Path]]:
-        folder = self.root / "checkpoints"
-        if not folder.is_dir():
-            return []
-        found = ((parse_step_dirname(p.name), p) for p in folder.iterdir() if p.is_dir())
-        return sorted((s, p) for s, p in found if s is not None)
-
-    def latest_checkpoint(self) -> tuple[int, Path] | None:
-        found = self.checkpoints()
-        return found[-1] if found else None
-
-    def checkpoint_before(self, step: int) -> Path | None:
-        """The newest committed checkpoint of a step before ``step``: what step ``step``
-        trains on from (None: the run's start)."""
-        found = [path for s, path in self.checkpoints() if s < step]
-        return found[-1] if found else None
 
     # ------------------------------------------------------------ crash leftovers
 

@@ -18,7 +18,8 @@ import pyarrow as pa
 from rollflow.storage.arrow_schemas import RecordKind
 from rollflow.storage.errors import StorageError
 from rollflow.storage.parquet import read_table
-from rollflow.storage.runfolder import SPLIT_DIRS, TRAIN_JSON, RunFolder, parse_step_dirname
+from rollflow.storage.runfolder import SPLIT_DIRS, TRAIN_JSON, RunFolder
+from rollflow.storage.step_names import parse_step_dirname
 
 
 @dataclass(frozen=True)

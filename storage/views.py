@@ -38,7 +38,8 @@ from rollflow.storage.arrow_schemas import OPTIONAL_COLUMNS, SCHEMAS, TRAIN_RESU
 from rollflow.storage.derived import DERIVED_SCHEMAS, derived_files
 from rollflow.storage.errors import SchemaMismatchError, StorageError
 from rollflow.storage.parquet import check_file
-from rollflow.storage.runfolder import OPTIONAL_STAGES, SPLIT_DIRS, STAGES, RunFolder, parse_step_dirname
+from rollflow.storage.runfolder import OPTIONAL_STAGES, SPLIT_DIRS, STAGES, RunFolder
+from rollflow.storage.step_names import parse_step_dirname
 from rollflow.storage.runs import looks_like_run
 
 VIEW_KINDS = {

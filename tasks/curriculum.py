@@ -31,7 +31,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from rollflow.envs.handle import TaskItem
-from rollflow.storage.query import open_run_sql, recent_task_groups
+from rollflow.storage.query import open_run_sql
+from rollflow.storage.step_metrics import recent_task_groups
 from rollflow.storage.runfolder import RunFolder
 
 RECENT_GROUPS = 2

@@ -32,9 +32,10 @@ from pathlib import Path
 from rollflow.config.run import RunConfig
 from rollflow.storage.async_groups import async_step_metrics
 from rollflow.storage.parquet import write_bytes_atomic
-from rollflow.storage.query import open_run_sql, run_query, step_metrics, task_passes, teacher_metrics
+from rollflow.storage.query import open_run_sql, run_query
 from rollflow.storage.records import TrainResult
 from rollflow.storage.runfolder import OPTIONAL_TIMED_STAGES, TIMED_STAGES, RunFolder
+from rollflow.storage.step_metrics import step_metrics, task_passes, teacher_metrics
 from rollflow.storage.transcript import render_episode
 from rollflow.tasks.schedule import rollout_plan_path
 from rollflow.tasks.step_health import step_hint, step_summary, validation_summary

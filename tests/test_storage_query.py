@@ -15,19 +15,11 @@ from rollflow.envs.types import TruncationCause
 from rollflow.storage.arrow_schemas import VERSION_KEY
 from rollflow.storage.errors import CorruptFileError, NoDataError, SchemaVersionError, StorageError
 from rollflow.storage.parquet import temporary_path
-from rollflow.storage.query import (
-    METRIC_NAMES,
-    QueryError,
-    ReadOnlyQueryError,
-    describe_views,
-    metrics_by_step,
-    open_run_sql,
-    run_query,
-    step_metrics,
-)
+from rollflow.storage.query import QueryError, ReadOnlyQueryError, describe_views, open_run_sql, run_query
 from rollflow.storage.records import SCHEMA_VERSION, EpisodeRecord, ScoreRecord, TrainResult
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import episode_records_to_table, score_records_to_table
+from rollflow.storage.step_metrics import METRIC_NAMES, metrics_by_step, step_metrics
 from rollflow.storage.synthetic import synthetic_episode, synthetic_score
 
 MAX_TURNS, OVERFLOW, ENV, PARSE = (

@@ -19,9 +19,10 @@ from rollflow.config.run import EnvConfig, RunConfig, TrackingConfig, Validation
 from rollflow.envs.scripted import ScriptedPolicy
 from rollflow.envs.types import Message
 from rollflow.storage.parquet import read_table
-from rollflow.storage.query import describe_views, open_run_sql, run_query, step_metrics
+from rollflow.storage.query import describe_views, open_run_sql, run_query
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import episode_records_to_table, table_to_episode_records
+from rollflow.storage.step_metrics import step_metrics
 from rollflow.storage.synthetic import synthetic_episode
 from rollflow.tasks.metrics import rollout_metrics, validation_metrics_stage, validation_outcome
 from rollflow.tasks.rollout import rollout_stage
