@@ -57,19 +57,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from rollflow.cluster.ray_nodes import NODE_RESOURCE_PREFIX, ClusterError, RayNode, connect, ray_nodes
 from rollflow.policy import procs
 
 if TYPE_CHECKING:
-    from prefect_ray import RayTaskRunner
     from rollflow.config.cluster import ClusterConfig
 
 NODE_IP = "127.0.0.2"
-NODE_RESOURCE_PREFIX = "rollflow_node_"
 MARK_ENV = "ROLLFLOW_RAY_CLUSTER"
 HEAD = "head"
-NODE_DEATH_RETRIES = 1  # a task on a node that died runs once more, elsewhere
 STOP_WAIT_S = 10.0
 _FAST_NODE_DEATH = {
     "RAY_health_check_initial_delay_ms": "1000",
@@ -77,75 +75,6 @@ _FAST_NODE_DEATH = {
     "RAY_health_check_timeout_ms": "1000",
     "RAY_health_check_failure_threshold": "3",
 }
-
-
-class ClusterError(RuntimeError):
-    """A Ray cluster did not start, or a node is not what was asked for."""
-
-
-@dataclass(frozen=True)
-class RayNode:
-    """One node as Ray's GCS reports it."""
-
-    name: str  # "head", "worker-1", ...: the resource rollflow_node_<name> names it
-    node_id: str  # Ray's hex node id
-    alive: bool
-    cpus: float
-
-    @property
-    def resource(self) -> str:
-        return NODE_RESOURCE_PREFIX + self.name
-
-
-def ray_nodes(include_dead: bool = False) -> dict[str, RayNode]:
-    """The cluster's nodes that rollflow named, by name (this process must be connected).
-
-    A name seen alive and dead (a node killed and restarted) maps to the alive one.
-    """
-    import ray
-
-    found: dict[str, RayNode] = {}
-    for info in ray.nodes():
-        resources = info.get("Resources", {})
-        names = [key[len(NODE_RESOURCE_PREFIX):] for key in resources if key.startswith(NODE_RESOURCE_PREFIX)]
-        if len(names) != 1 or not (info["Alive"] or include_dead):
-            continue
-        node = RayNode(names[0], info["NodeID"], bool(info["Alive"]), float(resources.get("CPU", 0.0)))
-        if names[0] not in found or node.alive:
-            found[names[0]] = node
-    return found
-
-
-def remote_options_on(node: RayNode | None = None, *, retries: int = NODE_DEATH_RETRIES) -> dict[str, Any]:
-    """Ray options for tasks (``prefect_ray.context.remote_options(**...)``): on ``node`` when
-    it is alive, else anywhere (soft affinity), and run ``retries`` more times when the node
-    they run on dies. Exceptions inside a task are Prefect's: the task engine returns them as
-    a Failed state, so Ray never retries them."""
-    options: dict[str, Any] = {"max_retries": retries, "retry_exceptions": False}
-    if node is not None:
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node.node_id, soft=True)
-    return options
-
-
-def task_runner(address: str) -> RayTaskRunner:
-    """prefect-ray's task runner on the cluster at ``address`` (joined as a driver, not
-    through Ray Client). When this process is connected already, it is reused and not
-    disconnected when the flow ends."""
-    from prefect_ray import RayTaskRunner
-
-    return RayTaskRunner(address=address, init_kwargs={"logging_level": "WARNING", "log_to_driver": False})
-
-
-def connect(address: str) -> bool:
-    """Join the cluster at ``address`` as a driver; False when this process already was."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    ray.init(address=address, namespace="rollflow", logging_level="WARNING", log_to_driver=False)
-    return True
 
 
 # ---------------------------------------------------------------- an existing cluster

@@ -194,7 +194,7 @@ class RemoteServer:
     def _spawn(self, node: str | None) -> None:
         import ray
 
-        from rollflow.cluster.ray_cluster import NODE_RESOURCE_PREFIX
+        from rollflow.cluster.ray_nodes import NODE_RESOURCE_PREFIX
 
         resources = {NODE_RESOURCE_PREFIX + node: 0.001} if node is not None else {}
         host = ray.remote(ReplicaHost).options(  # type: ignore[attr-defined]
@@ -253,7 +253,7 @@ class RemoteServer:
 
     @staticmethod
     def _node_alive(node: str | None) -> bool:
-        from rollflow.cluster.ray_cluster import ray_nodes
+        from rollflow.cluster.ray_nodes import ray_nodes
 
         return node is not None and node in ray_nodes()
 
@@ -273,7 +273,7 @@ def node_share(config: RunConfig, index: int) -> tuple[int, int]:
     return mates.index(index), len(mates)
 
 
-def replica_host(config: RunConfig):  # noqa: ANN201 - a ServerHost (generators/vllm_generator.py) or None
+def replica_host(config: RunConfig):  # noqa: ANN201 - a ServerHost (generators/managed_server.py) or None
     """What starts the run's managed replicas on the cluster; None where ``[cluster]`` places none."""
     if not config.cluster.serves_generators:
         return None

@@ -24,7 +24,7 @@ health checks and restarts; only the episode loop moves:
 
 Faults:
 - a worker node that dies mid-chunk: Ray runs the chunk again on a surviving node
-  (``max_retries`` = ``cluster.ray_cluster.NODE_DEATH_RETRIES``, read at submission); the part
+  (``max_retries`` = ``cluster.ray_nodes.NODE_DEATH_RETRIES``, read at submission); the part
   is written once (a part already there is returned as is), so the step's episodes are
   the same set. When Ray gives up (every attempt's node died), the stage lets the chunks
   in flight finish, then fails with ``RolloutChunkError`` naming the chunk; the resumed run
@@ -77,7 +77,7 @@ if TYPE_CHECKING:
     from prefect_ray import RayTaskRunner
     from transformers import PreTrainedTokenizerBase
 
-    from rollflow.cluster.ray_cluster import RayNode
+    from rollflow.cluster.ray_nodes import RayNode
     from rollflow.generators.policy_io import ActingPolicy
     from rollflow.policy.vllm_backend import VLLMPolicy
 
@@ -128,7 +128,7 @@ class VLLMPolicySpec:
 
     def server_problem(self) -> str | None:
         """Why one of the servers cannot sample now, as a worker sees it (None: all answer)."""
-        from rollflow.generators.vllm_generator import server_fault
+        from rollflow.generators.managed_server import server_fault
 
         fault = server_fault(None, self.base_urls)
         return None if fault is None else fault.describe()
@@ -146,7 +146,7 @@ def live_nodes() -> list[RayNode]:
     every live node of the cluster (named by Ray's node id); only nodes with a CPU."""
     import ray
 
-    from rollflow.cluster.ray_cluster import RayNode, ray_nodes
+    from rollflow.cluster.ray_nodes import RayNode, ray_nodes
 
     nodes = list(ray_nodes().values()) or [
         RayNode(info["NodeID"], info["NodeID"], True, float(info.get("Resources", {}).get("CPU", 0.0)))
@@ -161,7 +161,7 @@ def this_node() -> str:
     else Ray's node id."""
     import ray
 
-    from rollflow.cluster.ray_cluster import ray_nodes
+    from rollflow.cluster.ray_nodes import ray_nodes
 
     node_id = ray.get_runtime_context().get_node_id()
     for node in ray_nodes().values():
@@ -195,8 +195,8 @@ class RayFanOut:
         import ray
         from prefect_ray.context import remote_options
 
-        from rollflow.cluster import ray_cluster
-        from rollflow.cluster.ray_cluster import remote_options_on
+        from rollflow.cluster import ray_nodes
+        from rollflow.cluster.ray_nodes import remote_options_on
 
         pending = deque(missing)
         inflight: dict[Any, tuple[int, Any]] = {}  # Ray object ref -> (chunk index, Prefect future)
@@ -212,7 +212,7 @@ class RayFanOut:
                         node = nodes[self._turn % len(nodes)] if nodes else None
                         self._turn += 1
                         spec = VLLMPolicySpec.of(config, acting.policy)
-                        with remote_options(**remote_options_on(node, retries=ray_cluster.NODE_DEATH_RETRIES)):
+                        with remote_options(**remote_options_on(node, retries=ray_nodes.NODE_DEATH_RETRIES)):
                             future = runner.submit(rollout_chunk, {
                                 "config": config, "run_dir": str(folder.root.absolute()), "step": step,
                                 "split": split, "index": index, "spec": spec,
@@ -253,12 +253,12 @@ class RayFanOut:
 def _chunk_error(label: str, error: BaseException) -> RolloutChunkError:
     import ray
 
-    from rollflow.cluster import ray_cluster
+    from rollflow.cluster import ray_nodes
 
     if isinstance(error, ray.exceptions.RayError):
         return RolloutChunkError(
-            f"{label} was lost: Ray gave up on it after {ray_cluster.NODE_DEATH_RETRIES + 1} attempt(s) "
-            f"(max_retries = {ray_cluster.NODE_DEATH_RETRIES}; the node each ran on died): "
+            f"{label} was lost: Ray gave up on it after {ray_nodes.NODE_DEATH_RETRIES + 1} attempt(s) "
+            f"(max_retries = {ray_nodes.NODE_DEATH_RETRIES}; the node each ran on died): "
             f"{type(error).__name__}: {(str(error).splitlines() or [''])[0].rstrip('.')}. The chunks "
             "finished are kept: resume the run and only the missing chunks are replayed"
         )
@@ -275,7 +275,7 @@ def stage_task_runner(address: str) -> Iterator[RayTaskRunner]:
     """prefect-ray's task runner on the cluster at ``address``, for a stage (the rollout
     chunks, the train stage) to submit its Ray tasks as the flow's task runs, reporting to
     the flow's Prefect API."""
-    from rollflow.cluster.ray_cluster import task_runner
+    from rollflow.cluster.ray_nodes import task_runner
 
     with task_runner(address) as runner, _api_for_workers(), _outside_the_stage_task():
         yield runner

@@ -84,13 +84,13 @@ class RayTrainer:
         import ray
         from prefect_ray.context import remote_options
 
-        from rollflow.cluster import ray_cluster
+        from rollflow.cluster import ray_nodes
         from rollflow.cluster.ray_rollout import stage_task_runner
 
         where = placement(config)
         started = time.perf_counter()
         with stage_task_runner(self.address) as runner:
-            with remote_options(**ray_options(config, retries=ray_cluster.NODE_DEATH_RETRIES)):
+            with remote_options(**ray_options(config, retries=ray_nodes.NODE_DEATH_RETRIES)):
                 future = runner.submit(train_on_node, {
                     "config": config, "samples": _abs(samples), "teacher": _abs(teacher),
                     "previous": _abs(previous), "out_checkpoint": _abs(out_checkpoint),
@@ -131,7 +131,7 @@ def placement(config: RunConfig) -> str:
 def trainer_resources(config: RunConfig) -> dict[str, float]:
     """The Ray resources the training task asks for: its CPUs, its GPUs, and a small share of
     the named node's own resource (which the node has 1 of)."""
-    from rollflow.cluster.ray_cluster import NODE_RESOURCE_PREFIX
+    from rollflow.cluster.ray_nodes import NODE_RESOURCE_PREFIX
 
     c = config.cluster
     wanted = {"CPU": float(c.trainer_cpus)}
@@ -159,7 +159,7 @@ def unplaceable(config: RunConfig) -> str | None:
     """Why no live node of the cluster can run the training task (None: one can)."""
     import ray
 
-    from rollflow.cluster.ray_cluster import NODE_RESOURCE_PREFIX
+    from rollflow.cluster.ray_nodes import NODE_RESOURCE_PREFIX
 
     wanted = trainer_resources(config)
     alive = [info.get("Resources", {}) for info in ray.nodes() if info["Alive"]]

@@ -44,9 +44,10 @@ from rollflow.envs.agent import PolicyAction, PolicySession
 from rollflow.envs.types import Message, ToolSpec
 from rollflow.generators.checkpoints import prune_checkpoints, reading_versions
 from rollflow.generators.generator import GeneratorFault, RestartBudget
+from rollflow.generators.managed_server import ServerHost
 from rollflow.generators.policy_io import ActingPolicy, step_checkpoint
 from rollflow.generators.run_generator import open_generator as open_run_generator
-from rollflow.generators.vllm_generator import ServerHost, VLLMGenerator
+from rollflow.generators.vllm_generator import VLLMGenerator
 from rollflow.policy.vllm_admin import VLLMPolicyError
 from rollflow.policy.vllm_backend import VLLMPolicy
 from rollflow.storage.parquet import temporary_path

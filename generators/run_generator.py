@@ -13,7 +13,8 @@ from contextlib import contextmanager
 from rollflow.config.run import RunConfig
 from rollflow.generators.generator import Generator, LocalGenerator, openai_generator
 from rollflow.generators.lending import lent_generator
-from rollflow.generators.vllm_generator import ServerHost, start_vllm_generator
+from rollflow.generators.managed_server import ServerHost
+from rollflow.generators.vllm_generator import start_vllm_generator
 from rollflow.storage.runfolder import RunFolder
 
 

@@ -19,12 +19,10 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol
 
-import httpx
 from transformers import PreTrainedTokenizerBase
 
 from rollflow.config.parsing import ConfigError
@@ -38,6 +36,7 @@ from rollflow.generators.generator import (
     run_adapter_prefix,
     sampling_settings,
 )
+from rollflow.generators.managed_server import ManagedServer, ServerHost, server_fault
 from rollflow.generators.models import base_model_ref
 from rollflow.policy.models import ModelRef, hf_model_folder, load_tokenizer, stop_token_ids
 from rollflow.policy.procs import fault_point
@@ -49,43 +48,9 @@ from rollflow.policy.vllm_spec import VLLMServerSpec, lora_rank_limit
 from rollflow.policy.vllm_weights import merge_adapter, untied_serving_folder
 from rollflow.storage.runfolder import RunFolder
 
-class ManagedServer(Protocol):
-    """What the generator asks of a managed server: ``VLLMServer``, or a replica's handle on
-    a cluster node (``cluster/ray_replicas.RemoteServer``)."""
-
-    spec: VLLMServerSpec
-    log_path: Path | None
-    startup_s: float | None
-    restarts: int
-
-    @property
-    def base_url(self) -> str: ...
-
-    @property
-    def running(self) -> bool: ...
-
-    def start(self) -> Any: ...
-
-    def spawn(self) -> Any: ...
-
-    def wait_ready(self) -> Any: ...
-
-    def restart(self, reason: str, *, log_path: Path | None = None) -> Any: ...
-
-    def stop(self) -> None: ...
-
-    def describe_exit(self) -> str: ...
-
-    def log_tail(self) -> str: ...
-
-
-# Starts the managed servers of ``specs`` (their logs, the startup timeout) somewhere else
-ServerHost = Callable[[Sequence[VLLMServerSpec], Sequence["Path | None"], float], Sequence[ManagedServer]]
-
 SERVED_MODEL_NAME = "policy"
 VLLM_LOG = Path("logs") / "vllm-server.log"
 SERVING_DIR = "serving"  # <run>/serving/policy-v{N}-merged: the version a server reloaded
-HEALTH_TIMEOUT_S = 10.0
 
 
 # ---------------------------------------------------------------- vLLM
@@ -405,31 +370,3 @@ def managed_policy(
     )  # fmt: skip
     policy.connect(check_logprobs_mode=False)  # our flags: processed logprobs
     return policy
-
-
-def server_fault(server: ManagedServer | None, base_urls: Sequence[str]) -> GeneratorFault | None:
-    """Why ``server`` (managed) or the user's ``base_urls`` (``server`` None) cannot sample."""
-    if server is None:
-        for url in base_urls:
-            problem = _health_problem(url)
-            if problem is not None:
-                return GeneratorFault(url, problem, managed=False)
-        return None
-    url = base_urls[0]
-    problem = None if server.running else server.describe_exit()
-    problem = problem or _health_problem(url)
-    if problem is None:
-        return None
-    return GeneratorFault(url, problem, managed=True, log_path=server.log_path, log_tail=server.log_tail())
-
-
-def _health_problem(base_url: str) -> str | None:
-    """None when ``GET /health`` answers 200, else what went wrong."""
-    url = base_url.removesuffix("/v1") + "/health"
-    try:
-        response = httpx.get(url, timeout=HEALTH_TIMEOUT_S)
-    except httpx.HTTPError as error:
-        return f"stopped answering (GET {url}: {type(error).__name__}: {error})"
-    if response.status_code != 200:
-        return f"is unhealthy (GET {url} answered HTTP {response.status_code})"
-    return None

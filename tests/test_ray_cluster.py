@@ -25,13 +25,8 @@ import pytest
 pytest.importorskip("prefect_ray")
 
 from prefect import flow, task
-from rollflow.cluster.ray_cluster import (
-    MARK_ENV,
-    ClusterError,
-    LocalRayCluster,
-    remote_options_on,
-    task_runner,
-)
+from rollflow.cluster.ray_cluster import MARK_ENV, LocalRayCluster
+from rollflow.cluster.ray_nodes import ClusterError, remote_options_on, task_runner
 from rollflow.storage.parquet import write_bytes_atomic
 
 TESTS = Path(__file__).resolve().parent
@@ -100,7 +95,7 @@ def where_am_i(label: str) -> dict[str, str]:
 @flow
 def placed_on_each_node(node_ids: dict[str, str], resources: dict[str, str]) -> list[dict[str, str]]:
     from prefect_ray.context import remote_options
-    from rollflow.cluster.ray_cluster import RayNode
+    from rollflow.cluster.ray_nodes import RayNode
 
     futures = []
     for name, node_id in node_ids.items():
@@ -136,7 +131,7 @@ def rollout_chunk(index: int, folder: str, hold_s: float) -> str:
 def chunks_over_nodes(node_ids: dict[str, str], folder: str, first_on: str) -> dict[str, object]:
     from prefect.runtime import flow_run
     from prefect_ray.context import remote_options
-    from rollflow.cluster.ray_cluster import RayNode
+    from rollflow.cluster.ray_nodes import RayNode
 
     futures = []
     for index in range(3):

@@ -37,7 +37,7 @@ pytest.importorskip("prefect_ray")
 from test_ray_cluster import cluster_processes, session_of, two_node_cluster
 from tiny_run import REPO, build_vllm_tiny_model
 
-from rollflow.cluster import ray_cluster
+from rollflow.cluster import ray_nodes
 from rollflow.cluster.ray_cluster import LocalRayCluster
 from rollflow.cluster.ray_rollout import node_import_env
 from rollflow.config.cluster import ClusterConfig
@@ -300,7 +300,7 @@ def test_a_chunk_ray_gives_up_on_fails_the_stage_by_name_and_the_resume_replays_
     base_config: RunConfig, managed: VLLMGenerator, cluster: LocalRayCluster, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    monkeypatch.setattr(ray_cluster, "NODE_DEATH_RETRIES", 0)
+    monkeypatch.setattr(ray_nodes, "NODE_DEATH_RETRIES", 0)
     error = _run_with_the_worker_killed(cluster, base_config, tmp_path, "ray::rollout-chunk")
     message = str(error)
     assert type(error).__name__ == "RolloutChunkError", message
@@ -312,7 +312,7 @@ def test_a_chunk_ray_gives_up_on_fails_the_stage_by_name_and_the_resume_replays_
     assert sorted(p.name for p in folder.part_paths(0, "episodes", "train")) == ["part-00001.parquet"]
     assert len(kept) == 2, "validation's chunk and the head's training chunk are kept"
 
-    monkeypatch.setattr(ray_cluster, "NODE_DEATH_RETRIES", 1)
+    monkeypatch.setattr(ray_nodes, "NODE_DEATH_RETRIES", 1)
     _train(base_config, tmp_path, run_dir=folder.root)
     stages = _assert_every_episode_once(folder)
     for part, identity in kept.items():
