@@ -209,8 +209,10 @@ def fixed_batch(path: Path, config: RunConfig, tasks: int, episodes: int) -> lis
 def run_leg(leg: str, config: RunConfig, batch: list[SampleRecord], out: Path) -> None:
     """One timed update; writes seconds, tokens/s, peak RSS, logprobs and gradient to ``out``."""
     padding_mask, shared_prefix, bfloat16 = LEGS[leg]
-    if bfloat16:
-        config = dataclasses.replace(config, train=dataclasses.replace(config.train, compute_dtype="bfloat16"))
+    # Each leg sets the forwards' dtype itself, whatever the config says (the learning
+    # config's is bfloat16 since run 5): the float32 legs are the exact paths.
+    compute_dtype = "bfloat16" if bfloat16 else "float32"
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, compute_dtype=compute_dtype))
     model, tokenizer = load_policy(config)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     settings = dataclasses.replace(UpdateSettings.from_config(config, pad), padding_mask=padding_mask,
