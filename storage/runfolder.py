@@ -26,8 +26,9 @@ the right records for the right step, never over a finished output).
 
 Simplified: steps count from 0; a step is trained once its ``train.json`` exists (the
 train stage commits its checkpoint first, then writes ``train.json``) and finished once
-its ``metrics.json`` does (``step_finished``, the one definition every reader uses). One process writes a run at a time; ``storage/runlock.py``
-holds the folder, nothing here locks it.
+its ``metrics.json`` does (``step_finished``, the one definition every reader uses). One
+process writes a run at a time; ``storage/runlock.py`` holds the folder, nothing here
+locks it.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ class RunStatus:
     finished_steps: int
     last_finished_step: int | None
     next_step: int
-    stopped_stage: str | None  # the first stage of next_step that is not complete ("metrics": only metrics.json)
+    stopped_stage: str  # the first stage of next_step not complete ("metrics": only metrics.json)
     latest_checkpoint: int | None
     temporaries: int  # half-written leftovers a resume would discard
     updated: float  # newest modification time in the folder, seconds since the epoch
@@ -66,7 +66,7 @@ class RunStatus:
         if self.complete:
             return f"complete ({self.finished_steps} steps)"
         planned = f" of {self.num_steps}" if self.num_steps is not None else ""
-        where = f"step {self.next_step}{planned}, stage {self.stopped_stage or 'episodes'}"
+        where = f"step {self.next_step}{planned}, stage {self.stopped_stage}"
         return f"in progress or failed at {where}"
 
 
@@ -141,7 +141,7 @@ def resume_summary(root: Path | str) -> str:
     found = f"found {s.finished_steps}{planned} steps trained, {checkpoint}"
     if s.complete:
         return f"{found}; only validation not yet written is left"
-    stage = s.stopped_stage or STAGES["train"][0]
+    stage = s.stopped_stage
     order = (*STAGES["train"], METRICS_STAGE)
     kept = order[: order.index(stage)]
     return f"{found}; continuing at step {s.next_step} from its {stage} stage" + (

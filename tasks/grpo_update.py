@@ -25,12 +25,12 @@ sampled, and the PPO clip against that stale sampler alone is what peers found u
 ``tis`` (the default in async runs and for bfloat16 forwards) takes the PPO ratio against
 the trainer's own policy at the start of the step (the proximal policy) and weights each
 token by ``min(exp(prox_logp - sampler_logp), off_policy_cap)``; ``mask`` zeroes the tokens
-whose ratio leaves ``[1/cap, cap]``; ``none`` (the lockstep default) is the uncorrected loss. The proximal logprobs cost nothing with one minibatch (the
-step's forward, detached); with K > 1 they are one extra no-grad forward over the trained
-samples before the first optimizer step, packed as the training forwards are. Every step
-reports the sampler/trainer mismatch (k3 of ``prox_logp - sampler_logp``, under ``none``
-against the policy at the start of each optimizer step), the mean weight and the share of
-tokens truncated or masked.
+whose ratio leaves ``[1/cap, cap]``; ``none`` (the lockstep default) is the uncorrected
+loss. The proximal logprobs cost nothing with one minibatch (the step's forward, detached);
+with K > 1 they are one extra no-grad forward over the trained samples before the first
+optimizer step, packed as the training forwards are. Every step reports the sampler/trainer
+mismatch (k3 of ``prox_logp - sampler_logp``, under ``none`` against the policy at the start
+of each optimizer step), the mean weight and the share of tokens truncated or masked.
 
 The train stage (``tasks/train.py``) loads the policy and its KL reference, calls
 ``grpo_update`` once per step and writes the checkpoint.
