@@ -116,9 +116,8 @@ def play_backfill_rounds(config: RunConfig, plan: StagePlan, step: int, player: 
     groups, played as without backfill): while fewer than ``batch_size`` groups have
     reward variance and rounds remain, draw tasks not yet drawn this step
     (``backfill_tasks``: seeded by (seed, step, round), weighted by the curriculum when
-    on), as many as are missing rounded up to whole chunks (a chunk is one generation
-    batch of ``concurrency`` episodes, so a part-filled one leaves room unused), and play
-    them as further chunks with their own indices and seeds.
+    on), as many as ``backfill_draw`` sizes from what is missing and the step's rate so
+    far, and play them as further chunks with their own indices and seeds.
 
     Every decision is recomputed from the part files, so a stage resumed after a kill
     takes the same rounds and replays only the missing chunks. A round that overshoots
@@ -137,7 +136,7 @@ def play_backfill_rounds(config: RunConfig, plan: StagePlan, step: int, player: 
         missing = batch_size - varied
         if missing <= 0:
             break
-        count = -(-missing // plan.groups_per_chunk) * plan.groups_per_chunk
+        count = backfill_draw(missing, varied, next_group, plan.groups_per_chunk)
         fresh = backfill_tasks(items, drawn, count, config.train.seed, step, round_, plan.weights)
         if not fresh:
             break
@@ -152,6 +151,19 @@ def play_backfill_rounds(config: RunConfig, plan: StagePlan, step: int, player: 
         added.extend(fresh)
         next_index, next_group, rounds = next_index + len(extra), next_group + len(fresh), round_
     return BackfillOutcome(rounds, len(added), varied, added)
+
+
+def backfill_draw(missing: int, varied: int, played: int, per_chunk: int) -> int:
+    """How many tasks a backfill round draws to find ``missing`` groups with variance: as
+    many as the step's rate so far (``varied`` of the ``played`` groups) says it takes,
+    ``missing * played / varied`` rounded up, and never more than ``missing`` rounded up to
+    whole chunks of ``per_chunk`` groups (all of that when nothing has varied yet). A
+    round drawn short is made up by the next; one drawn to whole chunks would play a
+    chunk of groups (e.g. 12 for 1 missing) to fill a step that lacks one or two."""
+    whole = -(-missing // per_chunk) * per_chunk
+    if varied <= 0:
+        return whole
+    return min(whole, -(-missing * played // varied))
 
 
 def write_plan(

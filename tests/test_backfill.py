@@ -24,6 +24,7 @@ from rollflow.storage.query import open_run_sql, run_query
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.metrics import rollout_metrics
 from rollflow.tasks.rollout import rollout_stage
+from rollflow.tasks.rollout_plan import backfill_draw
 from rollflow.tasks.schedule import chunk_seed
 from rollflow.tasks.scoring import score_stage
 
@@ -84,6 +85,38 @@ def test_an_overshoot_is_scored_but_only_the_first_batch_size_varied_groups_trai
     varied = [number for number, _, v, _, _ in found if v]
     assert len(varied) == BATCH + 1
     assert [number for number, _, _, trained, _ in found if trained] == varied[:BATCH]
+
+
+def test_a_round_draws_what_is_missing_at_the_steps_rate_not_a_whole_chunk(tmp_path: Path) -> None:
+    # four groups a chunk (concurrency 8); seed 3 puts the one task that never varies in
+    # the first round, so one group is missing: at 3 of 4 groups varied, a round of two
+    # tasks is expected to find it, where a whole chunk would play four
+    cfg = RunConfig(
+        env=EnvConfig(name="difficulty_env:load_environment", kwargs={"mixed": 7, "passing": 1, "failing": 0}),
+        rollout=RolloutConfig(batch_size=BATCH, episodes_per_task=2, concurrency=8, backfill_rounds=2),
+        train=TrainConfig(dynamic_sampling=True, seed=3),
+        tracking=TrackingConfig(enabled=False),
+    )
+    found = groups(play(tmp_path / "run", cfg))
+    assert [varied for _, _, varied, _, _ in found[:BATCH]].count(False) == 1
+    assert len(found) == BATCH + 2
+    metrics = rollout_metrics(tmp_path / "run", 0, "train")
+    assert (metrics["rollout/backfill_rounds"], metrics["rollout/backfill_groups"]) == (1, 2)
+
+
+@pytest.mark.parametrize(
+    ("missing", "varied", "played", "per_chunk", "drawn"),
+    [
+        (1, 7, 8, 12, 2),  # 7 of 8 varied: 8/7 rounded up, not a chunk of 12
+        (3, 5, 8, 12, 5),  # 4.8 rounded up
+        (2, 6, 8, 12, 3),
+        (8, 0, 8, 12, 12),  # nothing varied yet: the whole chunk
+        (5, 1, 8, 4, 8),  # 40 expected, capped at two whole chunks
+        (1, 4, 4, 2, 1),  # every group varied so far: just the one
+    ],
+)
+def test_the_backfill_draw_size(missing: int, varied: int, played: int, per_chunk: int, drawn: int) -> None:
+    assert backfill_draw(missing, varied, played, per_chunk) == drawn
 
 
 def test_the_rounds_limit_is_honoured_when_no_task_varies(tmp_path: Path) -> None:
