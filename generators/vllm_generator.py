@@ -182,10 +182,8 @@ class VLLMGenerator:
         # What was held, as far as its folders are left (pruned ones: the next policy_for loads
         # anew); the live replicas hold it already, the fresh ones get it now
         self.adapters = {v: folder for v, folder in self.adapters.items() if folder.is_dir()}
-        live = {name: folder for name, folder in old._loaded.items() if folder.is_dir()}
-        self.policy._loaded, self.policy.adapter_name = dict(live), old.adapter_name if old.adapter_name in live else None
-        for name, folder in live.items():
-            self.policy.add_adapter(folder, name, only=fresh)
+        live = {name: folder for name, folder in old.held_adapters().items() if folder.is_dir()}
+        self.policy.adopt_adapters(live, old.adapter_name if old.adapter_name in live else None, only=fresh)
         if self.weights is not None and not self.weights[1].is_dir():
             self.weights = None  # the fresh servers hold their spec's own weights
             if len(fresh) < len(self.servers):  # and so must the live ones

@@ -70,7 +70,7 @@ import dataclasses
 import itertools
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -239,6 +239,18 @@ class VLLMPolicy(TokenPolicy):
         for url in self.base_urls:
             load_lora(url, name, adapter)
         self._loaded[name] = adapter
+
+    def held_adapters(self) -> dict[str, Path]:
+        """The adapters loaded on every server: name -> folder."""
+        return dict(self._loaded)
+
+    def adopt_adapters(self, held: Mapping[str, Path], acting: str | None, *, only: Sequence[str]) -> None:
+        """Hold ``held`` (another policy's ``held_adapters``, on the same servers) and act
+        with ``acting`` among them; load them on the servers ``only`` names (replicas
+        restarted empty; the others hold them already)."""
+        self._loaded, self.adapter_name = dict(held), acting
+        for name, folder in held.items():
+            self.add_adapter(folder, name, only=only)
 
     def remove_adapter(self, name: str) -> None:
         """Unload adapter ``name`` (no request may still name it)."""

@@ -55,7 +55,7 @@ class FakePolicy:
         self.settings = None
         self.stats = None
         self.adapter_name: str | None = None
-        self._loaded: dict[str, Path] = {}  # what VLLMGenerator.restart carries over
+        self._loaded: dict[str, Path] = {}  # what VLLMGenerator.restart carries over (held_adapters)
         self.base_urls = (DEAD_URL,)
         self.calls: list[tuple[object, ...]] = []
         self.reload_started = threading.Event()
@@ -64,6 +64,14 @@ class FakePolicy:
 
     def add_adapter(self, adapter_dir: Path, name: str, *, only: object = None) -> None:
         self.calls.append(("add", name, Path(adapter_dir)))
+
+    def held_adapters(self) -> dict[str, Path]:
+        return dict(self._loaded)
+
+    def adopt_adapters(self, held: dict[str, Path], acting: str | None, *, only: object) -> None:
+        self._loaded, self.adapter_name = dict(held), acting
+        for name, folder in held.items():
+            self.add_adapter(folder, name, only=only)
 
     def remove_adapter(self, name: str) -> None:
         self.calls.append(("remove", name))
