@@ -127,6 +127,7 @@ def scaling(root: Path, tiny_model: Path | None) -> None:
     """The ``--scaling`` legs (see the module docstring)."""
     from rollflow.cluster.ray_rollout import rollout_cluster
     from rollflow.generators.run_generator import open_generator
+    from rollflow.generators.policy_io import acting_policy
     from rollflow.tasks.rollout import rollout_stage
     from rollflow.tasks.rollout_plan import stage_plan
 
@@ -146,7 +147,7 @@ def scaling(root: Path, tiny_model: Path | None) -> None:
                 for attempt in ("warm-up", "timed"):
                     folder = RunFolder(root / f"{name.replace(' ', '-')}-{attempt}")
                     started = time.perf_counter()
-                    rollout_stage(leg, folder.step_paths(0).episodes, 0, "train", generator, fan_out)
+                    rollout_stage(leg, folder.step_paths(0).episodes, 0, "train", acting_policy(leg, generator, None), fan_out)
                     if attempt == "timed":
                         seconds[name] = time.perf_counter() - started
             print(f"{name}: {seconds[name]:.1f} s", file=sys.stderr, flush=True)

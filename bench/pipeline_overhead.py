@@ -52,6 +52,9 @@ from rollflow.flows.runs import open_run  # noqa: E402
 from rollflow.flows.runs import validation_due  # noqa: E402
 from rollflow.flows.step import run_once, run_stage  # noqa: E402
 from rollflow.flows.train import train_flow  # noqa: E402
+from rollflow.generators.generator import Generator  # noqa: E402
+from rollflow.generators.policy_io import acting_policy  # noqa: E402
+from rollflow.generators.run_generator import open_generator  # noqa: E402
 from rollflow.policy.models import build_tiny_model  # noqa: E402
 from rollflow.storage.runfolder import RunFolder  # noqa: E402
 from rollflow.tasks.flatten import flatten_stage  # noqa: E402
@@ -89,28 +92,30 @@ def bench_config(workdir: Path, steps: int, bundled: bool) -> RunConfig:
 def plain_training(config_path: Path, run_dir: Path) -> None:
     """``rollflow.flows.train.run_training`` without Prefect: the stage functions in the same order."""
     handle = open_run(config_path, run_dir)
-    config, root = handle.config, handle.root
-    for step in range(config.train.num_steps):
-        if validation_due(config, step):
-            plain_validation(config, root, step)
-        folder, p = handle.folder, handle.folder.step_paths(step)
-        stage = partial(run_stage, folder, step)
-        episodes = stage("rollout", p.episodes, partial(rollout_stage, config, p.episodes, step))
-        scores = stage("scoring", p.scores, partial(score_stage, config, episodes, p.scores))
-        samples = stage("flatten", p.samples, partial(flatten_stage, episodes, scores, p.samples))
-        previous = folder.checkpoint_before(step)
-        stage("train", p.train_json,
-              partial(train_stage, config, samples, None, previous, p.checkpoint, p.train_json))
-        run_once(p.metrics_json, partial(metrics_stage, config, root, step))
-    if validation_due(config, config.train.num_steps):
-        plain_validation(config, root, config.train.num_steps)
+    config, folder = handle.config, handle.folder
+    with open_generator(config, folder, versions_in_flight=1) as generator:
+        for step in range(config.train.num_steps):
+            if validation_due(config, step):
+                plain_validation(config, folder, step, generator)
+            p, previous = folder.step_paths(step), folder.checkpoint_before(step)
+            play = partial(rollout_stage, config, p.episodes, step, "train")
+            episodes = run_stage(folder, step, "rollout", lambda out: play(acting_policy(config, generator, previous)), out=p.episodes)
+            scores = run_stage(folder, step, "scoring", score_stage, config, episodes, out=p.scores)
+            samples = run_stage(folder, step, "flatten", flatten_stage, episodes, scores, out=p.samples)
+            train = partial(train_stage, config, samples, None, previous)
+            run_stage(folder, step, "train", lambda out, out_result: train(out, out_result),
+                      out=p.checkpoint, out_result=p.train_json)  # fmt: skip
+            run_once(metrics_stage, config, folder, p, out=p.metrics_json)
+        if validation_due(config, config.train.num_steps):
+            plain_validation(config, folder, config.train.num_steps, generator)
 
 
-def plain_validation(config: RunConfig, root: Path, step: int) -> None:
-    p = RunFolder(root).step_paths(step, "validation")
-    episodes = run_once(p.episodes, partial(rollout_stage, config, p.episodes, step, "validation"))
-    run_once(p.scores, partial(score_stage, config, episodes, p.scores))
-    run_once(p.metrics_json, partial(validation_metrics_stage, config, root, step))
+def plain_validation(config: RunConfig, folder: RunFolder, step: int, generator: Generator) -> None:
+    p = folder.step_paths(step, "validation")
+    play = partial(rollout_stage, config, p.episodes, step, "validation")
+    episodes = run_once(lambda out: play(acting_policy(config, generator, folder.checkpoint_before(step))), out=p.episodes)
+    run_once(score_stage, config, episodes, out=p.scores)
+    run_once(validation_metrics_stage, config, folder, p, out=p.metrics_json)
 
 
 @flow(name="rollflow-bench-warmup")

@@ -56,8 +56,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the parent process imports neither torch nor rollflow's stages
-    from rollflow.envs.agent import Policy
     from rollflow.generators.generator import Generator
+    from rollflow.generators.policy_io import ActingPolicy
     from rollflow.storage.runfolder import RunFolder
     from rollflow.config.run import RunConfig
 
@@ -193,12 +193,12 @@ def open_engine(config: RunConfig, folder: RunFolder) -> Iterator[Generator]:
             yield engine
 
 
-def play(config: RunConfig, run_dir: Path, source: Generator | Policy | None = None) -> Path:
-    """Step 0's train rollout of ``run_dir`` (``source``: what acts: a generator or a policy)."""
+def play(config: RunConfig, run_dir: Path, acting: ActingPolicy) -> Path:
+    """Step 0's train rollout of ``run_dir``, acting with ``acting``."""
     from rollflow.storage.runfolder import RunFolder
     from rollflow.tasks.rollout import rollout_stage
 
-    return rollout_stage(config, RunFolder(run_dir).step_paths(0).episodes, 0, source=source)
+    return rollout_stage(config, RunFolder(run_dir).step_paths(0).episodes, 0, "train", acting)
 
 
 def step_episodes(run_dir: Path) -> list[Any]:
@@ -232,6 +232,7 @@ def reset_prefix_cache(engine: object) -> None:
 
 
 def run_leg(leg: Leg, workdir: Path, quick: bool, repeat: int) -> LegResult:
+    from rollflow.generators.policy_io import ActingPolicy, acting_policy
     from rollflow.generators.run_generator import open_generator
     from rollflow.policy.models import build_tiny_model
     from rollflow.storage.runfolder import RunFolder
@@ -246,20 +247,20 @@ def run_leg(leg: Leg, workdir: Path, quick: bool, repeat: int) -> LegResult:
     warm_dir, step_dir = workdir / "warm-up", workdir / "step"
     started = time.monotonic()
     with open_engine(config, RunFolder(warm_dir)) as engine:
-        play(warmup_config(config), warm_dir, engine)
+        play(warmup_config(config), warm_dir, acting_policy(warmup_config(config), engine, None))
         reset_prefix_cache(engine)  # the warm-up's prompts leave nothing for the step to hit
         start_s = time.monotonic() - started
         started = time.monotonic()
         with open_generator(config, RunFolder(step_dir), versions_in_flight=1) as engine:  # the lent one, for vLLM
             policy = engine.policy_for(0, None)  # version 0: base, or base + [model].adapter
             publish_s = time.monotonic() - started
-            source = None
+            acting = acting_policy(config, engine, None)  # version 0
             if leg.backend == "transformers":
                 policy.settings = dataclasses.replace(policy.settings, kv_reuse=leg.kv_reuse)
-                source = policy
+                acting = ActingPolicy.fixed(policy)
             before = server_times(engine)
             started = time.monotonic()
-            play(config, step_dir, source)
+            play(config, step_dir, acting)
             rollout_s = time.monotonic() - started
             after = server_times(engine)
     episodes = step_episodes(step_dir)

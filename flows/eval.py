@@ -47,7 +47,8 @@ from rollflow.config.run import RunConfig
 from rollflow.flows.concurrency import one_training_at_a_time
 from rollflow.flows.eval_config import EvalOverrides, checked_eval_config
 from rollflow.flows.runs import freeze_config
-from rollflow.flows.train import validate
+from rollflow.flows.step import validate
+from rollflow.generators.run_generator import open_generator
 from rollflow.storage.pass_at_k import overall_pass_at_k
 from rollflow.storage.query import open_run_sql
 from rollflow.storage.step_metrics import step_metrics
@@ -115,8 +116,10 @@ def eval_flow(
     start_tracking(config, folder.root)
     succeeded = False
     try:
-        with one_training_at_a_time(f"eval {folder.root.name}"):
-            validate(config, folder.root, EVAL_STEP)
+        with one_training_at_a_time(f"eval {folder.root.name}"), open_generator(
+            config, folder, versions_in_flight=1
+        ) as generator:
+            validate(config, folder.root, EVAL_STEP, generator)
         succeeded = True
     finally:
         finish_tracking(config, folder.root, succeeded)

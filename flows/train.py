@@ -36,60 +36,23 @@ the curve is (``ops/run_summary.py``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from functools import partial
-from pathlib import Path
 
 from prefect import flow
-from prefect.utilities.annotations import quote
 
 from rollflow.cluster.ray_replicas import replica_host
 from rollflow.cluster.run_cluster import run_cluster
-from rollflow.config.run import RunConfig
-from rollflow.envs.agent import Policy
 from rollflow.flows.concurrency import one_training_at_a_time
 from rollflow.flows.runs import RunHandle, open_run, validation_due
-from rollflow.flows.step import (
-    admitted_from,
-    grpo_step,
-    replaying_failed_episodes,
-    rollout,
-    rollout_from,
-    run_once,
-    scoring,
-    validation_metrics,
-)
+from rollflow.flows.step import admitted_from, grpo_step, rollout_from, validate
 from rollflow.generators.async_generator import open_async_generator
 from rollflow.generators.cpu_split import async_cpu_split, trainer_threads
-from rollflow.generators.generator import Generator
-from rollflow.generators.policy_io import ActingPolicy
 from rollflow.generators.run_generator import open_generator
-from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.stage_outputs import finished_output
 from rollflow.tasks.collect import Publisher, RolloutWorkers, write_collector_report
-from rollflow.tasks.metrics import step_advice, step_outcome, validation_outcome
-from rollflow.tasks.rollout import ChunkFanOut
+from rollflow.tasks.metrics import step_advice, step_outcome
 from rollflow.ops.run_summary import learning_summary
 from rollflow.tasks.teacher import check_teacher
 from rollflow.tasks.tracking import finish_tracking, start_tracking
-
-
-def validate(
-    config: RunConfig, run_dir: Path, step: int, policy: Generator | Policy | ActingPolicy | None = None,
-    fan_out: ChunkFanOut | None = None, report: Callable[[str], None] | None = None,
-) -> None:
-    """Validation before ``step``, acting with ``policy``: the run's generator (lockstep),
-    a policy pinned to the version (async: ``pinned_for_validation``), or None (the stage
-    opens a generator for itself); on a Ray cluster where ``fan_out`` is given. ``report``
-    gets the pass's line (reward, pass rate, errors, overflows, tool errors), as a step's."""
-    folder = RunFolder(run_dir)
-    p = folder.step_paths(step, "validation")
-    play = partial(rollout, config, p.episodes, step, "validation", quote(policy), quote(fan_out))
-    episodes = run_once(p.episodes, play)
-    with replaying_failed_episodes(folder, p):
-        run_once(p.scores, partial(scoring, config, episodes, p.scores, step, "validation"))
-    run_once(p.metrics_json, partial(validation_metrics, config, run_dir, step))
-    if report is not None:
-        report(f"validation at step {step}: {validation_outcome(folder, step)}")
 
 
 def report_step(handle: RunHandle, step: int, line: str) -> None:
@@ -137,9 +100,10 @@ def run_training(handle: RunHandle) -> None:
     check_teacher(handle.config)  # a teacher with another tokenizer is refused before any rollout
     config, last = handle.config, handle.config.train.num_steps
     if handle.next_step() == last:  # trained: at most the last validation is left
-        if validation_due(config, last):
-            # what is done is not run again; no generator opened
-            validate(config, handle.root, last, report=handle.report)
+        validated = finished_output(handle.folder.step_paths(last, "validation").metrics_json) is not None
+        if validation_due(config, last) and not validated:  # else no generator opened
+            with open_generator(config, handle.folder, versions_in_flight=1) as generator:
+                validate(config, handle.root, last, generator, report=handle.report)
         return
     if config.rollout.max_steps_off_policy is not None:
         run_async_training(handle)
@@ -189,12 +153,12 @@ def run_async_training(handle: RunHandle) -> None:
             for step in range(first, last):
                 if validation_due(config, step):
                     publisher.join()
-                    validate(config, root, step, generator.pinned_for_validation(step), report=handle.report)
+                    validate(config, root, step, generator, report=handle.report)
                 grpo_step(handle, step, admitted_from(config, workers), publish=publisher.publish, trainer=trainer)
                 report_step(handle, step, f"step {step} done ({step + 1} of {last}, async): {step_outcome(folder, step)}")
             publisher.join()
             if validation_due(config, last):
-                validate(config, root, last, generator.pinned_for_validation(last), report=handle.report)
+                validate(config, root, last, generator, report=handle.report)
         finally:
             workers.stop()
             publisher.join(quiet=True)

@@ -48,7 +48,8 @@ and replay the work, at most ``MAX_GENERATOR_RESTARTS`` times per budget; an ext
 server raises ``GeneratorError`` naming its URL.
 
 Who holds it: the training flow, for the whole run (``flows/train.py``), and the
-evaluation flow; a stage given none opens one for itself (``open_policy``). A caller that
+evaluation flow (``flows/eval.py``); a stage is handed the policy it acts with
+(``generators/policy_io.acting_policy``) and never opens one. A caller that
 runs several flows or stages in a row can lend them one vLLM generator
 (``rollflow.generators.lending.lend``): a server holds gigabytes and is slow to
 start, so a test module or a notebook starts it once.
@@ -110,10 +111,15 @@ class Watched(Protocol):
     def restart(self, reason: str) -> None: ...
 
 
-class Generator(Watched, Protocol):
-    """What samples the run's policy versions (see the module docstring)."""
+class Sampler(Watched, Protocol):
+    """What an acting policy samples on (``generators/policy_io.ActingPolicy``): a run's
+    generator, or an async run's (``AsyncGenerator``, which pins each version it is asked for)."""
 
     def policy_for(self, version: int, checkpoint: Path | None) -> Policy: ...
+
+
+class Generator(Sampler, Protocol):
+    """What samples the run's policy versions (see the module docstring)."""
 
     def publish(self, version: int, checkpoint: Path) -> None: ...
 

@@ -1,35 +1,30 @@
-"""The acting policy of a step: a generator's policy for the checkpoint the step acts with.
+"""The acting policy of a stage: a generator's policy for the checkpoint the stage acts with.
 
 Shared by the stages that play episodes (rollout for training and validation, and the
 evaluation flow); not a stage itself. Step ``s`` acts with the newest checkpoint written
-before it (policy version ``s`` in a lockstep run), or the base model at step 0
-(``step_checkpoint``).
+before it (policy version ``s`` in a lockstep run), or the base model at step 0: the
+checkpoint the step's train stage starts from too (``RunFolder.checkpoint_before``).
 
-``open_policy(config, folder, step, source)`` asks ``source`` (a ``Generator``,
-``rollflow.generators.generator``) for that version's policy and binds the two in an
-``ActingPolicy``, which the rollout stage asks after each chunk whether the generator
-still samples (``fault``) and has restart it (``restart``: the same version again on a
-fresh server). ``source`` may also be a plain ``Policy`` (tests, the Python API: wrapped
-in a ``FixedGenerator``, nothing to watch), or an ``ActingPolicy`` already bound (an async
-run's validation, ``AsyncGenerator.pinned_for_validation``). With no ``source`` the
-stage opens the backend's generator for itself (``open_generator``: a vLLM one lent by the
-caller, else a new server, stopped when the stage ends); ``"openai"`` is evaluation only,
+The flow builds the policy a stage acts with: ``acting_policy(config, generator,
+checkpoint)`` asks the flow's generator (a ``Sampler``, ``rollflow.generators.generator``)
+for that checkpoint's version and binds the two in an ``ActingPolicy``, which the rollout
+stage asks after each chunk whether the generator still samples (``fault``) and has
+restart it (``restart``: the same version again on a fresh server). A plain ``Policy``
+(tests, the Python API) acts as ``ActingPolicy.fixed(policy)``: nothing to watch. A stage
+never opens a generator (or starts a server) for itself; ``"openai"`` is evaluation only,
 and ``rollflow train`` refuses it (``config/checks.check_training_backend``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from rollflow.config.parsing import ConfigError
 from rollflow.config.run import RunConfig
 from rollflow.envs.agent import Policy
-from rollflow.generators.checkpoints import Checkpoint, CheckpointError, latest_checkpoint
-from rollflow.generators.generator import FixedGenerator, Generator, GeneratorError, GeneratorFault
-from rollflow.generators.run_generator import open_generator
+from rollflow.generators.checkpoints import Checkpoint, CheckpointError, latest_checkpoint, read_checkpoint
+from rollflow.generators.generator import FixedGenerator, Generator, GeneratorError, GeneratorFault, Sampler
 from rollflow.storage.runfolder import RunFolder
 
 
@@ -42,9 +37,14 @@ class ActingPolicy:
     """
 
     policy: Policy
-    generator: Generator | None = None
+    generator: Sampler | None = None
     version: int = 0
     checkpoint: Path | None = None
+
+    @classmethod
+    def fixed(cls, policy: Policy) -> ActingPolicy:
+        """A policy of the caller's own (a test's, the Python API's): nothing to watch or restart."""
+        return cls(policy, FixedGenerator(policy), getattr(policy, "version", 0))
 
     def reseed(self, seed: int) -> None:
         reseed = getattr(self.policy, "reseed", None)
@@ -63,30 +63,17 @@ class ActingPolicy:
         self.policy = self.generator.policy_for(self.version, self.checkpoint)
 
 
-@contextmanager
-def open_policy(
-    config: RunConfig, folder: RunFolder | None, step: int, source: Generator | Policy | ActingPolicy | None = None
-) -> Iterator[ActingPolicy]:
-    """The policy that acts at ``step``, from ``source`` (see the module docstring)."""
-    if isinstance(source, ActingPolicy):
-        yield source
-        return
-    if source is not None and not hasattr(source, "policy_for"):  # a plain policy
-        yield ActingPolicy(source, FixedGenerator(source), getattr(source, "version", 0))
-        return
-    checkpoint = step_checkpoint(folder, step)
-    if config.rollout.base_urls and checkpoint is not None and not checkpoint.use_lora:
+def acting_policy(config: RunConfig, generator: Sampler, checkpoint: Path | None) -> ActingPolicy:
+    """``generator``'s policy acting as ``checkpoint``'s version (None: the run's start,
+    version 0), bound to it (see the module docstring)."""
+    found = read_checkpoint(checkpoint) if checkpoint is not None else None
+    if config.rollout.base_urls and found is not None and not found.use_lora:
         raise ConfigError(
             "[rollout].base_urls: full-weight checkpoints cannot reach external vLLM servers; "
             "train with [train].use_lora = true, or leave base_urls empty for a managed server"
         )
-    version = 0 if checkpoint is None else checkpoint.policy_version
-    path = None if checkpoint is None else checkpoint.path
-    if source is not None:
-        yield ActingPolicy(source.policy_for(version, path), source, version, path)
-        return
-    with open_generator(config, folder, versions_in_flight=1) as generator:
-        yield ActingPolicy(generator.policy_for(version, path), generator, version, path)
+    version = 0 if found is None else found.policy_version
+    return ActingPolicy(generator.policy_for(version, checkpoint), generator, version, checkpoint)
 
 
 def step_policy(generator: Generator, folder: RunFolder | None, step: int) -> Policy:

@@ -258,7 +258,10 @@ class RunFolder(CheckpointFolders):
         )
 
     def read_train_result(self, step: int) -> TrainResult:
-        path = self.stage_path(step, "train")
+        return self.read_train_json(self.stage_path(step, "train"))
+
+    def read_train_json(self, path: Path) -> TrainResult:
+        """The ``TrainResult`` in the ``train.json`` at ``path``."""
         data = self.read_json(path)
         try:
             return train_result_from_json(data)

@@ -70,6 +70,26 @@ def write_output(table: pa.Table, out: Path) -> Path:
     return where.folder.write_stage(table, where.step, where.stage, where.split)
 
 
+def write_output_part(table: pa.Table, out: Path, index: int) -> Path:
+    """Write part ``index`` of a sharded output at ``out`` (its parts folder), checked as
+    ``RunFolder.write_stage_part`` checks."""
+    where = _parts_folder(out)
+    return where.folder.write_stage_part(table, where.step, where.stage, index, where.split)
+
+
+def seal_output(out: Path) -> Path:
+    """Seal the sharded output at ``out`` (its parts 0..n-1 complete); returns ``out``."""
+    where = _parts_folder(out)
+    return where.folder.seal_stage(where.step, where.stage, where.split)
+
+
+def _parts_folder(out: Path) -> OutputLocation:
+    where = locate_output(out)
+    if where.folder.parts_dir(where.step, where.stage, where.split) != Path(out).absolute():
+        raise ValueError(f"{out}: a sharded {where.stage} output is a folder of parts, {where.stage}/")
+    return where
+
+
 def read_output(path: Path) -> pa.Table:
     """A finished stage output (one file or a sealed folder of parts), its records checked."""
     where = locate_output(path)

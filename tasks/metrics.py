@@ -34,7 +34,7 @@ from rollflow.storage.async_groups import async_step_metrics
 from rollflow.storage.parquet import write_bytes_atomic
 from rollflow.storage.query import open_run_sql, run_query
 from rollflow.storage.records import TrainResult
-from rollflow.storage.runfolder import OPTIONAL_TIMED_STAGES, TIMED_STAGES, RunFolder
+from rollflow.storage.runfolder import OPTIONAL_TIMED_STAGES, TIMED_STAGES, RunFolder, StepPaths
 from rollflow.storage.step_metrics import step_metrics, task_passes, teacher_metrics
 from rollflow.storage.transcript import render_episode
 from rollflow.tasks.schedule import rollout_plan_path
@@ -164,17 +164,20 @@ def time_metrics(folder: RunFolder, step: int) -> dict[str, float]:
     return metrics
 
 
-def metrics_stage(config: RunConfig, run_dir: Path, step: int) -> Path:
-    """Gather, log and write the step's metrics; returns the ``metrics.json`` path."""
-    folder = RunFolder(run_dir)
-    path = folder.step_paths(step).metrics_json
-    metrics = rollout_metrics(run_dir, step, "train")
-    metrics.update(teacher_step_metrics(run_dir, step))
-    metrics.update(optim_metrics(folder.read_train_result(step)))
-    metrics.update(time_metrics(folder, step))
-    metrics.update(async_step_metrics(folder, step))
-    log_step(config, folder, step, metrics)
-    return folder.write_json_atomic(path, _json_safe(metrics))
+def metrics_stage(config: RunConfig, folder: RunFolder, p: StepPaths, out: Path) -> Path:
+    """Gather, log and write training step ``p.step``'s metrics into ``out`` (its
+    ``metrics.json``); returns ``out``.
+
+    Reads the step's episodes, scores and teacher scores through ``folder``'s SQL views
+    (``rollflow sql``'s, which span the run), its ``p.train_json``, its stage times and an
+    async step's admission; logs to the run's MLflow run (``tasks/tracking.py``)."""
+    metrics = rollout_metrics(folder.root, p.step, "train")
+    metrics.update(teacher_step_metrics(folder.root, p.step))
+    metrics.update(optim_metrics(folder.read_train_json(p.train_json)))
+    metrics.update(time_metrics(folder, p.step))
+    metrics.update(async_step_metrics(folder, p.step))
+    log_step(config, folder, p.step, metrics)
+    return folder.write_json_atomic(out, _json_safe(metrics))
 
 
 def step_outcome(folder: RunFolder, step: int) -> str:
@@ -192,16 +195,16 @@ def validation_outcome(folder: RunFolder, step: int) -> str:
     return validation_summary(folder.read_json(folder.step_paths(step, "validation").metrics_json))
 
 
-def validation_metrics_stage(config: RunConfig, run_dir: Path, step: int) -> Path:
-    """Log the validation pass of ``step``, a few of its transcripts (best and worst) as text and
-    as MLflow traces (``storage/traces.py``)."""
-    folder = RunFolder(run_dir)
-    path = folder.step_paths(step, "validation").metrics_json
-    metrics = {f"val/{key}": value for key, value in rollout_metrics(run_dir, step, "validation").items()}
-    transcripts = write_sample_transcripts(folder, step)
-    log_step(config, folder, step, metrics, artifacts=[transcripts])
-    log_traces(config, folder, step)
-    return folder.write_json_atomic(path, _json_safe(metrics))
+def validation_metrics_stage(config: RunConfig, folder: RunFolder, p: StepPaths, out: Path) -> Path:
+    """Log the validation pass ``p`` (its episodes and scores, through ``folder``'s SQL
+    views), a few of its transcripts (best and worst) as text and as MLflow traces
+    (``storage/traces.py``); writes the numbers into ``out`` (its ``metrics.json``) and
+    returns it."""
+    metrics = {f"val/{key}": value for key, value in rollout_metrics(folder.root, p.step, p.split).items()}
+    transcripts = write_sample_transcripts(folder, p.step)
+    log_step(config, folder, p.step, metrics, artifacts=[transcripts])
+    log_traces(config, folder, p.step)
+    return folder.write_json_atomic(out, _json_safe(metrics))
 
 
 def write_sample_transcripts(folder: RunFolder, step: int, count: int = SAMPLE_TRANSCRIPTS) -> Path:

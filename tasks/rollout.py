@@ -68,13 +68,13 @@ from rollflow.envs.runner import play_groups
 from rollflow.envs.tracebacks import keeping_tracebacks
 from rollflow.envs.types import Split
 from rollflow.generators.generator import Generator, RestartBudget
-from rollflow.generators.policy_io import ActingPolicy, open_policy
+from rollflow.generators.policy_io import ActingPolicy
 from rollflow.storage.errors import StageExistsError
-from rollflow.storage.parquet import part_index, part_path, read_table
+from rollflow.storage.parquet import list_parts, part_index, part_path, read_table
 from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import episode_records_to_table, table_to_episode_records
-from rollflow.storage.stage_outputs import locate_output
+from rollflow.storage.stage_outputs import locate_output, seal_output, write_output_part
 from rollflow.tasks.rollout_plan import Chunk, StagePlan, first_round, play_backfill_rounds, stage_plan, write_plan
 from rollflow.tasks.schedule import chunk_seed
 from rollflow.tasks.shaping import ScoringSettings, groups_with_variance, score_groups
@@ -84,31 +84,27 @@ PROGRESS_EVERY_S = 15.0
 
 
 def rollout_stage(
-    config: RunConfig, out: Path, step: int, split: str = "train",
-    source: Generator | Policy | ActingPolicy | None = None, fan_out: ChunkFanOut | None = None,
+    config: RunConfig, out: Path, step: int, split: str, acting: ActingPolicy, fan_out: ChunkFanOut | None = None,
 ) -> Path:
-    """Play step ``step``'s ``split`` episodes into ``out`` (the step's episodes folder, part by
-    part); returns it sealed. ``source`` is what acts: a generator (asked for the step's
-    version), a policy, or None (a generator opened for the stage; ``open_policy``).
-    ``fan_out`` (a Ray cluster's, ``cluster/ray_rollout.py``) plays the missing chunks on the
-    cluster's nodes instead of in this process; None: here, one chunk after another."""
-    folder = locate_output(out).folder
-    if Path(out).absolute() != folder.parts_dir(step, "episodes", split):
-        raise ValueError(f"{out} is not the episodes folder of {split} step {step}")
+    """Play step ``step``'s ``split`` episodes with ``acting`` (the policy version the step
+    samples, built by the flow: ``generators/policy_io.acting_policy``) into ``out`` (a
+    folder of part files, one per chunk); returns ``out`` sealed. ``fan_out`` (a Ray
+    cluster's, ``cluster/ray_rollout.py``) plays the missing chunks on the cluster's nodes
+    instead of in this process; None: here, one chunk after another."""
+    folder = locate_output(out).folder  # the run whose plan, curriculum and errors.jsonl the step shares
     plan = stage_plan(config, step, split, folder)
-    written = {part_index(p) for p in folder.part_paths(step, "episodes", split)}
-    with open_policy(config, folder, step, source) as acting:
-        if fan_out is not None:
-            missing = [index for index in range(len(plan.chunks)) if index not in written]
-            fan_out.play_chunks(config, folder, step, split, plan, missing, acting, _Restarts().budget)
-            backfill = None  # refused on a cluster (config/checks.py, check_task_schedule)
-        else:
-            player = _ChunkPlayer(config, folder, step, split, plan, acting, written)
-            player.play(first_round(plan), len(plan.chunks))
-            backfill = (play_backfill_rounds(config, plan, step, player)
-                        if split == "train" and config.rollout.backfill_rounds > 0 else None)
+    written = {part_index(p) for p in list_parts(out)}
+    if fan_out is not None:
+        missing = [index for index in range(len(plan.chunks)) if index not in written]
+        fan_out.play_chunks(config, folder, step, split, plan, missing, acting, _Restarts().budget)
+        backfill = None  # refused on a cluster (config/checks.py, check_task_schedule)
+    else:
+        player = _ChunkPlayer(config, folder, out, step, split, plan, acting, written)
+        player.play(first_round(plan), len(plan.chunks))
+        backfill = (play_backfill_rounds(config, plan, step, player)
+                    if split == "train" and config.rollout.backfill_rounds > 0 else None)
     write_plan(config, folder, step, split, plan, backfill)
-    return folder.seal_stage(step, "episodes", split)
+    return seal_output(out)
 
 
 class _ChunkPlayer:
@@ -116,10 +112,10 @@ class _ChunkPlayer:
     whose part is already written is skipped (a resumed stage replays only what is missing)."""
 
     def __init__(
-        self, config: RunConfig, folder: RunFolder, step: int, split: str, plan: StagePlan,
+        self, config: RunConfig, folder: RunFolder, out: Path, step: int, split: str, plan: StagePlan,
         acting: ActingPolicy, written: set[int | None],
     ) -> None:
-        self.config, self.folder, self.step, self.split, self.plan = config, folder, step, split, plan
+        self.config, self.folder, self.out, self.step, self.split, self.plan = config, folder, out, step, split, plan
         self.acting, self.written = acting, written
         self.restarts = _Restarts()
         self.started = time.perf_counter()
@@ -142,7 +138,7 @@ class _ChunkPlayer:
                     break
             records = _chunk_records(folder.run_id, step, split, chunk.first_group, chunk.items, rollouts_GE)
             _keep_errors(folder, step, split, records, tracebacks)
-            folder.write_stage_part(episode_records_to_table(records), step, "episodes", chunk.index, split)
+            write_output_part(episode_records_to_table(records), self.out, chunk.index)
             self.written.add(chunk.index)
             _progress(f"{split} step {step}{what}", number, total, self.started)
 
@@ -150,10 +146,9 @@ class _ChunkPlayer:
         """How many of ``chunks``' groups have reward variance, as scoring will decide
         (``tasks/shaping.py``), read back from their part files: the same numbers whether
         this process played them or a process that died did."""
-        parts_dir = self.folder.parts_dir(self.step, "episodes", self.split)
         episodes = [
             record for chunk in chunks
-            for record in table_to_episode_records(read_table(part_path(parts_dir, chunk.index)))
+            for record in table_to_episode_records(read_table(part_path(self.out, chunk.index)))
         ]
         scores = asyncio.run(score_groups(self.plan.handle, self.split, episodes, self.config.rollout.concurrency))
         return sum(groups_with_variance(episodes, scores, ScoringSettings.from_config(self.config)).values())

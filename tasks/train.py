@@ -114,7 +114,7 @@ def train_stage(
     out_checkpoint: Path, out_result: Path, *, node: str | None = None, prune: bool = True,
 ) -> Path:
     """Train on ``samples`` from checkpoint ``previous``; commits ``out_checkpoint``, then
-    writes ``out_result`` (``train.json``) and returns its path. ``node``: the Ray node this
+    writes ``out_result`` (``train.json``), and returns the checkpoint: the next version. ``node``: the Ray node this
     runs on (``cluster/ray_trainer.py``), recorded in the result. ``prune``: delete the
     checkpoints the run no longer needs afterwards; a stage run in another process than the
     run's generator passes False and leaves it to the driver, the only process that knows
@@ -131,10 +131,10 @@ def train_stage(
     if Path(out_checkpoint).absolute() != folder.checkpoint_dir(step):
         raise ValueError(f"step {step} commits its checkpoint at {folder.checkpoint_dir(step)}, not {out_checkpoint}")
     if out_checkpoint.is_dir():  # committed whole (renamed into place), train.json not yet written
-        path = folder.write_train_result(checkpoint_train_result(read_checkpoint(out_checkpoint)))
+        folder.write_train_result(checkpoint_train_result(read_checkpoint(out_checkpoint)))
         if prune:
             prune_checkpoints(folder, config.train.keep_checkpoints)
-        return path
+        return out_checkpoint
     timings: dict[str, float] = {}
     clock = time.perf_counter()
     start = read_checkpoint(previous) if previous is not None else None
@@ -152,10 +152,10 @@ def train_stage(
     version = (start.policy_version if start else 0) + 1
     result = _train_result(folder.run_id, step, version, config, stats, timings, node)
     save_checkpoint(folder, model, tokenizer, optimizer, result, config.train.use_lora)
-    path = folder.write_train_result(result)
+    folder.write_train_result(result)
     if prune:
         prune_checkpoints(folder, config.train.keep_checkpoints)
-    return path
+    return out_checkpoint
 
 
 def _restore_or_seed(

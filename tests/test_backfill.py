@@ -19,6 +19,7 @@ from rollflow.config.parsing import ConfigError
 from rollflow.config.rollout import RolloutConfig
 from rollflow.config.run import EnvConfig, RunConfig, TrackingConfig
 from rollflow.config.train import TrainConfig
+from rollflow.generators.policy_io import ActingPolicy
 from rollflow.storage.parquet import COMPLETE_MARKER, part_path
 from rollflow.storage.query import open_run_sql, run_query
 from rollflow.storage.runfolder import RunFolder
@@ -46,7 +47,7 @@ def play(run_dir: Path, cfg: RunConfig, policy: SeededPolicy | None = None) -> R
     """Step 0 played and scored."""
     folder = RunFolder(run_dir)
     paths = folder.step_paths(0)
-    episodes = rollout_stage(cfg, paths.episodes, 0, "train", policy or SeededPolicy())
+    episodes = rollout_stage(cfg, paths.episodes, 0, "train", ActingPolicy.fixed(policy or SeededPolicy()))
     score_stage(cfg, episodes, paths.scores)
     return folder
 
@@ -162,7 +163,7 @@ def test_a_killed_rollout_replays_only_its_missing_chunks_to_the_same_episodes(
     assert chunks > killed_after + 1  # the kill leaves chunks to replay
     folder = RunFolder(tmp_path / "killed")
     with pytest.raises(Killed):
-        rollout_stage(cfg, folder.step_paths(0).episodes, 0, "train", DyingPolicy(killed_after))
+        rollout_stage(cfg, folder.step_paths(0).episodes, 0, "train", ActingPolicy.fixed(DyingPolicy(killed_after)))
     assert len(folder.part_paths(0, "episodes")) == killed_after
     resumed = SeededPolicy()
     play(tmp_path / "killed", cfg, resumed)

@@ -17,6 +17,7 @@ from rollflow.config.run import EnvConfig, RunConfig, TrackingConfig
 from rollflow.config.train import TrainConfig
 from rollflow.envs.handle import TaskItem
 from rollflow.envs.types import TaskExample
+from rollflow.generators.policy_io import ActingPolicy
 from rollflow.storage.query import open_run_sql, run_query
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.curriculum import curriculum_weights, task_weight
@@ -44,7 +45,7 @@ def play_steps(run_dir: Path, steps: int, cfg: RunConfig) -> RunFolder:
     folder = RunFolder(run_dir)
     for step in range(steps):
         paths = folder.step_paths(step)
-        score_stage(cfg, rollout_stage(cfg, paths.episodes, step, "train", SeededPolicy()), paths.scores)
+        score_stage(cfg, rollout_stage(cfg, paths.episodes, step, "train", ActingPolicy.fixed(SeededPolicy())), paths.scores)
     return folder
 
 

@@ -16,6 +16,7 @@ from rollflow.config.parsing import ConfigError
 from rollflow.config.rollout import RolloutConfig
 from rollflow.config.run import EnvConfig, RunConfig, ValidationConfig
 from rollflow.envs.scripted import constant_policy
+from rollflow.generators.policy_io import ActingPolicy
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.rollout import rollout_stage
 
@@ -37,7 +38,7 @@ def _config(env: EnvConfig, max_turns: int | None = None, val_max_turns: int | N
 
 def _turns(config: RunConfig, run_dir: Path, split: str = "train") -> list[int]:
     """Turns of each episode of step 0, played by a policy that never guesses right."""
-    rollout_stage(config, RunFolder(run_dir).step_paths(0, split).episodes, 0, split, constant_policy("0"))
+    rollout_stage(config, RunFolder(run_dir).step_paths(0, split).episodes, 0, split, ActingPolicy.fixed(constant_policy("0")))
     episodes = RunFolder(run_dir).read_stage(0, "episodes", split)
     assert set(episodes.column("truncation_cause").to_pylist()) == {"max_turns"}
     return pc.cast(episodes.column("turns"), "int64").to_pylist()
@@ -59,11 +60,11 @@ def test_max_turns_when_set_caps_the_hook_envs_budget_and_never_raises_it(tmp_pa
 
 def test_an_async_env_without_max_turns_is_a_config_error_naming_the_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"\[rollout\]\.max_turns"):
-        rollout_stage(_config(CALCULATOR), RunFolder(tmp_path / "run").step_paths(0, "train").episodes, 0, "train", constant_policy("0"))
+        rollout_stage(_config(CALCULATOR), RunFolder(tmp_path / "run").step_paths(0, "train").episodes, 0, "train", ActingPolicy.fixed(constant_policy("0")))
     with pytest.raises(ConfigError, match=r"\[validation\]\.val_max_turns or \[rollout\]\.max_turns"):
-        rollout_stage(_config(CALCULATOR), RunFolder(tmp_path / "run").step_paths(0, "validation").episodes, 0, "validation", constant_policy("0"))
+        rollout_stage(_config(CALCULATOR), RunFolder(tmp_path / "run").step_paths(0, "validation").episodes, 0, "validation", ActingPolicy.fixed(constant_policy("0")))
     assert not (tmp_path / "run").exists() or not RunFolder(tmp_path / "run").part_paths(0, "episodes")
-    rollout_stage(_config(CALCULATOR, max_turns=2), RunFolder(tmp_path / "ok").step_paths(0, "train").episodes, 0, "train", constant_policy("0"))
+    rollout_stage(_config(CALCULATOR, max_turns=2), RunFolder(tmp_path / "ok").step_paths(0, "train").episodes, 0, "train", ActingPolicy.fixed(constant_policy("0")))
 
 
 def test_val_max_turns_falls_back_to_max_turns_and_then_to_none() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -128,7 +127,7 @@ def test_flatten_stage_writes_samples_of_trained_episodes_only(tmp_path: Path) -
     assert sample.input_ids == (1, 2, 3, 4, 5, 6) and sample.loss_mask == (0, 0, 1, 1, 0, 1)
     assert sample.advantages == (0.0, 0.0, 0.25, 0.25, 0.0, 0.25)
     assert sample.sampler_logprobs == pytest.approx((0.0, 0.0, -0.1, -0.2, 0.0, -0.1))
-    assert run_once(p.samples, partial(flatten_stage, p.admitted, p.scores, p.samples)) == path  # finished: returned as is
+    assert run_once(flatten_stage, p.admitted, p.scores, out=p.samples) == path  # finished: returned as is
 
 
 def test_flatten_stage_with_nothing_to_train_writes_an_empty_table(tmp_path: Path) -> None:

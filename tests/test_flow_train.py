@@ -22,7 +22,7 @@ from rollflow.flows.runs import RunSetupError, open_run
 from rollflow.flows.train import train_flow
 from rollflow.storage.errors import ConfigMismatchError
 from rollflow.storage.query import open_run_sql, run_query
-from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.runfolder import RunFolder, StepPaths
 from rollflow.storage.schemas import table_to_episode_records
 from rollflow.storage.stage_outputs import locate_output
 from rollflow.storage.tracking import RunTracker
@@ -100,8 +100,9 @@ def test_rerunning_a_finished_run_changes_nothing(uninterrupted: Path) -> None:
 
 
 def stage_step(args: tuple) -> int:
-    """The step a stage call works on: its ``step`` argument, else its output path's step."""
-    steps = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
+    """The step a stage call works on: its ``step`` argument or paths, else its output path's step."""
+    steps = [a.step if isinstance(a, StepPaths) else a for a in args
+             if isinstance(a, StepPaths) or (isinstance(a, int) and not isinstance(a, bool))]
     return steps[0] if steps else locate_output(args[-1]).step
 
 
@@ -176,6 +177,8 @@ def test_a_stop_request_mid_rollout_records_no_episode_and_the_rollout_replays(
     """SIGTERM's flag, raised mid-decoding: no episode is recorded as failed, nothing is written."""
     import rollflow.policy.generation as generation
     from rollflow.policy.stopping import StopRequested, clear_stop, request_stop
+    from rollflow.generators.policy_io import acting_policy
+    from rollflow.generators.run_generator import open_generator
     from rollflow.tasks.rollout import rollout_stage
 
     handle = open_run(tiny_config_path, tmp_path / "run")
@@ -192,13 +195,14 @@ def test_a_stop_request_mid_rollout_records_no_episode_and_the_rollout_replays(
 
     with monkeypatch.context() as patch:
         patch.setattr(generation, "draw_tokens", draw_then_stop)
-        with pytest.raises(StopRequested):
-            rollout_stage(handle.config, out, 0)
+        with pytest.raises(StopRequested), open_generator(handle.config, handle.folder, versions_in_flight=1) as generator:
+            rollout_stage(handle.config, out, 0, "train", acting_policy(handle.config, generator, None))
     assert draws == 5
     assert handle.folder.part_paths(0, "episodes", "train") == []
     assert not handle.folder.is_complete(0, "episodes", "train")
     clear_stop()
-    rollout_stage(handle.config, out, 0)
+    with open_generator(handle.config, handle.folder, versions_in_flight=1) as generator:
+        rollout_stage(handle.config, out, 0, "train", acting_policy(handle.config, generator, None))
     episodes = table_to_episode_records(handle.folder.read_stage(0, "episodes"))
     assert len(episodes) == 4 and all(e.rollout.error is None for e in episodes)
 

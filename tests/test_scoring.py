@@ -7,7 +7,6 @@ import json
 import math
 import re
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -210,7 +209,7 @@ def test_score_stage_scores_each_group_once_and_writes_scores(tmp_path: Path, sp
     assert [r.episode_id for r in records] == [e.episode_id for e in eps]
     assert [r.final_reward for r in records] == pytest.approx([1.0, 0.0, 1.0, -0.1])
     assert [r.passed for r in records] == [True, False, True, False]
-    assert run_once(p.scores, partial(score_stage, config, p.admitted, p.scores)) == path  # finished: not scored again
+    assert run_once(score_stage, config, p.admitted, out=p.scores) == path  # finished: not scored again
     assert AnswerEnv.group_calls == 2
 
 

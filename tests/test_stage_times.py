@@ -114,4 +114,4 @@ def test_a_stage_times_file_that_is_not_stage_to_seconds_is_refused_by_path(tmp_
     with pytest.raises(SchemaMismatchError, match=re.escape(f"{path}: expected stage name -> seconds")):
         recorded_stage_seconds(folder, 0)
     with pytest.raises(ValueError, match="stages are \\['rollout', 'scoring', 'flatten', 'train', 'teacher'\\], got 'metrics'"):
-        run_stage(folder, 0, "metrics", path, lambda: path)
+        run_stage(folder, 0, "metrics", lambda out: out, out=path)

@@ -88,15 +88,15 @@ def test_run_stage_skips_a_finished_output_and_times_only_a_real_run(tmp_path: P
     p = folder.step_paths(0)
     runs: list[Path] = []
 
-    def write() -> Path:
+    def write(out: Path) -> Path:  # the episodes out stands for, written whole (an admission)
         runs.append(p.admitted)
         return write_output(episode_records_to_table(_episodes(0)), p.admitted)
 
-    assert run_stage(folder, 0, "rollout", p.episodes, write) == p.admitted
+    assert run_stage(folder, 0, "rollout", write, out=p.episodes) == p.admitted
     recorded = folder.stage_seconds(0)
     assert list(recorded) == ["rollout"] and recorded["rollout"] > 0
-    assert run_stage(folder, 0, "rollout", p.episodes, write) == p.admitted  # finished: not run again
+    assert run_stage(folder, 0, "rollout", write, out=p.episodes) == p.admitted  # finished: not run again
     assert runs == [p.admitted] and folder.stage_seconds(0) == recorded
-    assert run_once(p.metrics_json, lambda: folder.write_json_atomic(p.metrics_json, {"n": 1})) == p.metrics_json
-    assert run_once(p.metrics_json, partial(pytest.fail, "metrics.json exists")) == p.metrics_json
+    assert run_once(lambda out: folder.write_json_atomic(out, {"n": 1}), out=p.metrics_json) == p.metrics_json
+    assert run_once(partial(pytest.fail, "metrics.json exists"), out=p.metrics_json) == p.metrics_json
     assert json.loads(p.metrics_json.read_text()) == {"n": 1}

@@ -18,6 +18,7 @@ from rollflow.config.rollout import RolloutConfig
 from rollflow.config.run import EnvConfig, RunConfig, TrackingConfig, ValidationConfig
 from rollflow.envs.scripted import ScriptedPolicy
 from rollflow.envs.types import Message
+from rollflow.generators.policy_io import ActingPolicy
 from rollflow.storage.parquet import read_table
 from rollflow.storage.query import describe_views, open_run_sql, run_query
 from rollflow.storage.runfolder import RunFolder
@@ -54,7 +55,7 @@ def play(run_dir: Path, bug: str, split: str = "train") -> RunFolder:
     """Step 0's ``split`` episodes played and scored."""
     folder = RunFolder(run_dir)
     paths = folder.step_paths(0, split)
-    episodes = rollout_stage(config(bug), paths.episodes, 0, split, ScriptedPolicy(script))
+    episodes = rollout_stage(config(bug), paths.episodes, 0, split, ActingPolicy.fixed(ScriptedPolicy(script)))
     score_stage(config(bug), episodes, paths.scores)
     return folder
 
@@ -106,7 +107,8 @@ def test_the_validation_line_counts_errors_and_tool_errors_and_the_pass_rate_cou
     tmp_path: Path,
 ) -> None:
     folder = play(tmp_path / "run", "dict", split="validation")
-    validation_metrics_stage(config("dict"), folder.root, 0)
+    p = folder.step_paths(0, "validation")
+    validation_metrics_stage(config("dict"), folder, p, p.metrics_json)
     metrics = folder.read_json(folder.step_paths(0, "validation").metrics_json)
     # lookup-0's two episodes errored (the broken tool), lookup-1's two passed: 2 of 4, not 2 of 2
     assert metrics["val/reward/pass_rate"] == 0.5

@@ -102,20 +102,26 @@ def _toml_dict(text: str) -> dict[str, object]:
 def test_a_base_url_that_does_not_answer_fails_before_any_episode(tmp_path: Path, tiny_model_dir: Path) -> None:
     from rollflow.policy.vllm_admin import VLLMPolicyError
     from rollflow.policy.vllm_server import free_port
+    from rollflow.generators.policy_io import acting_policy
+    from rollflow.generators.run_generator import open_generator
     from rollflow.storage.runfolder import RunFolder
     from rollflow.tasks.rollout import rollout_stage
 
     silent = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
     config = parse_config({"model": {"path": str(tiny_model_dir)}, "rollout": {"backend": "vllm", "base_urls": [silent]}})
+    folder = RunFolder(tmp_path / "run")
     with pytest.raises(VLLMPolicyError, match=f"{silent} does not answer"):
-        rollout_stage(config, RunFolder(tmp_path / "run").step_paths(0).episodes, 0)
+        with open_generator(config, folder, versions_in_flight=1) as generator:
+            rollout_stage(config, folder.step_paths(0).episodes, 0, "train", acting_policy(config, generator, None))
     assert not list((tmp_path / "run").rglob("*.parquet"))
 
 
 def test_full_weights_cannot_reach_external_servers(tmp_path: Path, tiny_model_dir: Path) -> None:
     import json
 
-    from rollflow.generators.policy_io import open_policy
+    from rollflow.envs.scripted import constant_policy
+    from rollflow.generators.generator import FixedGenerator
+    from rollflow.generators.policy_io import acting_policy
     from rollflow.storage.runfolder import RunFolder
 
     folder = RunFolder(tmp_path / "run")
@@ -128,8 +134,7 @@ def test_full_weights_cannot_reach_external_servers(tmp_path: Path, tiny_model_d
         "train": {"use_lora": False},
     })  # fmt: skip
     with pytest.raises(ConfigError, match="full-weight checkpoints cannot reach external vLLM servers"):
-        with open_policy(config, folder, 1):
-            pass
+        acting_policy(config, FixedGenerator(constant_policy("0")), folder.checkpoint_before(1))  # refused before it is asked
 
 
 # ---------------------------------------------------------------- what vLLM's CPU attention runs

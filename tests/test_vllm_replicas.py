@@ -26,6 +26,7 @@ from rollflow.config.rollout import RolloutConfig
 from rollflow.config.run import EnvConfig, ModelConfig, RunConfig
 from rollflow.config.train import TrainConfig
 from rollflow.generators.lending import lend
+from rollflow.generators.policy_io import acting_policy
 from rollflow.generators.run_generator import open_generator
 from rollflow.generators.vllm_generator import VLLMGenerator, replica_log, server_specs
 from rollflow.policy.models import build_tiny_model
@@ -36,6 +37,17 @@ from rollflow.tasks.rollout import rollout_stage
 
 MAX_LEN = 1024
 TOLERANCE = 1e-4  # tests/test_vllm_backend.py's: vLLM vs an HF forward pass on the tiny model
+
+
+def _play(config: RunConfig, folder: RunFolder, step: int, source: VLLMGenerator | None = None) -> Path:
+    """Step ``step``'s rollout acting with the checkpoint before it, on ``source`` or the
+    generator the flow would open (the one lent to this module)."""
+    if source is not None:
+        acting = acting_policy(config, source, folder.checkpoint_before(step))
+        return rollout_stage(config, folder.step_paths(step).episodes, step, "train", acting)
+    with open_generator(config, folder, versions_in_flight=1) as generator:
+        acting = acting_policy(config, generator, folder.checkpoint_before(step))
+        return rollout_stage(config, folder.step_paths(step).episodes, step, "train", acting)
 
 
 def _config(model_dir: Path | str, **rollout: object) -> RunConfig:
@@ -178,11 +190,11 @@ def test_episodes_are_dealt_to_both_replicas_and_each_serves_the_version_publish
     run_config: RunConfig, replicas: VLLMGenerator, model_dir: Path, adapter: Path, tmp_path: Path,
 ) -> None:  # fmt: skip
     folder = RunFolder(tmp_path / "run")
-    rollout_stage(run_config, folder.step_paths(0).episodes, 0)  # version 0: the base model
+    _play(run_config, folder, 0)  # version 0: the base model
     base = _episodes(folder, 0)
     assert {e.rollout.replica for e in base} == {0, 1}, "episodes were not dealt to both replicas"
     _commit_checkpoint(folder, 0, adapter, version=1)  # LoRA merged: reloaded in place on both
-    rollout_stage(run_config, folder.step_paths(1).episodes, 1)
+    _play(run_config, folder, 1)
     episodes = _episodes(folder, 1)
     assert len({e.episode_id for e in episodes}) == 8 and {e.rollout.error for e in episodes} == {None}
     assert {e.rollout.replica for e in episodes} == {0, 1}
@@ -224,7 +236,7 @@ def test_a_replica_killed_mid_stage_is_restarted_alone_with_the_version_the_othe
     restarts = [server.restarts for server in replicas.servers]
     killer = _ReplicaKiller(replicas, 1)
     killer.start()
-    rollout_stage(run_config, folder.step_paths(1).episodes, 1)
+    _play(run_config, folder, 1)
     killer.join(timeout=5)
     assert killer.killed_pid is not None, "the replica was never killed"
 

@@ -33,6 +33,7 @@ from rollflow.config.train import TrainConfig
 from rollflow.generators import generator
 from rollflow.generators.generator import GeneratorError
 from rollflow.generators.lending import lend
+from rollflow.generators.policy_io import acting_policy
 from rollflow.generators.run_generator import open_generator
 from rollflow.generators.vllm_generator import VLLM_LOG, VLLMGenerator
 from rollflow.policy import vllm_server
@@ -47,6 +48,17 @@ from rollflow.tasks.rollout import rollout_stage
 MAX_LEN = 1024
 LORA_RANK = 8
 TOLERANCE = 1e-4  # tests/test_vllm_backend.py's: vLLM vs an HF forward pass on the tiny model
+
+
+def _play(config: RunConfig, folder: RunFolder, step: int, source: VLLMGenerator | None = None) -> Path:
+    """Step ``step``'s rollout acting with the checkpoint before it, on ``source`` or the
+    generator the flow would open (the one lent to this module)."""
+    if source is not None:
+        acting = acting_policy(config, source, folder.checkpoint_before(step))
+        return rollout_stage(config, folder.step_paths(step).episodes, step, "train", acting)
+    with open_generator(config, folder, versions_in_flight=1) as generator:
+        acting = acting_policy(config, generator, folder.checkpoint_before(step))
+        return rollout_stage(config, folder.step_paths(step).episodes, step, "train", acting)
 
 
 # ---------------------------------------------------------------- the server manager (no vLLM)
@@ -249,14 +261,14 @@ def test_a_managed_server_killed_mid_rollout_is_restarted_and_the_chunk_replayed
         _commit_checkpoint(folder, 0, adapter, version=1)
 
     started = time.monotonic()
-    rollout_stage(run_config, runs["clean"].step_paths(1).episodes, 1)  # what a replay must equal
+    _play(run_config, runs["clean"], 1)  # what a replay must equal
     print(f"clean stage: {time.monotonic() - started:.1f} s", file=sys.__stderr__)
     first_server = managed.server
     assert first_server is not None and first_server.restarts == 0
     killer = _Killer(lambda: bool(runs["killed"].part_paths(1, "episodes")), _served(managed), _managed_group(managed))
     killer.start()
     started = time.monotonic()
-    rollout_stage(run_config, runs["killed"].step_paths(1).episodes, 1)
+    _play(run_config, runs["killed"], 1)
     killed_s = time.monotonic() - started
     killer.join(timeout=1)
     assert killer.killed_at is not None, "the killer never fired"
@@ -303,7 +315,7 @@ def test_a_server_that_keeps_dying_fails_the_stage_with_its_exit_and_log(
     killer = _Killer(lambda: True, _served(managed), _managed_group(managed))
     killer.start()
     with pytest.raises(GeneratorError) as caught:
-        rollout_stage(run_config, folder.step_paths(0).episodes, 0)
+        _play(run_config, folder, 0)
     message = str(caught.value)
     assert "chunk 1/2: " in message and "episodes errored and were not written" in message
     assert re.search(r"the managed vLLM server http://127\.0\.0\.1:\d+/v1 was killed by SIGKILL", message)
@@ -333,7 +345,7 @@ def test_an_external_server_that_dies_fails_the_stage_naming_its_url(
             killer = _Killer(lambda: True, _served(external), lambda: group)
             killer.start()
             with pytest.raises(GeneratorError) as caught:
-                rollout_stage(config, folder.step_paths(0).episodes, 0, source=external)
+                _play(config, folder, 0, external)
         message = str(caught.value)
         assert f"the vLLM server {server.base_url} stopped answering" in message
         assert "cannot restart a server it does not manage ([rollout].base_urls)" in message
@@ -359,7 +371,7 @@ def test_a_real_engine_that_dies_at_its_first_request_fails_the_stage_at_once_wi
     config = replace(run_config, model=ModelConfig(path=str(head_dim_16)))
     folder = RunFolder(tmp_path / "run")
     with pytest.raises(VLLMServerError) as caught:
-        rollout_stage(config, folder.step_paths(0).episodes, 0)
+        _play(config, folder, 0)
     assert caught.value.deterministic, str(caught.value)
     assert caught.value.fatal_line is not None
     assert "Unsupported CPU attention configuration: head_dim=16" in caught.value.fatal_line
