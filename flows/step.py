@@ -181,7 +181,7 @@ def grpo_step(
     """
     config, folder = handle.config, handle.folder
     p = folder.step_paths(step)
-    previous = folder.checkpoint_before(step)
+    previous = folder.starting_checkpoint(step)
     episodes = run_stage(folder, step, "rollout", episodes_from, step, previous, out=p.episodes)
     with replaying_failed_episodes(folder, p):
         scores = run_stage(folder, step, "scoring", scoring, config, episodes, out=p.scores)
@@ -210,7 +210,7 @@ def validate(
     folder = RunFolder(run_dir)
     p = folder.step_paths(step, "validation")
     play = rollout_from(config, generator, fan_out, split="validation")
-    episodes = run_once(play, step, folder.checkpoint_before(step), out=p.episodes)
+    episodes = run_once(play, step, folder.starting_checkpoint(step), out=p.episodes)
     with replaying_failed_episodes(folder, p):
         run_once(scoring, config, episodes, out=p.scores)
     run_once(validation_metrics, config, folder, p, out=p.metrics_json)

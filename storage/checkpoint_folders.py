@@ -3,8 +3,8 @@
 ``runs/<run_id>/checkpoints/step=000003/`` is the version step 3's training made. It is
 saved into a hidden temporary folder (``new_checkpoint_tmp``), every file fsynced, then
 renamed into place (``commit_checkpoint``), so a folder that exists is complete and a crash
-leaves only a temporary (``RunFolder.discard_temporaries`` removes it). ``checkpoint_before``
-is what a step trains on from. ``RunFolder`` (``storage/runfolder.py``) has these methods.
+leaves only a temporary (``RunFolder.discard_temporaries`` removes it). ``starting_checkpoint``
+is what a step samples with and trains from. ``RunFolder`` (``storage/runfolder.py``) has these methods.
 """
 
 from __future__ import annotations
@@ -62,6 +62,22 @@ class CheckpointFolders:
         trains on from (None: the run's start)."""
         found = [path for s, path in self.checkpoints() if s < step]
         return found[-1] if found else None
+
+    def starting_checkpoint(self, step: int) -> Path | None:
+        """The checkpoint training step ``step`` samples with and trains from: step - 1's
+        (None at step 0: the run's start). A ``StorageError`` naming the newest one found
+        when step - 1's is missing, since acting or training on an older version would
+        pass silently for the step's own. Once the step's own checkpoint is committed its
+        rollout and training are done, nothing starts from step - 1's any more, and
+        retention may have pruned it: then the newest before it, unchecked."""
+        previous = self.checkpoint_before(step)
+        if step > 0 and previous != self.checkpoint_dir(step - 1) and not self.checkpoint_dir(step).is_dir():
+            found = "none" if previous is None else previous.name
+            raise StorageError(
+                f"{self.root}: step {step} starts from the checkpoint of step {step - 1} "
+                f"({self.checkpoint_dir(step - 1)}), but the newest one before it is {found}"
+            )
+        return previous
 
 
 def _fsync_tree(folder: Path) -> None:

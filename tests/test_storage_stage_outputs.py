@@ -52,6 +52,25 @@ def test_a_step_is_finished_by_its_metrics_and_trains_on_from_the_checkpoint_bef
     assert folder.step_finished(0) and not folder.step_finished(1)
 
 
+def test_a_step_starts_from_the_checkpoint_of_the_step_before_or_is_refused_by_name(tmp_path: Path) -> None:
+    folder = RunFolder(tmp_path / "run")
+    assert folder.starting_checkpoint(0) is None
+    with pytest.raises(StorageError, match="step 1 starts from the checkpoint of step 0.*newest one before it is none"):
+        folder.starting_checkpoint(1)
+    for step in (0, 2):
+        folder.checkpoint_dir(step).mkdir(parents=True)
+    assert folder.starting_checkpoint(1) == folder.checkpoint_dir(0)
+    assert folder.starting_checkpoint(3) == folder.checkpoint_dir(2)
+    # step 2 acting or training on step 0's version would pass for step 1's: refused
+    folder.checkpoint_dir(2).rmdir()
+    with pytest.raises(StorageError, match="newest one before it is step=000000"):
+        folder.starting_checkpoint(2)
+    # a step whose own checkpoint is committed starts nothing more (retention may have
+    # pruned the one before it)
+    folder.checkpoint_dir(2).mkdir()
+    assert folder.starting_checkpoint(2) == folder.checkpoint_dir(0)
+
+
 def test_an_output_is_written_once_read_checked_and_either_form_of_episodes_counts(tmp_path: Path) -> None:
     folder = RunFolder(tmp_path / "run")
     p = folder.step_paths(1)
