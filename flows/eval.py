@@ -51,6 +51,7 @@ from rollflow.flows.step import validate
 from rollflow.generators.run_generator import open_generator
 from rollflow.storage.pass_at_k import overall_pass_at_k
 from rollflow.storage.query import open_run_sql
+from rollflow.storage.stage_outputs import finished_output
 from rollflow.storage.step_metrics import step_metrics
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.runs import mark_run_kind
@@ -116,10 +117,12 @@ def eval_flow(
     start_tracking(config, folder.root)
     succeeded = False
     try:
-        with one_training_at_a_time(f"eval {folder.root.name}"), open_generator(
-            config, folder, versions_in_flight=1
-        ) as generator:
-            validate(config, folder.root, EVAL_STEP, generator)
+        evaluated = finished_output(folder.step_paths(EVAL_STEP, "validation").metrics_json) is not None
+        if not evaluated:  # else what is done is not run again, and no generator (server) opened
+            with one_training_at_a_time(f"eval {folder.root.name}"), open_generator(
+                config, folder, versions_in_flight=1
+            ) as generator:
+                validate(config, folder.root, EVAL_STEP, generator)
         succeeded = True
     finally:
         finish_tracking(config, folder.root, succeeded)

@@ -119,6 +119,22 @@ def test_eval_writes_validation_tables_and_nothing_of_training(tiny_eval: Path, 
     assert all(a.token_ids for e in episodes if e.rollout.error is None for a in e.rollout.actions)
 
 
+@pytest.mark.slow
+def test_evaluating_a_finished_folder_again_opens_no_generator_and_changes_nothing(
+    tiny_eval: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = hand_count(tiny_eval)
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a finished evaluation opened a generator (with vLLM: a server)")
+
+    monkeypatch.setattr("rollflow.flows.eval.open_generator", refused)
+    repo = Path(__file__).resolve().parent.parent
+    again = eval_flow(config_path=str(repo / "configs" / "tiny.toml"), run_dir=str(tiny_eval),
+                      model=str(tiny_model_dir), num_tasks=3)
+    assert Path(again) == tiny_eval and hand_count(tiny_eval) == before
+
+
 def test_report_numbers_match_a_hand_count(tiny_eval: Path) -> None:
     report = eval_report(tiny_eval, worst=2)
     expected = hand_count(tiny_eval)
