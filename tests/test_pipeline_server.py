@@ -89,6 +89,18 @@ def server(module_server: PrefectServer) -> Iterator[PrefectServer]:
     assert left == [], f"the test left flow runs waiting or running (cancelled now): {left}"
 
 
+@pytest.fixture(scope="module")
+def deployed(module_server: PrefectServer) -> PrefectServer:
+    """prefect.yaml's work pool and its deployments, created once on the module's server by
+    the real commands (``prefect work-pool create``, ``prefect deploy --all``): each test that
+    runs a deployment triggers its own flow run with its own parameters, so the definitions
+    are shared like the server. Once instead of per test: a ``prefect deploy`` imports the
+    flows it deploys (docs/testing.md)."""
+    prefect(module_server, "work-pool", "create", POOL, "--type", "process", "--overwrite")
+    prefect(module_server, "deploy", "--no-prompt", "--all")
+    return module_server
+
+
 def tiny_pipeline(tmp_path: Path, model_dir: Path, name: str, num_steps: int) -> Path:
     from tiny_run import tiny_config_at
 
@@ -117,11 +129,9 @@ def kill_flow_run_processes(worker: subprocess.Popen[bytes]) -> int:
 
 
 def test_a_killed_pipeline_retried_from_prefect_resumes_its_folder(
-    server: PrefectServer, tiny_model_dir: Path, tmp_path: Path
+    deployed: PrefectServer, server: PrefectServer, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     config_path = tiny_pipeline(tmp_path, tiny_model_dir, "retry", num_steps=3)
-    prefect(server, "work-pool", "create", POOL, "--type", "process", "--overwrite")  # maybe made by a test before
-    prefect(server, "deploy", "--no-prompt", "--name", "nightly-pipeline")
     output = prefect(server, "deployment", "run", DEPLOYMENT, "--param", f"config_path={config_path}")
     match = re.search(r"UUID:\s*([0-9a-f-]{36})", output)
     assert match, output
@@ -217,7 +227,7 @@ def test_prefect_yaml_shares_one_pool_and_differs_only_in_parameters_and_schedul
 
 
 def test_nightly_training_deployment_runs_on_a_real_server(
-    server: PrefectServer, tiny_model_dir: Path, tmp_path: Path
+    deployed: PrefectServer, server: PrefectServer, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     config = load_config(REPO / "configs" / "tiny.toml")
     config = replace(
@@ -229,8 +239,7 @@ def test_nightly_training_deployment_runs_on_a_real_server(
     config_path = tmp_path / "tiny-nightly.toml"
     config_path.write_text(config_to_toml(config))
 
-    prefect(server, "work-pool", "create", POOL, "--type", "process", "--overwrite")  # maybe made by a test before
-    prefect(server, "deploy", "--no-prompt", "--all")
+    # prefect.yaml deployed by the module's ``deployed`` fixture (`prefect deploy --all`)
     evaluate = httpx.get(f"{server.api_url}/deployments/name/rollflow-eval/evaluate", timeout=30).json()
     assert evaluate["entrypoint"] == "flows/eval.py:eval_flow" and evaluate["schedules"] == []
     deployment = httpx.get(f"{server.api_url}/deployments/name/{TRAIN_DEPLOYMENT}", timeout=30).json()
