@@ -340,8 +340,9 @@ def start_vllm_generator(
 
 def start_together(servers: Sequence[ManagedServer]) -> None:
     """Start every server, the replicas at once: each spawned here (so that it dies with this
-    process, ``VLLMServer.spawn``), then all waited for together; the first failure raises
-    once every wait has ended (the caller stops them all)."""
+    process, ``VLLMServer.spawn``), then all waited for together. The first failure, or a
+    Ctrl-C or SIGTERM while they start, stops every server at once, so that the other waits
+    end now rather than at their start-up timeouts (minutes), and raises."""
     what = "the managed vLLM server" if len(servers) == 1 else f"{len(servers)} managed vLLM replicas"
     print(f"  vLLM: starting {what} (tens of seconds on a CPU)", file=sys.stderr, flush=True)
     for server in servers:
@@ -349,9 +350,16 @@ def start_together(servers: Sequence[ManagedServer]) -> None:
     if len(servers) == 1:
         servers[0].wait_ready()
     else:
-        with ThreadPoolExecutor(max_workers=len(servers), thread_name_prefix="vllm-start") as pool:
+        pool = ThreadPoolExecutor(max_workers=len(servers), thread_name_prefix="vllm-start")
+        try:
             for ready in [pool.submit(server.wait_ready) for server in servers]:
                 ready.result()
+        except BaseException:
+            for server in servers:
+                server.stop()
+            raise
+        finally:
+            pool.shutdown(wait=True)  # quick: every wait ends once its server is stopped
     slowest = max((t for t in (getattr(s, "startup_s", None) for s in servers) if t is not None), default=None)
     print("  vLLM: serving" + (f" after {slowest:.1f} s" if slowest is not None else ""), file=sys.stderr, flush=True)
 

@@ -276,10 +276,11 @@ class VLLMServer:
         )  # fmt: skip
 
     def _wait_healthy(self, started: float) -> None:
-        assert self._process is not None
+        process = self._process  # its own: another thread's stop() clears the field
+        assert process is not None
         url = f"http://{self.spec.host}:{self.port}/health"
         while True:
-            code = self._process.poll()
+            code = process.poll()
             if code is not None:
                 raise self._failure(f"exited with code {code} before it became healthy")
             if time.monotonic() - started > self.startup_timeout_s:

@@ -257,3 +257,64 @@ def test_a_replica_killed_mid_stage_is_restarted_alone_with_the_version_the_othe
     assert any(e.rollout.replica == 1 for e in episodes if e.group_id.endswith(("/2", "/3"))), [
         (e.group_id, e.rollout.replica) for e in episodes
     ]
+
+
+_INTERRUPTED_WHILE_STARTING = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from rollflow.generators.vllm_generator import start_together
+from rollflow.policy.vllm_server import VLLMServer
+from rollflow.policy.vllm_spec import VLLMServerSpec
+servers = [VLLMServer(VLLMServerSpec(sys.argv[2]), startup_timeout_s=600.0) for _ in range(2)]
+start_together(servers)
+"""
+
+
+@pytest.mark.slow  # a few seconds: stand-in servers, no vLLM
+def test_ctrl_c_while_replicas_start_stops_them_and_returns_at_once(tmp_path: Path) -> None:
+    """Ctrl-C while two replicas start (found stuck in a test run: the main thread's
+    KeyboardInterrupt waited in the thread pool's exit for both start-up waits, up to their
+    10-minute timeout, the servers still starting). Now the starter stops both servers and
+    the interrupt ends it. Stand-in servers that never answer ``/health``."""
+    import subprocess
+    import sys
+
+    import rollflow
+    from test_vllm_server import _alive, _fake_python
+
+    from rollflow.policy.vllm_spec import PYTHON_ENV
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    env = {**os.environ, PYTHON_ENV: str(_fake_python(tmp_path, "exec sleep 600"))}
+    root = str(Path(rollflow.__file__).resolve().parent.parent)
+    starter = subprocess.Popen(
+        [sys.executable, "-c", _INTERRUPTED_WHILE_STARTING, root, str(model)], cwd=tmp_path, env=env,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    servers: list[int] = []
+    try:
+        assert starter.stderr is not None
+        assert "starting 2 managed vLLM replicas" in starter.stderr.readline()
+        children = Path(f"/proc/{starter.pid}/task/{starter.pid}/children")
+        for _ in range(100):  # both spawned (they are the starter's own children)
+            servers = [int(pid) for pid in children.read_text().split()]
+            if len(servers) == 2:
+                break
+            time.sleep(0.1)
+        assert len(servers) == 2, servers
+        time.sleep(0.5)  # in the wait
+        starter.send_signal(signal.SIGINT)
+        try:
+            starter.wait(timeout=60)  # the stop's own grace is 15 s a server at most
+        except subprocess.TimeoutExpired:
+            pytest.fail("Ctrl-C while the replicas started did not end the starter within 60 s")
+        assert "KeyboardInterrupt" in starter.stderr.read()
+        assert not any(_alive(pid) for pid in servers), "a replica outlived the interrupted start"
+    finally:
+        starter.kill()
+        starter.wait()
+        for pid in servers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
