@@ -15,7 +15,8 @@ resume works with a fresh Prefect server, and the stage's wall seconds go to the
 folder's ``stage_seconds.json``, so a resumed step logs what its finished stages took
 before the crash, not the instant a skip takes (``run_once``: the same, untimed).
 
-Each stage runs as a thin Prefect task named for its step ("rollout step 3 (train)");
+Each stage runs as a thin Prefect task named for its step ("rollout step 3 (train)"),
+its errors after a Ctrl-C or SIGTERM raised as the stop they are (``stops_through``);
 the live objects a task is handed (the acting policy, the rollout workers) are wrapped in
 ``quote`` so that Prefect does not walk them.
 """
@@ -36,6 +37,7 @@ from rollflow.config.run import RunConfig
 from rollflow.flows.runs import RunHandle
 from rollflow.generators.generator import Sampler
 from rollflow.generators.policy_io import ActingPolicy, acting_policy
+from rollflow.policy.stopping import stops_through
 from rollflow.storage.runfolder import RunFolder, StepPaths, check_timed_stage
 from rollflow.storage.stage_outputs import finished_output, locate_output
 from rollflow.tasks.collect import RolloutWorkers, admit_stage
@@ -62,6 +64,7 @@ def _run_name(stage: str, path: str = "out", split: bool = False) -> Callable[..
 
 
 @task(name="rollout", task_run_name="rollout step {step} ({split})", **_STAGE)
+@stops_through
 def rollout(
     config: RunConfig, step: int, split: str, acting: ActingPolicy, fan_out: ChunkFanOut | None = None, *, out: Path
 ) -> Path:
@@ -69,21 +72,25 @@ def rollout(
 
 
 @task(name="admit", task_run_name="admit step {step}", **_STAGE)
+@stops_through
 def admit(config: RunConfig, workers: RolloutWorkers, step: int, *, out: Path) -> Path:
     return admit_stage(config, workers, step, out)
 
 
 @task(name="scoring", task_run_name=_run_name("scoring", split=True), **_STAGE)
+@stops_through
 def scoring(config: RunConfig, episodes: Path, *, out: Path) -> Path:
     return score_stage(config, episodes, out)
 
 
 @task(name="flatten", task_run_name=_run_name("flatten"), **_STAGE)
+@stops_through
 def flatten(episodes: Path, scores: Path, *, out: Path) -> Path:
     return flatten_stage(episodes, scores, out)
 
 
 @task(name="teacher", task_run_name=_run_name("teacher"), **_STAGE)
+@stops_through
 def teacher_scores(config: RunConfig, samples: Path, *, out: Path) -> Path:
     return teacher_stage(config, samples, out)
 
@@ -98,6 +105,7 @@ class RemoteTrainer(Protocol):
 
 
 @task(name="train", task_run_name=_run_name("train", path="out_result"), **_STAGE)
+@stops_through
 def train(
     config: RunConfig, samples: Path, teacher: Path | None, previous: Path | None, on: RemoteTrainer | None = None,
     *, out: Path, out_result: Path,
@@ -109,11 +117,13 @@ def train(
 
 
 @task(name="metrics", task_run_name="metrics step {p.step}", **_STAGE)
+@stops_through
 def metrics(config: RunConfig, folder: RunFolder, p: StepPaths, *, out: Path) -> Path:
     return metrics_stage(config, folder, p, out)
 
 
 @task(name="validation-metrics", task_run_name="validation metrics step {p.step}", **_STAGE)
+@stops_through
 def validation_metrics(config: RunConfig, folder: RunFolder, p: StepPaths, *, out: Path) -> Path:
     return validation_metrics_stage(config, folder, p, out)
 

@@ -24,8 +24,14 @@ flows/prefect_server.py), so they are stopped by the run, in order, not by the k
 
 from __future__ import annotations
 
+import functools
 import signal
 import threading
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 SIGTERM_EXIT_CODE = 128 + signal.SIGTERM
 SIGINT_EXIT_CODE = 128 + signal.SIGINT
@@ -60,6 +66,28 @@ def raise_if_stop_requested() -> None:
     if _STOP.is_set():
         how = _SIGNAL_NAMES.get(_STOP_SIGNAL[0], "a signal") if _STOP_SIGNAL else "SIGTERM"
         raise StopRequested(f"the run was asked to stop ({how}); `rollflow resume` continues it")
+
+
+def stops_through(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``fn`` (a stage, run on the main thread), an error it raises after a stop was
+    requested raised as the ``SystemExit`` the signal handler raised.
+
+    A library that checks for signals itself can eat the handler's ``SystemExit`` and raise
+    its own error instead: DuckDB's query, interrupted, raises ``RuntimeError: Query
+    interrupted``. Inside a stage that would be a failed stage, logged with its traceback,
+    and the run's exit status 1, where the user pressed Ctrl-C (status 130, one resume line).
+    """
+
+    @functools.wraps(fn)
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as error:
+            if _STOP.is_set():
+                raise SystemExit(stop_exit_code()) from error
+            raise
+
+    return run
 
 
 def _stop(signum: int, frame: object) -> None:

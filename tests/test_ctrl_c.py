@@ -95,3 +95,27 @@ def test_the_own_session_server_is_prefects_default_and_leaves_a_harness_alone(m
     with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:4200/api"}):
         assert serve_prefect_in_own_session() is None  # a server of the user's, or the test harness
     assert not SubprocessASGIServer._instances
+
+
+def test_a_stage_error_after_ctrl_c_is_the_stop_not_a_failed_stage(tmp_path: Path) -> None:
+    """Ctrl-C during a stage's DuckDB query (the metrics stage, found in a suite run: status 1
+    and a traceback): DuckDB checks for signals itself, eats the handler's SystemExit and
+    raises ``RuntimeError: Query interrupted``. After a stop request a stage's error is the
+    stop (``stops_through``); before one it is the stage's own."""
+    from rollflow.config.run import RunConfig
+    from rollflow.flows.step import metrics
+    from rollflow.policy.stopping import clear_stop, request_stop
+    from rollflow.storage.runfolder import RunFolder
+
+    folder = RunFolder(tmp_path / "not-a-run")
+    p = folder.step_paths(0)
+    with pytest.raises(Exception) as failed:  # noqa: PT011 - whatever the stage's own error is
+        metrics.fn(RunConfig(), folder, p, out=p.metrics_json)
+    request_stop(signal.SIGINT)
+    try:
+        with pytest.raises(SystemExit) as stopped:  # what the handler raised and DuckDB ate
+            metrics.fn(RunConfig(), folder, p, out=p.metrics_json)
+        assert stopped.value.code == 130
+        assert type(stopped.value.__cause__) is type(failed.value)
+    finally:
+        clear_stop()
