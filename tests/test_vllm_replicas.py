@@ -20,34 +20,22 @@ from pathlib import Path
 
 import pytest
 from test_vllm_backend import _adapter, _commit_checkpoint, _hf_logprobs, _with_adapter
+from test_vllm_restart import _play
 
 from rollflow.config.parsing import ConfigError
 from rollflow.config.rollout import RolloutConfig
 from rollflow.config.run import EnvConfig, ModelConfig, RunConfig
 from rollflow.config.train import TrainConfig
 from rollflow.generators.lending import lend
-from rollflow.generators.policy_io import acting_policy
 from rollflow.generators.run_generator import open_generator
 from rollflow.generators.vllm_generator import VLLMGenerator, replica_log, server_specs
 from rollflow.policy.models import build_tiny_model
 from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import table_to_episode_records
-from rollflow.tasks.rollout import rollout_stage
 
 MAX_LEN = 1024
 TOLERANCE = 1e-4  # tests/test_vllm_backend.py's: vLLM vs an HF forward pass on the tiny model
-
-
-def _play(config: RunConfig, folder: RunFolder, step: int, source: VLLMGenerator | None = None) -> Path:
-    """Step ``step``'s rollout acting with the checkpoint before it, on ``source`` or the
-    generator the flow would open (the one lent to this module)."""
-    if source is not None:
-        acting = acting_policy(config, source, folder.checkpoint_before(step))
-        return rollout_stage(config, folder.step_paths(step).episodes, step, "train", acting)
-    with open_generator(config, folder, versions_in_flight=1) as generator:
-        acting = acting_policy(config, generator, folder.checkpoint_before(step))
-        return rollout_stage(config, folder.step_paths(step).episodes, step, "train", acting)
 
 
 def _config(model_dir: Path | str, **rollout: object) -> RunConfig:
