@@ -248,7 +248,8 @@ def test_a_replica_killed_mid_stage_is_restarted_alone_with_the_version_the_othe
 
 
 _INTERRUPTED_WHILE_STARTING = """
-import sys
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job starts with it ignored
 sys.path.insert(0, sys.argv[1])
 from rollflow.generators.vllm_generator import start_together
 from rollflow.policy.vllm_server import VLLMServer
