@@ -23,7 +23,7 @@ from pathlib import Path
 from rollflow.config.parsing import ConfigError
 from rollflow.config.run import RunConfig
 from rollflow.envs.agent import Policy
-from rollflow.generators.checkpoints import Checkpoint, CheckpointError, latest_checkpoint, read_checkpoint
+from rollflow.generators.checkpoints import Checkpoint, read_checkpoint
 from rollflow.generators.generator import FixedGenerator, Generator, GeneratorError, GeneratorFault, Sampler
 from rollflow.storage.runfolder import RunFolder
 
@@ -84,12 +84,7 @@ def step_policy(generator: Generator, folder: RunFolder | None, step: int) -> Po
 
 
 def step_checkpoint(folder: RunFolder | None, step: int) -> Checkpoint | None:
-    """The checkpoint step ``step`` acts with: step - 1's, or None (the base) at step 0."""
-    checkpoint = latest_checkpoint(folder, before_step=step) if folder is not None else None
-    if folder is not None and step > 0 and (checkpoint is None or checkpoint.step != step - 1):
-        found = "none" if checkpoint is None else f"step {checkpoint.step}"
-        raise CheckpointError(
-            f"{folder.root}: step {step} acts with the checkpoint of step {step - 1}, "
-            f"but the newest one before it is {found}"
-        )
-    return checkpoint
+    """The checkpoint step ``step`` acts with, read: step - 1's (``RunFolder.starting_checkpoint``,
+    which refuses an older one), or None (the base) at step 0 or without a folder."""
+    path = folder.starting_checkpoint(step) if folder is not None else None
+    return read_checkpoint(path) if path is not None else None
