@@ -12,20 +12,41 @@ The tasks are regenerated from the run's ``[env.kwargs]`` (``seed``, ``num_train
 run used, and matched to the scores by task id.
 
     .venv/bin/python scripts/pass_by_lookups.py runs/learn3/grpo/validation/step=*
+
+``--why``: a pass rate says how often a policy fails, not how. Each failed episode (the
+pass folder's ``episodes/`` beside its scores) is also put in the first class that fits,
+checked against its task's formula and needed facts:
+
+- ``lookup missing``: a needed fact was never looked up (the score's ``lookups`` < 1);
+- ``no calculation``: no calculator call, or no final answer after it;
+- ``answer not the result``: the final answer is not the last calculator result;
+- ``value left out``: a needed fact's value is missing from the last expression;
+- ``stray number``: the expression holds a number that is neither a needed value nor a
+  constant of the formula (a value miscopied, or a distractor fact's);
+- ``wrong operation``: the right numbers, combined otherwise than the formula says
+  (``+`` for "how many more", a term twice).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import tomllib
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Any
 
+import duckdb
 import pyarrow.parquet as pq
 
-from rollflow.envs.tool_use_game.tasks import generate_examples
+from rollflow.envs.tool_use_game.tasks import TaskExample, generate_examples
 
 GAME = "rollflow.envs.tool_use_game:load_environment"
+CLASSES = (
+    "lookup missing", "no calculation", "answer not the result", "value left out", "stray number", "wrong operation",
+)  # fmt: skip
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def run_folder_of(pass_folder: Path) -> Path:
@@ -36,8 +57,8 @@ def run_folder_of(pass_folder: Path) -> Path:
     raise SystemExit(f"{pass_folder}: no config.toml in it or above it (not inside a run folder)")
 
 
-def facts_needed(run_folder: Path) -> dict[str, int]:
-    """Task id -> number of facts the task needs, for the run's game."""
+def game_tasks(run_folder: Path) -> dict[str, TaskExample]:
+    """Task id -> the task, for the run's game (train and validation)."""
     config = tomllib.loads((run_folder / "config.toml").read_text())
     env = config.get("env", {})
     if env.get("name") != GAME:
@@ -46,7 +67,12 @@ def facts_needed(run_folder: Path) -> dict[str, int]:
     train, validation = generate_examples(
         kwargs.get("seed", 0), kwargs.get("num_train", 200), kwargs.get("num_validation", 50)
     )
-    return {example.id: len(example.metadata["needed_keys"]) for example in (*train, *validation)}
+    return {example.id: example for example in (*train, *validation)}
+
+
+def facts_needed(run_folder: Path) -> dict[str, int]:
+    """Task id -> number of facts the task needs, for the run's game."""
+    return {task_id: len(task.metadata["needed_keys"]) for task_id, task in game_tasks(run_folder).items()}
 
 
 def pass_by_lookups(pass_folder: Path, needed: dict[str, int]) -> dict[int, tuple[int, int]]:
@@ -62,9 +88,65 @@ def pass_by_lookups(pass_folder: Path, needed: dict[str, int]) -> dict[int, tupl
     return {k: (v[0], v[1]) for k, v in sorted(counts.items())}
 
 
+def _numbers(text: str) -> list[str]:
+    return [str(float(n)) for n in _NUMBER.findall(text)]
+
+
+def classify(task: TaskExample, lookups_credit: float, messages: list[dict[str, Any]]) -> str:
+    """The class of one failed episode (module docstring)."""
+    if lookups_credit < 1.0:
+        return "lookup missing"
+    calls = [c for m in messages if m["role"] == "assistant" for c in (m["tool_calls"] or [])]
+    expressions = []
+    for call in calls:
+        if call["name"] != "calculator":
+            continue
+        try:
+            arguments = json.loads(call["arguments"])
+        except json.JSONDecodeError:
+            continue
+        if isinstance(arguments, dict) and isinstance(arguments.get("expression"), str):
+            expressions.append(arguments["expression"])
+    last = messages[-1]
+    if not expressions or last["role"] != "assistant" or last["tool_calls"]:
+        return "no calculation"
+    results = [m["content"] or "" for m in messages if m["role"] == "tool"]
+    if results and _numbers(last["content"] or "")[-1:] != _numbers(results[-1])[-1:]:
+        return "answer not the result"
+    used = Counter(_numbers(expressions[-1]))
+    needed = Counter(str(float(task.metadata["facts"][k])) for k in task.metadata["needed_keys"])
+    if needed - used:
+        return "value left out"
+    constants = Counter(_numbers(re.sub(r"\{\d+\}", "", task.metadata["formula"])))
+    if set(used) - set(needed) - set(constants):
+        return "stray number"
+    return "wrong operation"
+
+
+def failures(pass_folder: Path, tasks: dict[str, TaskExample]) -> dict[int, Counter[str]]:
+    """Facts needed -> failure class -> episodes, plus ``episodes`` and ``failed`` counts."""
+    rows = duckdb.connect().execute(
+        "SELECT s.task_id, s.passed, s.components['lookups'], e.messages "
+        f"FROM read_parquet('{pass_folder}/scores.parquet') s "
+        f"JOIN read_parquet('{pass_folder}/episodes/*.parquet') e USING (episode_id)"
+    ).fetchall()
+    by: dict[int, Counter[str]] = defaultdict(Counter)
+    for task_id, passed, lookups, messages in rows:
+        if task_id not in tasks:
+            raise SystemExit(f"{pass_folder}: task {task_id!r} is not one of the run's game tasks")
+        task = tasks[task_id]
+        counts = by[len(task.metadata["needed_keys"])]
+        counts["episodes"] += 1
+        if not passed:
+            counts["failed"] += 1
+            counts[classify(task, 1.0 if lookups is None else lookups, messages)] += 1
+    return dict(sorted(by.items()))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("passes", nargs="+", type=Path, help="folders holding a scores.parquet")
+    parser.add_argument("--why", action="store_true", help="also classify each failed episode (docstring)")
     args = parser.parse_args(argv)
     print(f"{'pass':<48} {'1 fact':>13} {'2 facts':>13} {'3 facts':>13} {'all':>13}")
     for folder in args.passes:
@@ -75,6 +157,10 @@ def main(argv: list[str] | None = None) -> None:
         cells = [counts.get(k, (0, 0)) for k in (1, 2, 3)] + [total]
         text = [f"{p / n:.3f} ({n:>3})" if n else "-" for p, n in cells]
         print(f"{str(folder):<48} " + " ".join(f"{t:>13}" for t in text))
+        if args.why:
+            for facts, classes in failures(folder, game_tasks(run_folder_of(folder))).items():
+                shown = ", ".join(f"{name} {classes[name]}" for name in CLASSES if classes[name])
+                print(f"  {facts} fact(s), {classes['failed']} of {classes['episodes']} failed: {shown or '-'}")
 
 
 if __name__ == "__main__":

@@ -46,3 +46,42 @@ def test_a_task_the_run_did_not_generate_is_an_error_not_a_gap(tmp_path: Path) -
     folder = game_pass(tmp_path, "seed = 4\nnum_train = 20\nnum_validation = 30", [(validation[0].id, True)])
     with pytest.raises(SystemExit, match="is not one of the run's game tasks"):
         script.pass_by_lookups(folder, script.facts_needed(script.run_folder_of(folder)))
+
+
+def _episode(task, expression: str | None, answer: str | None, lookups: list[str] | None = None) -> list[dict]:
+    """A transcript of the game: the looked-up facts, one calculator call, the answer."""
+    facts = task.metadata["facts"]
+    keys = task.metadata["needed_keys"] if lookups is None else lookups
+    call = lambda name, arguments: {"name": name, "arguments": arguments}  # noqa: E731
+    messages = [
+        {"role": "user", "content": task.input, "tool_calls": None},
+        {"role": "assistant", "content": "", "tool_calls": [call("lookup", f'{{"key": "{k}"}}') for k in keys]},
+        *({"role": "tool", "content": str(facts[k]), "tool_calls": None} for k in keys),
+    ]
+    if expression is not None:
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call("calculator", f'{{"expression": "{expression}"}}')]})
+        messages.append({"role": "tool", "content": str(eval(expression)), "tool_calls": None})  # noqa: S307 (test data)
+    if answer is not None:
+        messages.append({"role": "assistant", "content": answer, "tool_calls": None})
+    return messages
+
+
+def test_each_failed_episode_gets_the_class_of_what_went_wrong() -> None:
+    _, validation = generate_examples(0, 200, 50)
+    task = next(t for t in validation if t.metadata["formula"] == "{0} - {1}")
+    a, b = (task.metadata["facts"][k] for k in task.metadata["needed_keys"])
+    distractor = next(v for k, v in task.metadata["facts"].items() if v not in (a, b))
+    cases = {
+        "wrong operation": (f"{a} + {b}", str(a + b)),  # "how many more" read as a sum
+        "value left out": (f"{a} - 7", str(a - 7)),
+        "stray number": (f"{a} - {b} - {distractor}", str(a - b - distractor)),
+        "answer not the result": (f"{a} - {b}", str(a - b + 1)),
+        "no calculation": (None, str(a - b)),
+    }
+    for expected, (expression, answer) in cases.items():
+        assert script.classify(task, 1.0, _episode(task, expression, answer)) == expected, expected
+    # the calculator called, but the episode ended on another tool call: no final answer
+    no_answer = _episode(task, f"{a} - {b}", None)
+    assert script.classify(task, 1.0, no_answer) == "no calculation"
+    # a missing lookup comes first, whatever the expression
+    assert script.classify(task, 0.5, _episode(task, f"{a} + {b}", "0", lookups=task.metadata["needed_keys"][:1])) == "lookup missing"
