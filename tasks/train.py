@@ -44,6 +44,7 @@ from rollflow.generators.checkpoints import (
     seed_everything,
 )
 from rollflow.generators.models import base_model_ref, load_policy_for_training, torch_device, training_dtype
+from rollflow.policy.procs import fault_point
 from rollflow.storage.records import TrainResult
 from rollflow.storage.schemas import table_to_sample_records
 from rollflow.storage.stage_outputs import locate_output, read_output
@@ -147,6 +148,7 @@ def train_stage(
     records = objective_samples(config, table_to_sample_records(read_output(samples)), teacher)
     timings["read_s"] = _lap(clock)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    fault_point("train_update")  # tests: a kill in the train stage, the policy loaded, nothing written
     stats = grpo_update(model, reference, optimizer, records, UpdateSettings.from_config(config, pad_id))
     timings["update_s"] = stats.seconds
     version = (start.policy_version if start else 0) + 1

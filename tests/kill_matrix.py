@@ -12,7 +12,7 @@ tests/tiny_run.py (LoRA, 2 steps of 2 groups of 2 episodes) is killed at one poi
 checked, resumed, killed at the next point, and so on; the last resume finishes it:
 - ``rollout``: some of the step's episodes are on disk, not all (seen from outside);
 - ``train``: the step's samples are written and its checkpoint is not (seen from outside);
-- ``checkpoint_write``, ``weight_publish``: the run stops itself there
+- ``train_update``, ``checkpoint_write``, ``weight_publish``: the run stops itself there
   (``$ROLLFLOW_FAULT_POINT``, ``rollflow.policy.procs.fault_point``);
 - the generator server SIGKILLed while requests are in flight (the run restarts it in
   lockstep; an async run fails, and is resumed).
