@@ -194,23 +194,18 @@ def _on_worker(config: RunConfig) -> RunConfig:
     return replace(config, cluster=replace(config.cluster, trainer_node="worker-1"))
 
 
-def test_a_trainer_placed_on_the_worker_node_trains_there_and_the_next_version_is_served_from_its_checkpoint(
+def test_a_trainer_placed_on_the_worker_node_killed_while_it_trains_fails_the_stage_by_name_and_the_resume_trains_there(
     base_config: RunConfig, managed: VLLMGenerator, cluster: LocalRayCluster, tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:  # fmt: skip
-    """``[cluster].trainer_node = "worker-1"``: the train stage is a Ray task on that node;
-    validation after the step samples version 1, which the driver's server loaded from the
-    checkpoint the worker committed in the run folder."""
-    folder = RunFolder(_train(_on_worker(base_config), tmp_path))
-    assert folder.read_train_result(0).node == "worker-1"
-    assert "train step 0: on node 'worker-1', 1 CPU(s)" in capsys.readouterr().err
-    _assert_every_episode_once(folder)  # validation step 1 acted with version 1
-    assert folder.checkpoint_dir(0).is_dir()
+    """``[cluster].trainer_node = "worker-1"``: the train stage is a Ray task on that node.
+    Killed there mid-training, the stage fails naming the node, nothing of the step's
+    training is left and its rollout files are kept. The resume (node restarted) trains only
+    that step, there again, and validation after the step samples version 1, which the
+    driver's server loaded from the checkpoint the worker committed in the run folder.
 
-
-def test_a_trainer_node_killed_while_it_trains_fails_the_stage_by_name_and_the_resume_trains_only_that(
-    base_config: RunConfig, managed: VLLMGenerator, cluster: LocalRayCluster, tmp_path: Path
-) -> None:
+    (One run for both: the resume is the placed trainer's whole run from the train stage on;
+    a separate run for the placement alone cost ~20 s.)"""
     config = _on_worker(base_config)
     error = _run_with_the_worker_killed(cluster, config, tmp_path, "ray::train-on-node")
     message = str(error)
@@ -222,9 +217,12 @@ def test_a_trainer_node_killed_while_it_trains_fails_the_stage_by_name_and_the_r
     assert len(kept) >= 4, sorted(kept)  # validation's and training's episodes, scores, samples
 
     cluster.restart_node("worker-1")
+    capsys.readouterr()
     _train(config, tmp_path, run_dir=folder.root)
-    _assert_every_episode_once(folder)
+    assert "train step 0: on node 'worker-1', 1 CPU(s)" in capsys.readouterr().err
+    _assert_every_episode_once(folder)  # validation step 1 acted with version 1
     assert folder.read_train_result(0).node == "worker-1"
+    assert folder.checkpoint_dir(0).is_dir()
     for part, identity in kept.items():
         assert (part.stat().st_ino, part.stat().st_mtime_ns) == identity, f"{part} was written again"
 
@@ -346,38 +344,19 @@ class _ServerWatch(threading.Thread):
             time.sleep(0.2)
 
 
-def test_generator_replicas_are_actors_on_the_named_nodes_and_each_episode_records_its_replica(
+def test_generator_replicas_are_actors_on_the_named_nodes_and_one_whose_node_is_killed_is_replaced_losing_nothing(
     base_config: RunConfig, cluster: LocalRayCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``[cluster].generator_nodes``: the run starts each replica's server from an actor on its
-    node, samples both, and stops them with the run."""
+    node (replica 0 on the head, 1 on the worker), samples both, and each episode records its
+    replica. The worker node is then SIGKILLed once it plays a training chunk and its replica
+    has answered a completion since: the chunk is redone on the head by Ray, the replica's
+    actor and server die with the node, and the driver replaces the replica on the head; the
+    run loses nothing and stops every replica's server with it.
+
+    (One run for both: the placement is what the kill starts from; a run for the placement
+    alone started two more servers, ~55 s.)"""
     if "worker-1" not in cluster.nodes():  # a test before killed it
-        cluster.restart_node("worker-1")
-    watch = _ServerWatch(cluster)
-    watch.start()
-    try:
-        folder = RunFolder(_train(_replicas_on_both_nodes(base_config), tmp_path))
-    finally:
-        watch.done.set()
-        watch.join(timeout=5)
-    err = capsys.readouterr().err
-    assert re.search(r"replica 0 serving on node head at http://127\.0\.0\.2:\d+/v1", err), err
-    assert re.search(r"replica 1 serving on node worker-1 at http://127\.0\.0\.2:\d+/v1", err), err
-    assert sorted(watch.seen.values()) == ["head", "worker-1"], watch.seen
-    stages = _assert_every_episode_once(folder)
-    assert {e.rollout.replica for episodes in stages.values() for e in episodes} == {0, 1}
-    assert (folder.root / "logs" / "vllm-server.log").is_file() and (folder.root / "logs" / "vllm-server-1.log").is_file()
-    left = [p.pid for p in cluster.processes().values() if "vllm.entrypoints" in _cmdline(p.pid)]
-    assert left == [], "a replica's server outlived the run"
-
-
-def test_a_replica_whose_node_is_killed_is_replaced_on_a_live_node_and_the_run_loses_nothing(
-    base_config: RunConfig, cluster: LocalRayCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """The worker node SIGKILLed once it plays a training chunk and its replica has answered
-    a completion since: the chunk is redone on the head by Ray, the replica's actor and server
-    die with the node, and the driver replaces the replica on the head."""
-    if "worker-1" not in cluster.nodes():
         cluster.restart_node("worker-1")
     log = tmp_path / "run" / "logs" / "vllm-server-1.log"
     killed: list[int] = []
@@ -397,16 +376,29 @@ def test_a_replica_whose_node_is_killed_is_replaced_on_a_live_node_and_the_run_l
             cluster.kill_node("worker-1")
             killed.append(1)
 
+    watch = _ServerWatch(cluster)
+    watch.start()
     killer = threading.Thread(target=kill_once_replica_1_served_training, daemon=True)
     killer.start()
-    folder = RunFolder(_train(_replicas_on_both_nodes(base_config), tmp_path))
+    try:
+        folder = RunFolder(_train(_replicas_on_both_nodes(base_config), tmp_path))
+    finally:
+        watch.done.set()
+        watch.join(timeout=5)
     killer.join(timeout=30)
     assert killed, "the worker node was never killed"
     err = capsys.readouterr().err
+    # placed: each replica's server on its node, before the kill
+    assert re.search(r"replica 0 serving on node head at http://127\.0\.0\.2:\d+/v1", err), err
+    assert re.search(r"replica 1 serving on node worker-1 at http://127\.0\.0\.2:\d+/v1", err), err
+    # replaced: replica 1's third server, on the head
     assert "replacing replica 1's Ray actor" in err, err
     assert re.search(r"replica 1 serving on node head at http://127\.0\.0\.2:\d+/v1", err), err
     assert "rollflow: replacing replica 1's Ray actor" in log.read_text()
-    _assert_every_episode_once(folder)
+    assert sorted(watch.seen.values()) == ["head", "head", "worker-1"], watch.seen
+    stages = _assert_every_episode_once(folder)
+    assert {e.rollout.replica for episodes in stages.values() for e in episodes} == {0, 1}
+    assert (folder.root / "logs" / "vllm-server.log").is_file() and log.is_file()
     assert "worker-1" not in cluster.nodes()
     left = [p.pid for p in cluster.processes().values() if "vllm.entrypoints" in _cmdline(p.pid)]
     assert left == [], "a replica's server outlived the run"
