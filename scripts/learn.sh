@@ -26,6 +26,9 @@
 #   GRPO_CONFIG=my.toml OUT=... scripts/learn.sh
 #                                      another GRPO config (an arm of a comparison); its
 #                                      adapter line is rewritten the same way
+#   SFT_CONFIG=my_sft.toml GRPO_CONFIG=my.toml OUT=... scripts/learn.sh
+#                                      another SFT config too (e.g. other LoRA modules:
+#                                      the GRPO config must name the same)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,7 +40,7 @@ export PREFECT_LOGGING_LEVEL=${PREFECT_LOGGING_LEVEL:-WARNING}
 # A busy machine can take longer than Prefect's default 20 s to start its local server.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=${PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS:-300}
 
-SFT_CONFIG=configs/learn_tool_use_game_sft.toml
+SFT_CONFIG=${SFT_CONFIG:-configs/learn_tool_use_game_sft.toml}
 GRPO_CONFIG=${GRPO_CONFIG:-configs/learn_tool_use_game.toml}
 ADAPTER=$OUT/sft/sft/policy
 
