@@ -49,8 +49,15 @@ from rollflow.tasks.step_health import StepFailedError, discard_episodes
 from rollflow.tasks.teacher import teacher_stage
 from rollflow.tasks.train import train_stage
 
-# The files are the cache: Prefect must neither hash configs nor persist results.
-_STAGE = dict(cache_policy=NO_CACHE, persist_result=False)
+def _stage(name: str, run_name: str | Callable[..., str]) -> Callable[[Callable[..., Any]], Any]:
+    """A stage as a Prefect task named for its step, its errors after a Ctrl-C or SIGTERM
+    raised as the stop (``stops_through``). The files are the cache: Prefect must neither
+    hash configs nor persist results."""
+
+    def wrap(fn: Callable[..., Any]) -> Any:
+        return task(name=name, task_run_name=run_name, cache_policy=NO_CACHE, persist_result=False)(stops_through(fn))
+
+    return wrap
 
 
 def _run_name(stage: str, path: str = "out", split: bool = False) -> Callable[..., str]:
@@ -63,34 +70,29 @@ def _run_name(stage: str, path: str = "out", split: bool = False) -> Callable[..
     return name
 
 
-@task(name="rollout", task_run_name="rollout step {step} ({split})", **_STAGE)
-@stops_through
+@_stage("rollout", "rollout step {step} ({split})")
 def rollout(
     config: RunConfig, step: int, split: str, acting: ActingPolicy, fan_out: ChunkFanOut | None = None, *, out: Path
 ) -> Path:
     return rollout_stage(config, out, step, split, acting, fan_out)
 
 
-@task(name="admit", task_run_name="admit step {step}", **_STAGE)
-@stops_through
+@_stage("admit", "admit step {step}")
 def admit(config: RunConfig, workers: RolloutWorkers, step: int, *, out: Path) -> Path:
     return admit_stage(config, workers, step, out)
 
 
-@task(name="scoring", task_run_name=_run_name("scoring", split=True), **_STAGE)
-@stops_through
+@_stage("scoring", _run_name("scoring", split=True))
 def scoring(config: RunConfig, episodes: Path, *, out: Path) -> Path:
     return score_stage(config, episodes, out)
 
 
-@task(name="flatten", task_run_name=_run_name("flatten"), **_STAGE)
-@stops_through
+@_stage("flatten", _run_name("flatten"))
 def flatten(episodes: Path, scores: Path, *, out: Path) -> Path:
     return flatten_stage(episodes, scores, out)
 
 
-@task(name="teacher", task_run_name=_run_name("teacher"), **_STAGE)
-@stops_through
+@_stage("teacher", _run_name("teacher"))
 def teacher_scores(config: RunConfig, samples: Path, *, out: Path) -> Path:
     return teacher_stage(config, samples, out)
 
@@ -104,8 +106,7 @@ class RemoteTrainer(Protocol):
     ) -> Path: ...  # fmt: skip
 
 
-@task(name="train", task_run_name=_run_name("train", path="out_result"), **_STAGE)
-@stops_through
+@_stage("train", _run_name("train", path="out_result"))
 def train(
     config: RunConfig, samples: Path, teacher: Path | None, previous: Path | None, on: RemoteTrainer | None = None,
     *, out: Path, out_result: Path,
@@ -116,14 +117,12 @@ def train(
     return train_stage(config, samples, teacher, previous, out, out_result)
 
 
-@task(name="metrics", task_run_name="metrics step {p.step}", **_STAGE)
-@stops_through
+@_stage("metrics", "metrics step {p.step}")
 def metrics(config: RunConfig, folder: RunFolder, p: StepPaths, *, out: Path) -> Path:
     return metrics_stage(config, folder, p, out)
 
 
-@task(name="validation-metrics", task_run_name="validation metrics step {p.step}", **_STAGE)
-@stops_through
+@_stage("validation-metrics", "validation metrics step {p.step}")
 def validation_metrics(config: RunConfig, folder: RunFolder, p: StepPaths, *, out: Path) -> Path:
     return validation_metrics_stage(config, folder, p, out)
 
