@@ -14,13 +14,12 @@
 #   scripts/learn.sh                   1 h 43 min on 2 cores in float32 (2026-12-05, a CPU
 #                                      without AMX, docs/results.md run 4): SFT ~15 min
 #                                      alone, GRPO steps of ~2 min and validation passes
-#                                      of ~1.6 min. The config now runs 45 steps in
-#                                      bfloat16 with the curriculum (run 8): steps of ~81 s
-#                                      and validation passes of ~70 s on a quiet machine,
-#                                      GRPO ~75 min, the whole ~1 h 50 min (summed from the
-#                                      parts measured, not run end to end); with the
-#                                      settings of 2026-11-29 (commit c9cdcab) it took
-#                                      3 h 50 min
+#                                      of ~1.6 min. The configs now put LoRA on the MLP
+#                                      too and run 30 steps in bfloat16 with the
+#                                      curriculum (run 10): SFT 773 s, steps of ~72 s,
+#                                      the run's two parts 37 + 29 min on a quiet
+#                                      machine; with the settings of 2026-11-29 (commit
+#                                      c9cdcab) it took 3 h 50 min
 #   OUT=runs/learn2 scripts/learn.sh   into other folders (the GRPO config is rewritten to
 #                                      read that folder's SFT adapter)
 #   GRPO_CONFIG=my.toml OUT=... scripts/learn.sh
