@@ -32,6 +32,14 @@ for (refused before anything runs), a start whose log shows an engine error, and
 Without a run folder the log is a temporary ``/tmp/rollflow-vllm-*.log``: deleted when a
 running server is stopped, else kept and its path printed to stderr (it is the evidence).
 
+vLLM's own temporary files (the ZeroMQ sockets between its API and engine processes, the
+rendezvous file of its torch.distributed group) go to a folder of the server's own,
+``/tmp/rollflow-vllm-tmp-PID-*`` (``TMPDIR`` in the server's environment; PID is the process
+that started it), removed when the server is stopped, killed or not: vLLM leaves them
+behind when it is killed, two files a start, thousands on a machine that runs nightly. The
+folders of a process that is gone (a SIGKILLed run, whose watchdog ended the server) are
+removed by the next server start on the machine (``sweep_server_temp_dirs``).
+
 Simplifications, and why:
 - The port is found by binding port 0 and closing the socket; another process could take
   it in between. The server then fails to start and the error quotes its log.
@@ -43,6 +51,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -62,6 +71,46 @@ from rollflow.policy.vllm_spec import VLLMServerError, VLLMServerSpec, resolve_p
 LOG_TAIL_CHARS = 3000
 _POLL_S = 0.5
 _KILL_WAIT_S = 10.0
+
+
+TEMP_DIR_PREFIX = "rollflow-vllm-tmp-"
+_UNIX_SOCKET_PATH_MAX = 107  # bytes of an AF_UNIX path (108 with its NUL)
+_IPC_NAME_LEN = 37  # "/" and a uuid4: vLLM's socket names in TMPDIR
+
+
+def server_temp_dir() -> Path | None:
+    """A new folder for one server's temporary files, named after this process, after the
+    folders of processes that are gone are removed. None where the socket paths in it would
+    be too long for AF_UNIX (a long ``TMPDIR``): the server then keeps the inherited one."""
+    sweep_server_temp_dirs()
+    folder = Path(tempfile.mkdtemp(prefix=f"{TEMP_DIR_PREFIX}{os.getpid()}-"))
+    if len(os.fsencode(folder)) + _IPC_NAME_LEN > _UNIX_SOCKET_PATH_MAX:
+        folder.rmdir()
+        return None
+    return folder
+
+
+def sweep_server_temp_dirs(root: Path | None = None) -> list[Path]:
+    """Remove the server temp folders (``server_temp_dir``) in ``root`` (default: the temp
+    directory) whose process is gone; return them."""
+    removed = []
+    for folder in Path(root or tempfile.gettempdir()).glob(f"{TEMP_DIR_PREFIX}*-*"):
+        pid = folder.name[len(TEMP_DIR_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or _pid_exists(int(pid)):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -91,6 +140,7 @@ class VLLMServer:
         self._log_start = 0  # where the current process's output begins in log_path
         self._last_fatal: str | None = None  # the engine error the previous process died of
         self._spawned_at = 0.0  # monotonic seconds when the current process was spawned
+        self.temp_dir: Path | None = None  # the current process's TMPDIR (server_temp_dir)
 
     @property
     def base_url(self) -> str:
@@ -143,13 +193,23 @@ class VLLMServer:
             self.log_path, self._temp_log = Path(name), True
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_start = self.log_path.stat().st_size if self.log_path.is_file() else 0
+        env = self.spec.environment(os.environ)
+        self.temp_dir = server_temp_dir()
+        if self.temp_dir is not None:
+            env["TMPDIR"] = str(self.temp_dir)
         self._spawned_at = time.monotonic()
-        with self.log_path.open("ab") as log:
-            self._process = subprocess.Popen(
-                self._command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.spec.environment(os.environ), start_new_session=True,
-                preexec_fn=parent_death_signal(),  # SIGKILLed with rollflow (policy/procs.py)
-            )  # fmt: skip
+        try:
+            with self.log_path.open("ab") as log:
+                self._process = subprocess.Popen(
+                    self._command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    env=env, start_new_session=True,
+                    preexec_fn=parent_death_signal(),  # SIGKILLed with rollflow (policy/procs.py)
+                )  # fmt: skip
+        except BaseException:
+            if self.temp_dir is not None:
+                shutil.rmtree(self.temp_dir, ignore_errors=True)
+                self.temp_dir = None
+            raise
         _LIVE.add(self)
         return self
 
@@ -195,6 +255,9 @@ class VLLMServer:
         self._stop_group(process, grace_s)
         if self._exit_status is None:
             self._exit_status = process.poll()
+        if self.temp_dir is not None:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            self.temp_dir = None
         self._settle_temp_log()
 
     def _stop_group(self, process: subprocess.Popen[bytes], grace_s: float) -> None:

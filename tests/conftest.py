@@ -6,7 +6,9 @@ gets its own PREFECT_HOME and the MLflow store goes wherever a test points it.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -19,6 +21,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 _SESSION_HOME = tempfile.mkdtemp(prefix="rollflow-tests-")
+# Removed when this process exits, passed, failed or interrupted (each xdist worker has its
+# own). Registered before any server's atexit stop, so it runs after them: atexit is LIFO.
+atexit.register(shutil.rmtree, _SESSION_HOME, ignore_errors=True)
 os.environ["PREFECT_HOME"] = os.path.join(_SESSION_HOME, "prefect")  # never the user's or the Makefile's
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
@@ -86,6 +91,18 @@ def tiny_config_path(tiny_model_dir: Path, tmp_path: Path) -> Path:
     from tiny_run import tiny_config_at
 
     return tiny_config_at(tmp_path, tiny_model_dir)
+
+
+@pytest.fixture
+def own_tmpdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """This test's own TMPDIR (for it and what it starts), so that what is left in it is
+    seen. Short, under the system's temp directory: a vLLM server's sockets go there and an
+    AF_UNIX path has at most 107 bytes (pytest's tmp_path is too deep)."""
+    folder = Path(tempfile.mkdtemp(prefix="rollflow-t-"))
+    monkeypatch.setenv("TMPDIR", str(folder))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

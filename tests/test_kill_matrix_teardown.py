@@ -6,7 +6,8 @@ that failed, or a pytest interrupted by Ctrl-C, while a run was stopped used to 
 and its servers stopped for good. Here an inner pytest, with the suite's own conftest, starts
 a "run" (a process with a child that stops itself, as a run does at a fault point) through
 ``RunProcess``, then fails, or is sent SIGINT as a terminal's Ctrl-C sends it; both processes
-must be gone when the inner pytest exits.
+must be gone when the inner pytest exits, and so must the session folder the suite's
+conftest made for Prefect and MLflow (before, every pytest process left one in /tmp).
 """
 
 from __future__ import annotations
@@ -67,8 +68,10 @@ def _alive(pid: int, start: int) -> bool:
 def test_a_stopped_run_and_its_children_are_killed_when_the_test_ends(ending: str, tmp_path: Path) -> None:
     (tmp_path / "test_inner.py").write_text(INNER)
     pids, stopped, go = tmp_path / "pids", tmp_path / "stopped", tmp_path / "go"
+    inner_tmp = tmp_path / "tmp"  # the inner pytest's TMPDIR, where its conftest makes its session folder
+    inner_tmp.mkdir()
     env = {**os.environ, "RUN_PIDS": str(pids), "RUN_STOPPED": str(stopped), "RUN_GO": str(go), "ENDING": ending,
-           "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]), "TMPDIR": str(inner_tmp)}
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "conftest",
                "--rootdir", str(tmp_path), "--basetemp", str(tmp_path / "inner"), str(tmp_path / "test_inner.py")]
     inner = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -92,6 +95,7 @@ def test_a_stopped_run_and_its_children_are_killed_when_the_test_ends(ending: st
         assert inner.returncode == (1 if ending == "fails" else 2), output
         left = [pid for pid, start in procs if _alive(pid, start)]
         assert not left, f"the run's processes {left} outlived the inner pytest ({ending}):\n{output}"
+        assert not list(inner_tmp.iterdir()), f"the inner pytest left its session folder ({ending}):\n{output}"
     finally:
         for pid, start in procs:
             if _alive(pid, start):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -101,6 +102,32 @@ def test_a_temporary_log_is_kept_and_named_when_the_server_failed_to_start(
     assert log is not None and "no such model" in log.read_text()
     assert f"vLLM server log kept: {log}" in capsys.readouterr().err
     log.unlink()
+
+
+def test_a_servers_temporary_files_have_a_folder_of_its_own_removed_when_it_stops(
+    fake_model_dir: Path, healthy_fake: None, own_tmpdir: Path
+) -> None:
+    """Before: vLLM's sockets and rendezvous files went to the temp directory and stayed
+    when a server was killed (1,851 sockets and 454 folders in this machine's /tmp). The
+    folder of a process that is gone (a SIGKILLed run) is removed by the next start."""
+    prefix = "rollflow-vllm-tmp-"  # policy/vllm_server.py's TEMP_DIR_PREFIX
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    stale = own_tmpdir / f"{prefix}{ended.pid}-abc"
+    stale.mkdir()
+    (stale / "socket").touch()
+    alive = own_tmpdir / f"{prefix}{os.getpid()}-abc"  # another server of this process
+    alive.mkdir()
+    server = VLLMServer(VLLMServerSpec(str(fake_model_dir)), startup_timeout_s=60.0).start()
+    own = server.temp_dir
+    assert own is not None and own.parent == own_tmpdir, own
+    assert own.name.startswith(f"{prefix}{os.getpid()}-") and own.is_dir()
+    assert server._process is not None
+    environ = Path(f"/proc/{server._process.pid}/environ").read_bytes().split(b"\0")
+    assert f"TMPDIR={own}".encode() in environ
+    assert not stale.exists() and alive.is_dir()
+    server.stop()
+    assert not own.exists() and alive.is_dir()
 
 
 def test_a_dead_server_is_restarted_on_a_new_port_and_its_log_says_why(
@@ -328,9 +355,15 @@ def test_a_server_that_keeps_dying_fails_the_stage_with_its_exit_and_log(
 
 @pytest.mark.slow
 def test_an_external_server_that_dies_fails_the_stage_naming_its_url(
-    run_config: RunConfig, model_dir: Path, managed: VLLMGenerator, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    run_config: RunConfig,
+    model_dir: Path,
+    managed: VLLMGenerator,
+    tmp_path: Path,
+    own_tmpdir: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """Before: its episodes were written with "all 2 attempts at an action failed" errors."""
+    """Before: its episodes were written with "all 2 attempts at an action failed" errors.
+    And the killed server's sockets were left in the temp directory."""
     managed.close()  # one server at a time: the module's is done
     spec = VLLMServerSpec(str(model_dir), max_model_len=MAX_LEN, kvcache_space_gib=1)
     server = VLLMServer(spec).start()  # no run folder: a temporary log
@@ -355,6 +388,7 @@ def test_an_external_server_that_dies_fails_the_stage_naming_its_url(
         server.stop()
     assert log.is_file() and f"vLLM server log kept: {log}" in capsys.readouterr().err
     log.unlink()
+    assert not list(own_tmpdir.iterdir()), "the SIGKILLed server left files in the temp directory"
 
 
 @pytest.mark.slow

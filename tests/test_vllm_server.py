@@ -191,8 +191,9 @@ def test_the_untied_copy_of_a_sharded_tied_model_keeps_its_lm_head_for_vllm(tmp_
 
 @pytest.mark.slow
 @pytest.mark.skipif(not DEFAULT_PYTHON.is_file(), reason="needs the vLLM Python (make vllm-setup)")
-def test_a_real_vllm_server_serves_the_untied_copy_of_a_sharded_tied_model(tmp_path: Path) -> None:
-    """B9 end to end: before, vLLM dropped lm_head.safetensors and the start failed."""
+def test_a_real_vllm_server_serves_the_untied_copy_of_a_sharded_tied_model(tmp_path: Path, own_tmpdir: Path) -> None:
+    """B9 end to end: before, vLLM dropped lm_head.safetensors and the start failed. And
+    the stopped server leaves nothing in the temp directory."""
     import httpx
     import torch
     from transformers import AutoModelForCausalLM
@@ -206,6 +207,7 @@ def test_a_real_vllm_server_serves_the_untied_copy_of_a_sharded_tied_model(tmp_p
             "logprobs": 0, "return_tokens_as_token_ids": True,
         })  # fmt: skip
     assert response.status_code == 200, response.text[:500]
+    assert not list(own_tmpdir.iterdir()), "the stopped server left files in the temp directory"
     logprobs = response.json()["choices"][0]["logprobs"]
     token = int(logprobs["tokens"][0].removeprefix("token_id:"))
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
