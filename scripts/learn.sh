@@ -16,10 +16,11 @@
 #                                      alone, GRPO steps of ~2 min and validation passes
 #                                      of ~1.6 min. The configs now put LoRA on the MLP
 #                                      too and run 30 steps in bfloat16 with the
-#                                      curriculum (run 10): SFT 773 s, steps of ~72 s,
-#                                      the run's two parts 37 + 29 min on a quiet
-#                                      machine; with the settings of 2026-11-29 (commit
-#                                      c9cdcab) it took 3 h 50 min
+#                                      curriculum (run 10): 1 h 08 min from nothing on a
+#                                      quiet machine (2026-12-05: baseline 1 min, SFT
+#                                      ~16 min, GRPO 47 min with steps of ~72 s, the final
+#                                      comparison 4 min); with the settings of 2026-11-29
+#                                      (commit c9cdcab) it took 3 h 50 min
 #   OUT=runs/learn2 scripts/learn.sh   into other folders (the GRPO config is rewritten to
 #                                      read that folder's SFT adapter)
 #   GRPO_CONFIG=my.toml OUT=... scripts/learn.sh
