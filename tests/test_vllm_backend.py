@@ -151,8 +151,9 @@ def _conversations() -> list[list[Message]]:
 # ---------------------------------------------------------------- before the server starts
 
 
-def test_a_model_vllm_cannot_load_gives_the_log_tail_and_flags(tmp_path: Path) -> None:
-    """Runs first, before the session's server: never two servers at once."""
+def test_a_model_vllm_cannot_load_gives_the_log_tail_and_flags(tmp_path: Path, own_tmpdir: Path) -> None:
+    """Runs first, before the session's server: never two servers at once. In its own
+    TMPDIR: the failed server's log is kept as evidence, and must not stay in /tmp."""
     folder = tmp_path / "not-a-model"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"architectures": ["NoSuchLM"], "model_type": "nosuch"}))

@@ -74,8 +74,9 @@ def fake_model_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def healthy_fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A stand-in server that answers /health: python's http.server on the --port given."""
+def healthy_fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, own_tmpdir: Path) -> None:
+    """A stand-in server that answers /health: python's http.server on the --port given. In
+    the test's own TMPDIR: the log of a server that died is kept, and must not stay in /tmp."""
     serve = f'exec {sys.executable} -m http.server --bind 127.0.0.1 "$(echo "$@" | sed "s/.*--port \\([0-9]*\\).*/\\1/")"'
     (tmp_path / "health").write_text("ok")
     monkeypatch.chdir(tmp_path)  # http.server serves the working directory: /health exists

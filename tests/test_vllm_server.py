@@ -26,6 +26,11 @@ from rollflow.policy.vllm_spec import DEFAULT_PYTHON, PYTHON_ENV, VLLMServerErro
 from rollflow.policy.vllm_weights import LM_HEAD_SHARD, untied_serving_folder
 
 
+# Each test in a TMPDIR of its own: a server that failed keeps its temporary log as evidence,
+# which must not stay in /tmp after the test.
+pytestmark = pytest.mark.usefixtures("own_tmpdir")
+
+
 def _fake_python(tmp_path: Path, body: str) -> Path:
     script = tmp_path / "fake-python"
     script.write_text(f"#!/bin/sh\n{body}\n")
