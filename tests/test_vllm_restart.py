@@ -393,7 +393,9 @@ def test_an_external_server_that_dies_fails_the_stage_naming_its_url(
         server.stop()
     assert log.is_file() and f"vLLM server log kept: {log}" in capsys.readouterr().err
     log.unlink()
-    assert not list(own_tmpdir.iterdir()), "the SIGKILLed server left files in the temp directory"
+    left = [p.name for p in own_tmpdir.iterdir()]
+    # only torch inductor's kernel cache, shared on purpose (vllm_server.inductor_cache_dir)
+    assert left in ([], [Path(inductor_cache_dir()).name]), f"the SIGKILLed server left {left} in the temp directory"
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ import pytest
 
 from rollflow.policy.models import build_tiny_model
 from rollflow.policy.vllm_cpu import engine_failure
-from rollflow.policy.vllm_server import LOG_TAIL_CHARS, VLLMServer
+from rollflow.policy.vllm_server import LOG_TAIL_CHARS, VLLMServer, inductor_cache_dir
 from rollflow.policy.vllm_spec import DEFAULT_PYTHON, PYTHON_ENV, VLLMServerError, VLLMServerSpec
 from rollflow.policy.vllm_weights import LM_HEAD_SHARD, untied_serving_folder
 
@@ -212,7 +212,9 @@ def test_a_real_vllm_server_serves_the_untied_copy_of_a_sharded_tied_model(tmp_p
             "logprobs": 0, "return_tokens_as_token_ids": True,
         })  # fmt: skip
     assert response.status_code == 200, response.text[:500]
-    assert not list(own_tmpdir.iterdir()), "the stopped server left files in the temp directory"
+    left = [p.name for p in own_tmpdir.iterdir()]
+    # only torch inductor's kernel cache, shared on purpose (vllm_server.inductor_cache_dir)
+    assert left in ([], [Path(inductor_cache_dir()).name]), f"the stopped server left {left} in the temp directory"
     logprobs = response.json()["choices"][0]["logprobs"]
     token = int(logprobs["tokens"][0].removeprefix("token_id:"))
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()
