@@ -94,10 +94,11 @@ def tiny_config_path(tiny_model_dir: Path, tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def own_tmpdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+def own_tmpdir(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """This test's own TMPDIR (for it and what it starts), so that what is left in it is
     seen. Short, under the system's temp directory: a vLLM server's sockets go there and an
     AF_UNIX path has at most 107 bytes (pytest's tmp_path is too deep)."""
+    tmp_path_factory.getbasetemp()  # pytest's own base folder first: it is made in TMPDIR once
     folder = Path(tempfile.mkdtemp(prefix="rollflow-t-"))
     monkeypatch.setenv("TMPDIR", str(folder))
     monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
