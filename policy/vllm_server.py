@@ -37,7 +37,7 @@ rendezvous file of its torch.distributed group) go to a folder of the server's o
 link to torch inductor's cache of compiled kernels, which stays shared: ``inductor_cache_dir``),
 ``/tmp/rollflow-vllm-tmp-PID-*`` (``TMPDIR`` in the server's environment; PID is the process
 that started it), removed when the server is stopped, killed or not: vLLM leaves them
-behind when it is killed, two files a start, thousands on a machine that runs nightly. The
+behind when it is killed, four files a start, thousands on a machine that runs nightly. The
 folders of a process that is gone (a SIGKILLed run, whose watchdog ended the server) are
 removed by the next server start on the machine (``sweep_server_temp_dirs``).
 
