@@ -66,7 +66,7 @@ from types import TracebackType
 
 import httpx
 
-from rollflow.policy.procs import group_gone, parent_death_signal, signal_group
+from rollflow.policy.procs import group_gone, parent_death_signal, read_proc, signal_group
 from rollflow.policy.stopping import exit_on_sigterm
 from rollflow.policy.vllm_cpu import EngineFailure, cpu_attention_problem, engine_failure, is_cpu_vllm
 from rollflow.policy.vllm_spec import VLLMServerError, VLLMServerSpec, resolve_python
@@ -115,21 +115,11 @@ def sweep_server_temp_dirs(root: Path | None = None) -> list[Path]:
     removed = []
     for folder in Path(root or tempfile.gettempdir()).glob(f"{TEMP_DIR_PREFIX}*-*"):
         pid = folder.name[len(TEMP_DIR_PREFIX) :].split("-", 1)[0]
-        if not pid.isdigit() or _pid_exists(int(pid)):
+        if not pid.isdigit() or read_proc(int(pid)) is not None:
             continue
         shutil.rmtree(folder, ignore_errors=True)
         removed.append(folder)
     return removed
-
-
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's
-    return True
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -225,9 +215,7 @@ class VLLMServer:
                     preexec_fn=parent_death_signal(),  # SIGKILLed with rollflow (policy/procs.py)
                 )  # fmt: skip
         except BaseException:
-            if self.temp_dir is not None:
-                shutil.rmtree(self.temp_dir, ignore_errors=True)
-                self.temp_dir = None
+            self._remove_temp_dir()
             raise
         _LIVE.add(self)
         return self
@@ -274,10 +262,13 @@ class VLLMServer:
         self._stop_group(process, grace_s)
         if self._exit_status is None:
             self._exit_status = process.poll()
+        self._remove_temp_dir()
+        self._settle_temp_log()
+
+    def _remove_temp_dir(self) -> None:
         if self.temp_dir is not None:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
             self.temp_dir = None
-        self._settle_temp_log()
 
     def _stop_group(self, process: subprocess.Popen[bytes], grace_s: float) -> None:
         group = process.pid  # start_new_session: the group id is the leader's pid
