@@ -30,7 +30,9 @@ the default run size (``RunConfig()``'s rollout and train sizes) on SmolLM2-135M
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -43,7 +45,10 @@ from pathlib import Path
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="rollflow-overhead-prefect-"))
+if "PREFECT_HOME" not in os.environ:  # a Prefect home of its own, gone when the bench ends
+    _PREFECT_HOME = tempfile.mkdtemp(prefix="rollflow-overhead-prefect-")
+    os.environ["PREFECT_HOME"] = _PREFECT_HOME
+    atexit.register(shutil.rmtree, _PREFECT_HOME, ignore_errors=True)
 
 from prefect import flow  # noqa: E402
 

@@ -112,7 +112,8 @@ def test_replicas_started_together_die_with_the_process_that_started_them(tmp_pa
     (model / "config.json").write_text("{}")
     (tmp_path / "health").write_text("ok")
     serve = f'exec {sys.executable} -m http.server --bind 127.0.0.1 "$(echo "$@" | sed "s/.*--port \\([0-9]*\\).*/\\1/")"'
-    env = {**os.environ, PYTHON_ENV: str(_fake_python(tmp_path, serve))}
+    # TMPDIR: the SIGKILLed starter cannot delete its servers' temporary logs (left in /tmp before)
+    env = {**os.environ, PYTHON_ENV: str(_fake_python(tmp_path, serve)), "TMPDIR": str(tmp_path)}
     root = str(Path(rollflow.__file__).resolve().parent.parent)
     starter = subprocess.Popen(
         [sys.executable, "-c", _TIED_TO_ITS_PROCESS, root, str(model)], cwd=tmp_path, env=env,
@@ -126,6 +127,7 @@ def test_replicas_started_together_die_with_the_process_that_started_them(tmp_pa
         starter.kill()
         starter.wait()
     assert not any(_alive(pid) for pid in pids), "a replica outlived the process that started it"
+    assert len(list(tmp_path.glob("rollflow-vllm-*.log"))) == 2  # in the test's folder, not /tmp
 
 
 # ---------------------------------------------------------------- real servers
@@ -276,7 +278,7 @@ def test_ctrl_c_while_replicas_start_stops_them_and_returns_at_once(tmp_path: Pa
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    env = {**os.environ, PYTHON_ENV: str(_fake_python(tmp_path, "exec sleep 600"))}
+    env = {**os.environ, PYTHON_ENV: str(_fake_python(tmp_path, "exec sleep 600")), "TMPDIR": str(tmp_path)}
     root = str(Path(rollflow.__file__).resolve().parent.parent)
     starter = subprocess.Popen(
         [sys.executable, "-c", _INTERRUPTED_WHILE_STARTING, root, str(model)], cwd=tmp_path, env=env,
