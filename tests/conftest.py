@@ -85,6 +85,31 @@ def prefect_harness() -> object:
         yield
 
 
+@pytest.fixture(scope="session")
+def shared_prefect_url(prefect_harness: object) -> str:
+    """The session's Prefect server, for `rollflow` subprocesses that would otherwise each
+    start a temporary one (~6 CPU-s a start: the suite is CPU-bound). Its training limit gets
+    many slots: a run a test SIGKILLs keeps its slot's lease for ``LEASE_S`` (60 s), which would
+    hold the next run. The tests of the slot itself (test_pipeline_server.py) and of the
+    temporary server's end (each kill matrix's first run, test_flow_train.py's SIGTERM,
+    test_ctrl_c.py, test_prefect_home.py) keep theirs."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
+    from prefect.settings import PREFECT_API_URL
+
+    from rollflow.flows.concurrency import TRAINING_LIMIT, ensure_training_limit
+
+    ensure_training_limit(SHARED_SERVER_SLOTS)
+    with get_client(sync_client=True) as client:  # one made with 1 slot by an earlier flow
+        client.update_global_concurrency_limit(TRAINING_LIMIT, GlobalConcurrencyLimitUpdate(limit=SHARED_SERVER_SLOTS))
+    url = PREFECT_API_URL.value()
+    assert url, "the Prefect harness set no API URL"
+    return str(url)
+
+
+SHARED_SERVER_SLOTS = 100
+
+
 @pytest.fixture
 def tiny_config_path(tiny_model_dir: Path, tmp_path: Path) -> Path:
     """configs/tiny.toml on the session's tiny model (see tests/tiny_run.py)."""
@@ -155,3 +180,38 @@ HEAVIEST_MODULES = (
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: index for index, name in enumerate(HEAVIEST_MODULES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+# ---------------------------------------------------------------- CPU by test (opt-in)
+# The suite is CPU-bound on two cores (docs/testing.md), so its wall time follows the CPU
+# its tests spend, not their durations. With ROLLFLOW_TEST_CPU_LOG=PREFIX each worker appends
+# a line per test to PREFIX.<worker>.jsonl: the CPU seconds of the worker itself (the test's
+# in-process work, exact) and of the child processes reaped during the test (approximate: a
+# child is charged to the test that reaps it, which for a child nobody waited for is the
+# test that next starts a subprocess, and a child adopted by init is not counted at all).
+# `scripts/test_cpu_report.py PREFIX` sums them by module.
+_CPU_LOG = os.environ.get("ROLLFLOW_TEST_CPU_LOG")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    if not _CPU_LOG:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def children() -> float:
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    own, reaped, wall = time.process_time(), children(), time.monotonic()
+    yield
+    line = {
+        "test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+        "own_cpu_s": round(time.process_time() - own, 2), "children_cpu_s": round(children() - reaped, 2),
+        "wall_s": round(time.monotonic() - wall, 2),
+    }  # fmt: skip
+    with open(f"{_CPU_LOG}.{line['worker']}.jsonl", "a", encoding="utf-8") as log:
+        log.write(json.dumps(line) + "\n")
