@@ -20,7 +20,9 @@ Each kill is a SIGKILL of the run's own pid only, as the OOM killer does, with t
 stopped (SIGSTOP) first so that the snapshot of its descendants taken just before the kill
 is exact. After it, every process of the run ever seen (by pid and start time) and every
 member of their process groups must be gone within seconds: the run's watchdog
-(``rollflow.policy.procs``) is what ends them.
+(``rollflow.policy.procs``) is what ends them. The first run of each matrix starts Prefect's
+temporary server, as a plain ``rollflow train`` does, and the check covers it; the resumes
+run their flows on the session's server (``shared_prefect_url``), one start fewer each.
 
 A run stopped (SIGSTOP) by ``kill`` or at a fault point has no watchdog to end it: the
 watchdog waits for the run's death, and a stopped run never dies. So every ``RunProcess``
@@ -58,6 +60,7 @@ TESTS = Path(__file__).parent
 STEPS, GROUPS, GROUP_SIZE = 2, 2, 2
 LEFTOVER_WAIT_S = 20.0  # the watchdog's SIGTERM grace, its SIGKILL, and the reaping
 RUN_TIMEOUT_S = 300.0
+PREFECT_SERVER = b"prefect.server.api.server:create_app"  # the temporary server's command line
 
 
 
@@ -90,6 +93,10 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+def _is_api_server(pid: int) -> bool:
+    return b"vllm.entrypoints.openai.api_server" in _cmdline(pid)
+
+
 def _describe(procs: list[Proc]) -> str:
     lines = []
     for proc in procs:
@@ -102,13 +109,19 @@ class RunProcess:
     """One `rollflow train` / `resume` process, with every process of its tree it was seen with.
 
     ``command``: what runs ``argv`` (the rollflow command line unless given; tests of this
-    machinery give another)."""
+    machinery give another). ``prefect_url``: a Prefect server for its flows (the
+    ``shared_prefect_url`` fixture); without one the run starts its temporary server, a child."""
 
     started: ClassVar[list[RunProcess]] = []  # every run of this test process not yet ended by end_runs
 
-    def __init__(self, argv: list[str], log: Path, fault: str | None = None, command: Sequence[str] | None = None) -> None:
+    def __init__(
+        self, argv: list[str], log: Path, fault: str | None = None, command: Sequence[str] | None = None,
+        prefect_url: str | None = None,
+    ) -> None:  # fmt: skip
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-        env.pop("PREFECT_API_URL", None)  # it starts Prefect's temporary server, a child process
+        env.pop("PREFECT_API_URL", None)
+        if prefect_url is not None:
+            env["PREFECT_API_URL"] = prefect_url
         env.pop(FAULT_POINT_ENV, None)
         if fault is not None:
             env[FAULT_POINT_ENV] = fault
@@ -120,6 +133,7 @@ class RunProcess:
             )  # fmt: skip
         RunProcess.started.append(self)
         self.seen: dict[tuple[int, int], Proc] = {}
+        self.killed_with: list[bytes] = []  # the command lines of its descendants when kill() killed it
         self.look()
 
     def look(self) -> dict[int, Proc]:
@@ -147,7 +161,8 @@ class RunProcess:
         return proc is not None and proc.state == "T"
 
     def vllm_server(self) -> Proc:
-        servers = [p for p in self.look().values() if b"vllm.entrypoints.openai.api_server" in _cmdline(p.pid)]
+        # not its engine core, forked from it, in the moment before the fork renames itself
+        servers = [p for p in self.look().values() if _is_api_server(p.pid) and not _is_api_server(p.ppid)]
         assert len(servers) == 1, f"expected one vLLM API server in the run's tree, found {len(servers)}"
         return servers[0]
 
@@ -158,10 +173,15 @@ class RunProcess:
         self.wait_until(self.stopped_itself, "the run stopping", timeout_s=10)
         tree = self.look()
         assert any(p.pid != self.child.pid for p in tree.values()), "the run had no children to leave behind"
+        self.killed_with = [_cmdline(p.pid) for p in tree.values() if p.pid != self.child.pid]
         os.kill(self.child.pid, signal.SIGKILL)
         self.child.wait(timeout=30)
         assert_gone(list(self.seen.values()), f"the run killed ({self.log.name})")
         assert f"rollflow watchdog: run {self.child.pid} ended; stopped" in self.log.read_text(), self.tail()
+
+    def killed_its_own_prefect_server(self) -> bool:
+        """Whether Prefect's temporary server was among what ``kill`` left to the watchdog."""
+        return any(PREFECT_SERVER in command for command in self.killed_with)
 
     def finish(self) -> int:
         """Wait for the run to end by itself; nothing it was seen with may outlive it."""

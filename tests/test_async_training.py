@@ -302,7 +302,7 @@ def _vllm_servers_of(model_dir: Path) -> list[int]:
 
 @pytest.mark.slow
 def test_a_killed_async_lora_run_resumed_trains_every_group_once_stamped_with_the_version_that_sampled_it(
-    vllm_model_dir: Path, prefect_harness: object, tmp_path: Path
+    vllm_model_dir: Path, shared_prefect_url: str, tmp_path: Path
 ) -> None:
     """SIGKILL a real `rollflow train` (async, LoRA, background publication) once step 0 is
     trained and groups wait in the buffer; its server too (it is in a session of its own).
@@ -327,7 +327,7 @@ def test_a_killed_async_lora_run_resumed_trains_every_group_once_stamped_with_th
             return set()
         return set(finished_groups(folder)) - consumed_groups(folder)
 
-    child = start_train_process(_write(config, tmp_path, "killed"), run_dir, tmp_path / "stderr.txt")
+    child = start_train_process(_write(config, tmp_path, "killed"), run_dir, tmp_path / "stderr.txt", shared_prefect_url)
     try:
         # The generator and the admissions are threads of the trainer: with its process group
         # stopped the folder cannot change, so the state checked is the state the kill leaves

@@ -16,9 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kill_matrix import RunProcess, _cmdline
-
-PREFECT_SERVER = b"prefect.server.api.server:create_app"
+from kill_matrix import PREFECT_SERVER, RunProcess, _cmdline
 
 
 def _prefect_servers(run: RunProcess) -> list[int]:

@@ -253,13 +253,18 @@ def test_async_collection_is_refused_with_a_clear_message(tiny_config_path: Path
         open_run(tiny_config_path, tmp_path / "run")
 
 
-def start_train_process(config_path: Path, run_dir: Path, stderr: Path) -> subprocess.Popen[str]:
-    """A real `rollflow train` in its own process group (with the Prefect server it starts).
+def start_train_process(
+    config_path: Path, run_dir: Path, stderr: Path, prefect_url: str | None = None
+) -> subprocess.Popen[str]:
+    """A real `rollflow train` in its own process group, with the Prefect temporary server it
+    starts, or its flows on ``prefect_url`` (the ``shared_prefect_url`` fixture).
 
     Its stderr goes to a file: a pipe nobody reads while the run goes on could fill and stall it.
     """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    env.pop("PREFECT_API_URL", None)  # the child starts its own temporary server, a child process
+    env.pop("PREFECT_API_URL", None)
+    if prefect_url is not None:
+        env["PREFECT_API_URL"] = prefect_url
     with stderr.open("w") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "rollflow.flows.cli", "train", str(config_path), "--run-dir", str(run_dir)],
@@ -298,15 +303,16 @@ def assert_resume_equals_uninterrupted(run_dir: Path, uninterrupted: Path) -> No
 @pytest.mark.slow
 @pytest.mark.parametrize("kill_when", ["steps/step=000001/episodes", "checkpoints/step=000001"])
 def test_sigkill_mid_run_then_resume_equals_the_uninterrupted_run(
-    kill_when: str, tiny_config_path: Path, tmp_path: Path, uninterrupted: Path
+    kill_when: str, tiny_config_path: Path, tmp_path: Path, uninterrupted: Path, shared_prefect_url: str
 ) -> None:
-    """A real `rollflow train` process, SIGKILLed as soon as ``kill_when`` appears."""
+    """A real `rollflow train` process, SIGKILLed as soon as ``kill_when`` appears (its flows
+    on the session's Prefect server: the SIGTERM test below checks the temporary one's end)."""
     run_dir = tmp_path / "killed"
-    child = start_train_process(tiny_config_path, run_dir, tmp_path / "stderr.txt")
+    child = start_train_process(tiny_config_path, run_dir, tmp_path / "stderr.txt", shared_prefect_url)
     try:
         wait_for(child, run_dir / kill_when)
     finally:
-        kill_group(child)  # SIGKILL skips atexit: the run's watchdog ends its Prefect server
+        kill_group(child)
     assert_resume_equals_uninterrupted(run_dir, uninterrupted)
 
 

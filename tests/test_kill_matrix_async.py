@@ -28,7 +28,7 @@ def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 def test_an_async_run_killed_at_every_point_leaves_nothing_and_resumes_to_the_same_episodes(
-    vllm_model_dir: Path, tmp_path: Path
+    vllm_model_dir: Path, tmp_path: Path, shared_prefect_url: str
 ) -> None:
     from rollflow.config.run import load_config
     from rollflow.tasks.schedule import select_train_tasks
@@ -41,28 +41,32 @@ def test_an_async_run_killed_at_every_point_leaves_nothing_and_resumes_to_the_sa
     run = RunProcess(["train", str(config_path), "--run-dir", str(run_dir)], tmp_path / "1-rollout.log")
     run.wait_until(collecting(folder), "a group collected")
     run.kill()
+    assert run.killed_its_own_prefect_server()  # and the watchdog ended it (kill's check)
+    # The resumes' flows run on the session's Prefect server (the first run has shown the
+    # temporary one ended with its run; starting one per resume cost ~6 CPU-s each)
     # 2: step 0's train stage, its policy loaded. A fault point, not a condition seen from
     # outside: the first run may have flattened step 0 already (its groups finish together),
     # and the resume could train it before a poll saw the stage start.
-    run = RunProcess(resume, tmp_path / "2-train.log", fault="train_update")
+    run = RunProcess(resume, tmp_path / "2-train.log", fault="train_update", prefect_url=shared_prefect_url)
     run.wait_until(run.stopped_itself, "the train_update fault point")
     assert not folder.checkpoint_dir(0).exists()
     run.kill()
+    assert not run.killed_its_own_prefect_server()
     # 3: step 0's checkpoint half written
-    run = RunProcess(resume, tmp_path / "3-checkpoint.log", fault="checkpoint_write")
+    run = RunProcess(resume, tmp_path / "3-checkpoint.log", fault="checkpoint_write", prefect_url=shared_prefect_url)
     run.wait_until(run.stopped_itself, "the checkpoint_write fault point")
     run.kill()
     # 4: version 1 going to the server
-    run = RunProcess(resume, tmp_path / "4-publish.log", fault="weight_publish")
+    run = RunProcess(resume, tmp_path / "4-publish.log", fault="weight_publish", prefect_url=shared_prefect_url)
     run.wait_until(run.stopped_itself, "the weight_publish fault point")
     run.kill()
     # 5: the server killed mid-request: the run fails (tasks/collect.py), stopping what it started
-    run = RunProcess(resume, tmp_path / "5-server.log")
+    run = RunProcess(resume, tmp_path / "5-server.log", prefect_url=shared_prefect_url)
     collected = len(finished_groups(folder))
     kill_the_server_mid_request(run, lambda: len(finished_groups(folder)) > collected)
     if run.finish() != 0:
         # 6: the rest
-        run = RunProcess(resume, tmp_path / "6-finish.log")
+        run = RunProcess(resume, tmp_path / "6-finish.log", prefect_url=shared_prefect_url)
         assert run.finish() == 0, run.tail()
     config = load_config(config_path)
     items = _train_tasks(config_path)

@@ -27,7 +27,7 @@ def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 def test_a_lockstep_run_killed_at_every_point_leaves_nothing_and_resumes_to_the_same_episodes(
-    vllm_model_dir: Path, tmp_path: Path
+    vllm_model_dir: Path, tmp_path: Path, shared_prefect_url: str
 ) -> None:
     from rollflow.config.run import load_config
     from rollflow.tasks.schedule import select_train_tasks
@@ -41,20 +41,24 @@ def test_a_lockstep_run_killed_at_every_point_leaves_nothing_and_resumes_to_the_
     kill_the_server_mid_request(run, rollout_half_done(folder, 0))
     run.wait_until(training(folder, 0), "step 0's train stage")
     run.kill()
+    assert run.killed_its_own_prefect_server()  # and the watchdog ended it (kill's check)
+    # The resumes' flows run on the session's Prefect server (the first run has shown the
+    # temporary one ended with its run; starting one per resume cost ~6 CPU-s each)
     # 2: step 1's adapter going to a fresh server
-    run = RunProcess(resume, tmp_path / "2-publish.log", fault="weight_publish")
+    run = RunProcess(resume, tmp_path / "2-publish.log", fault="weight_publish", prefect_url=shared_prefect_url)
     run.wait_until(run.stopped_itself, "the weight_publish fault point")
     run.kill()
+    assert not run.killed_its_own_prefect_server()
     # 3: step 1's rollout, half done
-    run = RunProcess(resume, tmp_path / "3-rollout.log")
+    run = RunProcess(resume, tmp_path / "3-rollout.log", prefect_url=shared_prefect_url)
     run.wait_until(rollout_half_done(folder, 1), "step 1's rollout half done")
     run.kill()
     # 4: step 1's checkpoint half written (the server still up)
-    run = RunProcess(resume, tmp_path / "4-checkpoint.log", fault="checkpoint_write")
+    run = RunProcess(resume, tmp_path / "4-checkpoint.log", fault="checkpoint_write", prefect_url=shared_prefect_url)
     run.wait_until(run.stopped_itself, "the checkpoint_write fault point")
     run.kill()
     # 5: the rest
-    run = RunProcess(resume, tmp_path / "5-finish.log")
+    run = RunProcess(resume, tmp_path / "5-finish.log", prefect_url=shared_prefect_url)
     assert run.finish() == 0, run.tail()
     config = load_config(config_path)
     items = _train_tasks(config_path)

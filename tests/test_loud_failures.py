@@ -143,12 +143,16 @@ def test_an_async_step_that_always_raises_keeps_its_tracebacks_fails_and_a_resum
     """Async (a real managed vLLM server): the rollout workers keep each errored episode's
     traceback in its group's file, the admission copies them into the step's errors.jsonl
     under the step's episode ids; the failed step is discarded with its admission, and the
-    resume after the fix plays its groups again and trains."""
+    resume after the fix plays its groups again and trains.
+
+    One server for the failed run and its resume (``lend``: a start fewer, ~13 CPU-s), as a
+    test module's runs share one; the resume finds it still serving version 0."""
     from test_async_training import async_config
 
-    from rollflow.storage.async_groups import consumed_groups, finished_groups, read_admission
-    from rollflow.storage.schemas import table_to_episode_records
-    from rollflow.tasks.group_errors import group_errors_path
+    from rollflow.generators.async_generator import max_loaded_adapters
+    from rollflow.generators.cpu_split import async_cpu_split
+    from rollflow.generators.lending import lend
+    from rollflow.generators.run_generator import open_generator
 
     config = async_config(vllm_model_dir, tmp_path, groups_in_flight=2, train={"num_steps": 1})
     config = replace(config, env=replace(config.env, name="broken_env:load_environment", kwargs={"broken": "step"}))
@@ -156,6 +160,19 @@ def test_an_async_step_that_always_raises_keeps_its_tracebacks_fails_and_a_resum
     path.write_text(config_to_toml(replace(config, storage=replace(config.storage, runs_dir=str(tmp_path / "runs")))))
     run_dir = tmp_path / "run"
     folder = RunFolder(run_dir)
+    split = async_cpu_split(config)
+    cpus = split[0] if split else ()
+    with open_generator(config, None, versions_in_flight=max_loaded_adapters(config), cpus=cpus) as opened, lend(opened):
+        _failed_then_fixed(path, run_dir, folder, monkeypatch)
+        assert opened.server is not None and opened.server.restarts == 0, "both runs on the lent server"
+    assert not opened.server.running, "the lent server outlived its owner's with"
+
+
+def _failed_then_fixed(path: Path, run_dir: Path, folder: RunFolder, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollflow.storage.async_groups import consumed_groups, finished_groups, read_admission
+    from rollflow.storage.schemas import table_to_episode_records
+    from rollflow.tasks.group_errors import group_errors_path
+
     with pytest.raises(StepFailedError, match=r"^step 0: all 4 episodes failed: KeyError: 'the step is broken' "
                        r"\(in step_episode\) \(tracebacks in .*step=000000/errors\.jsonl\); its episodes were discarded"):
         train_flow(config_path=str(path), run_dir=str(run_dir))

@@ -174,22 +174,6 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def test_a_run_plays_its_rollouts_on_both_nodes_and_each_episode_records_its_node(
-    base_config: RunConfig, managed: VLLMGenerator, cluster: LocalRayCluster, tmp_path: Path
-) -> None:
-    started = time.monotonic()
-    folder = RunFolder(_train(base_config, tmp_path))
-    print(f"run on two nodes: {time.monotonic() - started:.1f} s")
-    stages = _assert_every_episode_once(folder)
-    train_nodes = sorted(e.node for e in stages[("train", 0)])  # type: ignore[type-var]
-    assert train_nodes == ["head", "head", "worker-1", "worker-1"], "one chunk on each node"
-    assert {e.node for episodes in stages.values() for e in episodes} == {"head", "worker-1"}
-    for part in folder.part_paths(0, "episodes", "train"):  # one chunk, one node
-        assert len({e.node for e in table_to_episode_records(read_table(part))}) == 1, part
-    assert not list(folder.step_dir(0).glob("part-*.tmp*")), "no temporary left"
-    assert sorted(cluster.nodes()) == ["head", "worker-1"]
-
-
 def _on_worker(config: RunConfig) -> RunConfig:
     return replace(config, cluster=replace(config.cluster, trainer_node="worker-1"))
 
@@ -204,8 +188,11 @@ def test_a_trainer_placed_on_the_worker_node_killed_while_it_trains_fails_the_st
     that step, there again, and validation after the step samples version 1, which the
     driver's server loaded from the checkpoint the worker committed in the run folder.
 
-    (One run for both: the resume is the placed trainer's whole run from the train stage on;
-    a separate run for the placement alone cost ~20 s.)"""
+    The rollouts of that run, played before the kill, are also the check of rollout chunks
+    placed on both nodes: each chunk on one node, two on each, every episode recording its node.
+
+    (One run for all three: the resume is the placed trainer's whole run from the train stage
+    on; a separate run for the placement alone cost ~20 s, one for the rollouts ~45 s.)"""
     config = _on_worker(base_config)
     error = _run_with_the_worker_killed(cluster, config, tmp_path, "ray::train-on-node")
     message = str(error)
@@ -220,11 +207,19 @@ def test_a_trainer_placed_on_the_worker_node_killed_while_it_trains_fails_the_st
     capsys.readouterr()
     _train(config, tmp_path, run_dir=folder.root)
     assert "train step 0: on node 'worker-1', 1 CPU(s)" in capsys.readouterr().err
-    _assert_every_episode_once(folder)  # validation step 1 acted with version 1
+    stages = _assert_every_episode_once(folder)  # validation step 1 acted with version 1
     assert folder.read_train_result(0).node == "worker-1"
     assert folder.checkpoint_dir(0).is_dir()
     for part, identity in kept.items():
         assert (part.stat().st_ino, part.stat().st_mtime_ns) == identity, f"{part} was written again"
+    # the rollouts, played on both nodes before the kill
+    train_nodes = sorted(e.node for e in stages[("train", 0)])  # type: ignore[type-var]
+    assert train_nodes == ["head", "head", "worker-1", "worker-1"], "one chunk on each node"
+    assert {e.node for episodes in stages.values() for e in episodes} == {"head", "worker-1"}
+    for part in folder.part_paths(0, "episodes", "train"):  # one chunk, one node
+        assert len({e.node for e in table_to_episode_records(read_table(part))}) == 1, part
+    assert not list(folder.step_dir(0).glob("part-*.tmp*")), "no temporary left"
+    assert sorted(cluster.nodes()) == ["head", "worker-1"]
 
 
 def test_a_vllm_server_killed_while_chunks_run_on_the_nodes_is_restarted_by_the_driver(
@@ -339,7 +334,9 @@ class _ServerWatch(threading.Thread):
         sessions = {process.pid: name for name, process in self.cluster._nodes.items()}
         while not self.done.is_set():
             for proc in self.cluster.processes().values():
-                if proc.pid not in self.seen and "vllm.entrypoints.openai.api_server" in _cmdline(proc.pid):
+                # an API server, not its engine core in the moment after the fork, before it renames itself
+                server = "vllm.entrypoints.openai.api_server"
+                if proc.pid not in self.seen and server in _cmdline(proc.pid) and server not in _cmdline(proc.ppid):
                     self.seen[proc.pid] = sessions.get(session_of(proc.ppid) or -1, "elsewhere")
             time.sleep(0.2)
 

@@ -25,10 +25,13 @@ time.sleep(600)
 """
 
 
-def rollflow(*args: str, stderr: Path) -> subprocess.Popen[str]:
-    """A real ``rollflow`` command in its own process group (with any Prefect server it starts)."""
+def rollflow(*args: str, stderr: Path, prefect_url: str | None = None) -> subprocess.Popen[str]:
+    """A real ``rollflow`` command in its own process group (with any Prefect server it
+    starts, or its flows on ``prefect_url``)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     env.pop("PREFECT_API_URL", None)
+    if prefect_url is not None:
+        env["PREFECT_API_URL"] = prefect_url
     with stderr.open("w") as log:
         return subprocess.Popen([sys.executable, "-m", "rollflow.flows.cli", *args], env=env,
                                 stdout=subprocess.DEVNULL, stderr=log, text=True, start_new_session=True)
@@ -73,8 +76,7 @@ def test_a_second_resume_is_refused_at_once_naming_the_holder_and_sigkill_frees_
         assert holder.stdout is not None and holder.stdout.readline() == "holding\n"
         assert (root / "run.lock").read_text().strip() == str(holder.pid)
         with pytest.raises(RunFolderBusyError, match=f"PID {holder.pid}"):
-            open_run(None, root)
-        assert_refused_at_once_naming(root, holder.pid, tmp_path)  # and `rollflow resume`
+            open_run(None, root)  # `rollflow resume` refused: the last test, against a real run
     finally:
         kill_group(holder)  # SIGKILL: the kernel drops the flock with the process
     handle = open_run(None, root)
@@ -100,12 +102,12 @@ def test_one_process_may_open_its_run_again(tiny_config_path: Path, tmp_path: Pa
 
 @pytest.mark.slow
 def test_two_rollflow_resumes_of_one_folder_the_second_refused_while_the_first_trains(
-    tiny_config_path: Path, tmp_path: Path
+    tiny_config_path: Path, tmp_path: Path, shared_prefect_url: str
 ) -> None:
     root = frozen_run(tmp_path, tiny_config_path)
-    first = rollflow("resume", str(root), stderr=tmp_path / "first.txt")
+    first = rollflow("resume", str(root), stderr=tmp_path / "first.txt", prefect_url=shared_prefect_url)
     try:
-        # the flow is running (Prefect started, the flow opened the run again): still held
+        # the flow is running (on the session's Prefect server, the flow opened the run again): still held
         wait_for(first, lambda: (root / "steps" / "step=000000").exists(), "the first step started")
         assert_refused_at_once_naming(root, first.pid, tmp_path)
         assert first.poll() is None, (tmp_path / "first.txt").read_text()[-2000:]
