@@ -88,7 +88,7 @@ def prefect_harness() -> object:
 @pytest.fixture(scope="session")
 def shared_prefect_url(prefect_harness: object) -> str:
     """The session's Prefect server, for `rollflow` subprocesses that would otherwise each
-    start a temporary one (~6 CPU-s a start: the suite is CPU-bound). Its training limit gets
+    start a temporary one (~3 CPU-s a start, docs/testing.md: the suite is CPU-bound). Its training limit gets
     many slots: a run a test SIGKILLs keeps its slot's lease for ``LEASE_S`` (60 s), which would
     hold the next run. The tests of the slot itself (test_pipeline_server.py) and of the
     temporary server's end (each kill matrix's first run, test_flow_train.py's SIGTERM,

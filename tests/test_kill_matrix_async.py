@@ -43,7 +43,7 @@ def test_an_async_run_killed_at_every_point_leaves_nothing_and_resumes_to_the_sa
     run.kill()
     assert run.killed_its_own_prefect_server()  # and the watchdog ended it (kill's check)
     # The resumes' flows run on the session's Prefect server (the first run has shown the
-    # temporary one ended with its run; starting one per resume cost ~6 CPU-s each)
+    # temporary one ended with its run; starting one per resume cost ~3 CPU-s each)
     # 2: step 0's train stage, its policy loaded. A fault point, not a condition seen from
     # outside: the first run may have flattened step 0 already (its groups finish together),
     # and the resume could train it before a poll saw the stage start.

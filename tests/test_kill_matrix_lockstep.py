@@ -43,7 +43,7 @@ def test_a_lockstep_run_killed_at_every_point_leaves_nothing_and_resumes_to_the_
     run.kill()
     assert run.killed_its_own_prefect_server()  # and the watchdog ended it (kill's check)
     # The resumes' flows run on the session's Prefect server (the first run has shown the
-    # temporary one ended with its run; starting one per resume cost ~6 CPU-s each)
+    # temporary one ended with its run; starting one per resume cost ~3 CPU-s each)
     # 2: step 1's adapter going to a fresh server
     run = RunProcess(resume, tmp_path / "2-publish.log", fault="weight_publish", prefect_url=shared_prefect_url)
     run.wait_until(run.stopped_itself, "the weight_publish fault point")

@@ -145,7 +145,7 @@ def test_an_async_step_that_always_raises_keeps_its_tracebacks_fails_and_a_resum
     under the step's episode ids; the failed step is discarded with its admission, and the
     resume after the fix plays its groups again and trains.
 
-    One server for the failed run and its resume (``lend``: a start fewer, ~13 CPU-s), as a
+    One server for the failed run and its resume (``lend``: a start fewer, ~8 CPU-s), as a
     test module's runs share one; the resume finds it still serving version 0."""
     from test_async_training import async_config
 
@@ -164,7 +164,8 @@ def test_an_async_step_that_always_raises_keeps_its_tracebacks_fails_and_a_resum
     cpus = split[0] if split else ()
     with open_generator(config, None, versions_in_flight=max_loaded_adapters(config), cpus=cpus) as opened, lend(opened):
         _failed_then_fixed(path, run_dir, folder, monkeypatch)
-        assert opened.server is not None and opened.server.restarts == 0, "both runs on the lent server"
+        assert opened.server is not None and opened.server.restarts == 0
+        assert not (run_dir / "logs" / "vllm-server.log").exists(), "a run started a server of its own"
     assert not opened.server.running, "the lent server outlived its owner's with"
 
 
