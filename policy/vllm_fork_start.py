@@ -34,7 +34,7 @@ START_ENV = "ROLLFLOW_VLLM_ENGINE_START"  # "fork" (the default) or "spawn" (vLL
 FORKED_LINE = "rollflow: vLLM's engine core is forked from its API server, not spawned (vllm_fork_start.py)"
 
 
-def close_inherited_listeners() -> None:
+def close_inherited_server_sockets() -> None:
     """In a forked child: close its copies of the API server's TCP sockets that are bound or
     listening, not connected (its HTTP port).
 
@@ -86,7 +86,7 @@ def keep_fork_on_cpu() -> str | None:
             print(FORKED_LINE, file=sys.stderr, flush=True)
 
     cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[assignment]
-    os.register_at_fork(after_in_child=close_inherited_listeners)
+    os.register_at_fork(after_in_child=close_inherited_server_sockets)
     return None
 
 

@@ -85,6 +85,9 @@ def prefect_harness() -> object:
         yield
 
 
+SHARED_SERVER_SLOTS = 100
+
+
 @pytest.fixture(scope="session")
 def shared_prefect_url(prefect_harness: object) -> str:
     """The session's Prefect server, for `rollflow` subprocesses that would otherwise each
@@ -105,9 +108,6 @@ def shared_prefect_url(prefect_harness: object) -> str:
     url = PREFECT_API_URL.value()
     assert url, "the Prefect harness set no API URL"
     return str(url)
-
-
-SHARED_SERVER_SLOTS = 100
 
 
 @pytest.fixture

@@ -93,6 +93,12 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+def is_vllm_api_server(proc: Proc) -> bool:
+    """A vLLM API server, not its engine core: forked from the server, the engine carries the
+    server's command line until it renames itself."""
+    return _is_api_server(proc.pid) and not _is_api_server(proc.ppid)
+
+
 def _is_api_server(pid: int) -> bool:
     return b"vllm.entrypoints.openai.api_server" in _cmdline(pid)
 
@@ -161,8 +167,7 @@ class RunProcess:
         return proc is not None and proc.state == "T"
 
     def vllm_server(self) -> Proc:
-        # not its engine core, forked from it, in the moment before the fork renames itself
-        servers = [p for p in self.look().values() if _is_api_server(p.pid) and not _is_api_server(p.ppid)]
+        servers = [p for p in self.look().values() if is_vllm_api_server(p)]
         assert len(servers) == 1, f"expected one vLLM API server in the run's tree, found {len(servers)}"
         return servers[0]
 

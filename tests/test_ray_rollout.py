@@ -34,6 +34,7 @@ import pytest
 
 pytest.importorskip("prefect_ray")
 
+from kill_matrix import is_vllm_api_server
 from test_ray_cluster import cluster_processes, session_of, two_node_cluster
 from tiny_run import REPO, build_vllm_tiny_model
 
@@ -334,9 +335,7 @@ class _ServerWatch(threading.Thread):
         sessions = {process.pid: name for name, process in self.cluster._nodes.items()}
         while not self.done.is_set():
             for proc in self.cluster.processes().values():
-                # an API server, not its engine core in the moment after the fork, before it renames itself
-                server = "vllm.entrypoints.openai.api_server"
-                if proc.pid not in self.seen and server in _cmdline(proc.pid) and server not in _cmdline(proc.ppid):
+                if proc.pid not in self.seen and is_vllm_api_server(proc):
                     self.seen[proc.pid] = sessions.get(session_of(proc.ppid) or -1, "elsewhere")
             time.sleep(0.2)
 
