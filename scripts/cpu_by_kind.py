@@ -6,7 +6,8 @@ servers, Ray, the pytest workers themselves. Every second this reads each proces
 ticks from /proc (a process first seen after the start counts from zero; one that starts
 and ends between two reads is missed, and so is a process's last second), names its kind
 from its command line or its parent's kind, and at the end prints the totals with the
-machine's own busy share (/proc/stat) for comparison:
+machine's own busy share (/proc/stat) for comparison, and that share second by second
+(``busy_timeline`` in the JSON):
 
     python3 scripts/cpu_by_kind.py --json /tmp/cpu.json -- make test
 
@@ -85,6 +86,8 @@ class Sampler:
         self.ticks: dict[str, int] = {}
         self.first = True
         self.min_available_kib: int | None = None
+        self.timeline: list[tuple[float, float]] = []  # (epoch seconds, busy share since the last read)
+        self._busy = _machine_busy()
         self._stop = threading.Event()
 
     def sample(self) -> None:
@@ -99,6 +102,9 @@ class Sampler:
             self.last[key] = ticks
             self.ticks[self.kinds[key]] = self.ticks.get(self.kinds[key], 0) + ticks - before
         self.first = False
+        busy, every = _machine_busy()
+        self.timeline.append((round(time.time(), 1), round((busy - self._busy[0]) / max(every - self._busy[1], 1), 3)))
+        self._busy = (busy, every)
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 available = int(line.split()[1])
@@ -138,8 +144,11 @@ def main() -> None:
         "machine_busy_share": round((busy1 - busy0) / max(all1 - all0, 1), 3),
         "min_available_gib": round((sampler.min_available_kib or 0) / 2**20, 2),
         "cpu_s_by_kind": cpu,
+        # (epoch seconds, the machine's busy share over the second before): which stretches
+        # left cores idle (scripts/test_cpu_report.py charges them to the tests then running)
+        "busy_timeline": sampler.timeline,
     }  # fmt: skip
-    print(json.dumps(figures, indent=1), file=sys.stderr)
+    print(json.dumps({k: v for k, v in figures.items() if k != "busy_timeline"}, indent=1), file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1) + "\n")
     sys.exit(status)

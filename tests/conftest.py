@@ -206,12 +206,12 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         usage = resource.getrusage(resource.RUSAGE_CHILDREN)
         return usage.ru_utime + usage.ru_stime
 
-    own, reaped, wall = time.process_time(), children(), time.monotonic()
+    own, reaped, wall, start = time.process_time(), children(), time.monotonic(), time.time()
     yield
     line = {
         "test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
         "own_cpu_s": round(time.process_time() - own, 2), "children_cpu_s": round(children() - reaped, 2),
-        "wall_s": round(time.monotonic() - wall, 2),
+        "wall_s": round(time.monotonic() - wall, 2), "start": round(start, 2),
     }  # fmt: skip
     with open(f"{_CPU_LOG}.{line['worker']}.jsonl", "a", encoding="utf-8") as log:
         log.write(json.dumps(line) + "\n")

@@ -47,3 +47,8 @@ def test_a_measured_command_has_its_cpu_its_status_and_the_machines_share(tmp_pa
     # the spinning child is seen under its parent's kind (this test's process: pytest)
     assert sum(figures["cpu_s_by_kind"].values()) >= 1.0, figures
     assert 0 < figures["machine_busy_share"] <= 1 and figures["min_available_gib"] > 0
+    # a second by second busy share, in time order, the spinning seconds busy
+    timeline = figures["busy_timeline"]
+    assert len(timeline) >= 2 and [t for t, _ in timeline] == sorted(t for t, _ in timeline)
+    assert all(0 <= share <= 1 for _, share in timeline) and max(share for _, share in timeline) > 0.3
+    assert "busy_timeline" not in done.stderr  # printed figures stay short

@@ -61,7 +61,8 @@ def test_each_test_is_charged_its_own_cpu_and_its_childrens_and_the_report_sums_
 
     report = load_script("scripts/test_cpu_report.py")
     rows = report.read_log(prefix)
-    [(module, own, children, _)] = report.by_module(rows)
+    assert all(row.start is not None for row in rows)
+    [(module, own, children, _, _)] = report.by_module(rows)
     assert module == "test_inner.py" and own >= 0.5 and children >= 0.5
     text = report.report(rows, top=5)
     assert "| `test_inner.py` |" in text and "test_spins_in_a_child" in text
@@ -74,3 +75,17 @@ def test_the_report_names_a_missing_log_and_a_bad_line(tmp_path: Path) -> None:
     (tmp_path / "cpu.gw0.jsonl").write_text('{"test": "t.py::a", "own_cpu_s": 1}\n')
     with pytest.raises(SystemExit, match=r"cpu\.gw0\.jsonl:1: not a CPU log line"):
         report.read_log(tmp_path / "cpu")
+
+
+def test_idle_cores_are_charged_to_the_tests_running_then() -> None:
+    report = load_script("scripts/test_cpu_report.py")
+    rows = [report.TestCpu("t.py::sleeps", 0.0, 0.0, 4.0, start=100.0),
+            report.TestCpu("u.py::works", 6.0, 0.0, 3.0, start=104.0)]
+    # a sample says how busy the machine was over the second before it: idle for 4 s, then busy
+    timeline = [(100.0 + t, 0.0 if t <= 4 else 1.0) for t in range(0, 8)]
+    report.charge_idle(rows, timeline, cores=2)
+    assert rows[0].idle_core_s == pytest.approx(8.0) and rows[1].idle_core_s == pytest.approx(0.0)
+    text = report.report(rows, top=5, idle=True)
+    assert "| 1 | `t.py::sleeps` | 8 | 0 | 4 |" in text
+    with pytest.raises(SystemExit, match="no start times"):
+        report.charge_idle([report.TestCpu("old.py::x", 1.0, 0.0, 1.0)], timeline, cores=2)
