@@ -31,6 +31,21 @@ os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{_SESSION_HOME}/mlflow.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# With several xdist workers on the machine's cores (``make test``: two on two), each worker
+# and everything it starts computes on one OpenMP thread: torch in the worker, the runs it
+# starts (they inherit OMP_NUM_THREADS, so a run resumed in a subprocess sums in the same
+# order as the uninterrupted run it is compared with in the worker, bit for bit), and their
+# vLLM servers (rollflow.policy.vllm_cpu.worker_openmp_environment keeps a set
+# OMP_NUM_THREADS). Two threads a process oversubscribe the cores, and OpenMP's spinning
+# threads then burn CPU waiting for each other: in the suite of 2026-12-05 19:01
+# test_shared_prefix.py spent 93 CPU-s in its worker, 13 with one thread (docs/testing.md).
+# `make test TEST_WORKERS=1` keeps torch's own default.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ["OMP_NUM_THREADS"] = "1"  # read by torch when it is imported, after this
+    if "torch" in sys.modules:  # a plugin imported it first
+        sys.modules["torch"].set_num_threads(1)
+
+
 # ---------------------------------------------------------------- model fixtures
 # Imports are deferred so that test files which never touch a model do not pay for
 # importing transformers.

@@ -92,8 +92,9 @@ def prefect(server: PrefectServer, *args: str, timeout_s: float = 300) -> str:
 
 
 @contextmanager
-def running_prefect_server(home: Path) -> Iterator[PrefectServer]:
-    """Start a server with its state under ``home``; stopped when the block ends."""
+def running_prefect_server(home: Path, settings: dict[str, str] | None = None) -> Iterator[PrefectServer]:
+    """Start a server with its state under ``home``; stopped when the block ends.
+    ``settings``: more environment, for the server and every command of the test."""
     api_url = f"http://127.0.0.1:{free_port()}/api"
     env = {
         **os.environ,
@@ -107,6 +108,7 @@ def running_prefect_server(home: Path) -> Iterator[PrefectServer]:
         "PREFECT_CLI_PROMPT": "false",
         "PREFECT_LOGGING_LEVEL": "INFO",
         "MLFLOW_TRACKING_URI": f"sqlite:///{home / 'mlflow.db'}",
+        **(settings or {}),
     }
     port = api_url.rsplit(":", 1)[1].split("/")[0]
     command = [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", port]
