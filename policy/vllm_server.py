@@ -132,12 +132,14 @@ class VLLMServer:
     """One managed vLLM server; use as a context manager, or ``start`` / ``stop``."""
 
     def __init__(
-        self, spec: VLLMServerSpec, *, log_path: Path | None = None, startup_timeout_s: float = 600.0
+        self, spec: VLLMServerSpec, *, log_path: Path | None = None, startup_timeout_s: float = 600.0,
+        stop_grace_s: float = 15.0,
     ) -> None:
         self.spec = spec
         self.python = resolve_python(spec.python)
         self.log_path = log_path
         self.startup_timeout_s = startup_timeout_s
+        self.stop_grace_s = stop_grace_s  # from SIGTERM to SIGKILL, whoever stops it
         self.port: int | None = None
         self.startup_s: float | None = None  # seconds from spawn to healthy
         self.restarts = 0  # how often ``restart`` brought it back
@@ -250,8 +252,9 @@ class VLLMServer:
         self.restarts += 1
         return self
 
-    def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM to the process group, wait for all of it, SIGKILL after ``grace_s``."""
+    def stop(self, grace_s: float | None = None) -> None:
+        """SIGTERM to the process group, wait for all of it, SIGKILL after ``grace_s``
+        (default ``stop_grace_s``)."""
         process, self._process = self._process, None
         _LIVE.discard(self)
         if process is None:
@@ -259,7 +262,7 @@ class VLLMServer:
         self._exit_status = process.poll()
         if self._exit_status is not None:
             self._keep_log = True  # it died before we asked
-        self._stop_group(process, grace_s)
+        self._stop_group(process, self.stop_grace_s if grace_s is None else grace_s)
         if self._exit_status is None:
             self._exit_status = process.poll()
         self._remove_temp_dir()

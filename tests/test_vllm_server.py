@@ -76,7 +76,8 @@ def test_a_server_never_healthy_times_out_and_its_whole_group_is_stopped(
     # A child that ignores SIGTERM, like a worker slow to exit: only SIGKILL ends it.
     body = f"sh -c 'trap \"\" TERM; echo $$ > {pid_file}; while true; do sleep 1; done' &\necho waiting; sleep 600"
     monkeypatch.setenv(PYTHON_ENV, str(_fake_python(tmp_path, body)))
-    server = VLLMServer(VLLMServerSpec(str(model_dir)), startup_timeout_s=3.0)
+    # one second from SIGTERM to SIGKILL, not the default 15: the child ignores SIGTERM
+    server = VLLMServer(VLLMServerSpec(str(model_dir)), startup_timeout_s=3.0, stop_grace_s=1.0)
     with pytest.raises(VLLMServerError, match=r"was not healthy within 3 s[\s\S]*waiting"):
         server.start()
     child = int(pid_file.read_text())
