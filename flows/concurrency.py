@@ -11,7 +11,8 @@ GRPO, evaluation) run inside it without asking again, which would deadlock.
 
 A killed holder's slot is a lease that expires ``LEASE_S`` after its last renewal (the
 Prefect server's repossessor frees it), so a retried run waits at most about that long
-for the slot its crashed attempt held.
+for the slot its crashed attempt held. 60 s is the shortest lease a Prefect server accepts
+(it answers 422 to less).
 
 Only where a Prefect server is configured (``PREFECT_API_URL``: deployments, workers, a
 shared server): that is where several flows can meet. A run on Prefect's temporary local

@@ -54,7 +54,6 @@ from prefect_server import (
 
 from rollflow.config.pipeline import PipelineConfig
 from rollflow.config.run import config_to_toml, load_config
-from rollflow.flows.concurrency import LEASE_ENV
 from rollflow.storage.registry import PolicyRegistry
 from rollflow.storage.runfolder import RunFolder
 
@@ -65,16 +64,12 @@ TRAIN_DEPLOYMENT = "rollflow-train/nightly-train"
 
 
 # The retried pipeline waits for the slot its killed attempt held until the lease expires
-# and the server's repossessor frees it: up to 60 s + 15 s with the defaults, half the
-# retry test's time. The flows of this module hold a 30 s lease (renewed every 22.5 s), and
-# the server looks for expired leases every second.
-LEASE_S = "30"
-
-
+# (LEASE_S, 60 s: the least a Prefect server accepts) and the server's repossessor frees it,
+# which it looks for every 15 s by default: every second here.
 @pytest.fixture(scope="module")
 def module_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
     with running_prefect_server(tmp_path_factory.mktemp("prefect-server"),
-                                {"PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS": "1", LEASE_ENV: LEASE_S}) as running:
+                                {"PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS": "1"}) as running:
         yield running
 
 
@@ -163,7 +158,6 @@ def test_a_killed_pipeline_retried_from_prefect_resumes_its_folder(
     log = tmp_path / "worker-2.log"
     with background(worker_command, server.env, log, cwd=tmp_path):
         assert wait_for_final_state(server, flow_run_id, 900, log) == "COMPLETED", tail(log)
-    assert f"holds the training slot (lease {LEASE_S} s)" in tail(log, 10**7)  # the module's lease reached the flow
 
     assert list(runs.glob("pipeline-*")) == [folder]  # the same folder, not a new run
     assert {p: p.stat().st_mtime for p in done_before} == done_before  # step 0 was not redone
