@@ -31,7 +31,7 @@ os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{_SESSION_HOME}/mlflow.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-# With several xdist workers on the machine's cores (``make test``: two on two), each worker
+# With several xdist workers on the machine's cores (``make test``: three on two), each worker
 # and everything it starts computes on one OpenMP thread: torch in the worker, the runs it
 # starts (they inherit OMP_NUM_THREADS, so a run resumed in a subprocess sums in the same
 # order as the uninterrupted run it is compared with in the worker, bit for bit), and their
@@ -164,11 +164,11 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
 # ---------------------------------------------------------------- order
 
 # The modules that take longest (docs/testing.md, "Time by module", the two-worker run of
-# 2026-12-05), longest first. `make test` runs the suite on two workers (`pytest -n 2 --dist
+# 2026-12-05), longest first. `make test` runs the suite on three workers (`pytest -n 3 --dist
 # loadfile --no-loadscope-reorder`): a module runs whole on one worker, so that its
 # module-scoped servers start once, and the workers take modules in collection order (xdist
 # would otherwise order them by their number of tests, which put the two kill-matrix
-# modules, one long test each, last, the other worker idle for part of them). Longest first lets the
+# modules, one long test each, last, the other workers idle for part of them). Longest first lets the
 # hundred short modules fill in around them at the end (longest-processing-time-first
 # scheduling). A plain `pytest` run is unaffected except for the order of the modules.
 HEAVIEST_MODULES = (
