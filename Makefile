@@ -72,8 +72,8 @@ quick: setup .rollflow/tiny-model/config.json
 .rollflow/tiny-model/config.json: policy/models.py | $(STAMP)
 	$(BIN)/python -c "from pathlib import Path; from rollflow.policy.models import build_tiny_model; build_tiny_model(Path('.rollflow/tiny-model'))"
 
-# Workers each take whole modules (so a module's server starts once), the longest first
-# (tests/conftest.py), and compute on one thread each (tests/conftest.py). Three on 2 cores:
+# Workers each take whole modules (so a module's server starts once), the longest first,
+# and compute on one thread each (both in tests/conftest.py). Three on 2 cores:
 # while one waits (a lease, a kill's grace, a server's start) the other two keep the cores
 # busy, 97% against 86% with two; the fast tests wait for nothing, so two are enough there.
 # Memory: at least 9.7 GiB of 24 were free with three (docs/testing.md has the figures).

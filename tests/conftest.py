@@ -37,7 +37,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # order as the uninterrupted run it is compared with in the worker, bit for bit), and their
 # vLLM servers (rollflow.policy.vllm_cpu.worker_openmp_environment keeps a set
 # OMP_NUM_THREADS). Two threads a process oversubscribe the cores, and OpenMP's spinning
-# threads then burn CPU waiting for each other: in the suite of 2026-12-05 19:01
+# threads then burn CPU waiting for each other: in the suite run of 2026-12-05 18:41
 # test_shared_prefix.py spent 93 CPU-s in its worker, 13 with one thread (docs/testing.md).
 # `make test TEST_WORKERS=1` keeps torch's own default.
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
