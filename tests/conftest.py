@@ -37,13 +37,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # order as the uninterrupted run it is compared with in the worker, bit for bit), and their
 # vLLM servers (rollflow.policy.vllm_cpu.worker_openmp_environment keeps a set
 # OMP_NUM_THREADS). Two threads a process oversubscribe the cores, and OpenMP's spinning
-# threads then burn CPU waiting for each other: in the suite run of 2026-12-05 18:41
-# test_shared_prefix.py spent 93 CPU-s in its worker, 13 with one thread (docs/testing.md).
-# `make test TEST_WORKERS=1` keeps torch's own default.
+# threads then burn CPU waiting for each other: test_shared_prefix.py spent 93 CPU-s in its
+# worker in the suite run of 2026-12-05 18:41, and 13 with one thread beside another worker in
+# a probe of 19:14 (docs/testing.md). `make test TEST_WORKERS=1` keeps torch's own default.
 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
-    os.environ["OMP_NUM_THREADS"] = "1"  # read by torch when it is imported, after this
-    if "torch" in sys.modules:  # a plugin imported it first
-        sys.modules["torch"].set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"  # torch reads it when first imported, which is after this
 
 
 # ---------------------------------------------------------------- model fixtures
