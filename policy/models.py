@@ -24,12 +24,14 @@ What it simplifies, and why:
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import hashlib
 import importlib.util
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -107,15 +109,45 @@ def bundled_gguf_path() -> Path:
 
 
 def load_tokenizer(model_ref: ModelRef) -> PreTrainedTokenizerBase:
-    """The tokenizer (with its chat template) of ``model_ref``; pad falls back to eos."""
+    """The tokenizer (with its chat template) of ``model_ref``; pad falls back to eos.
+
+    Each call returns a tokenizer of its own (callers may change its template), copied from
+    one parsed once per process for the same unchanged files: a run's stages each ask for it
+    (eight times in two steps of the tiny run), and a load costs about twice a copy (the
+    SmolLM2 tokenizer.json is parsed in Python and again in Rust; a copy is the Rust parse).
+    A tokenizer rewritten in place (an SFT or export writing the folder again) is loaded anew.
+    """
     gguf = _gguf_path(model_ref)
     folder = _cached_gguf_tokenizer(gguf) if gguf is not None else _hf_folder(model_ref)
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    if tokenizer.pad_token_id is None:
-        if tokenizer.eos_token is None:
-            raise ModelLoadError(f"the tokenizer in {folder} has neither a pad nor an eos token")
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    key = (str(folder.resolve()), _tokenizer_files_stamp(folder))
+    with _TOKENIZERS_LOCK:
+        parsed = _TOKENIZERS.get(key)
+    if parsed is None:
+        parsed = AutoTokenizer.from_pretrained(str(folder))
+        if parsed.pad_token_id is None:
+            if parsed.eos_token is None:
+                raise ModelLoadError(f"the tokenizer in {folder} has neither a pad nor an eos token")
+            parsed.pad_token = parsed.eos_token
+        with _TOKENIZERS_LOCK:
+            while len(_TOKENIZERS) >= _TOKENIZERS_KEPT:
+                _TOKENIZERS.pop(next(iter(_TOKENIZERS)))  # the oldest: a process rarely uses two
+            _TOKENIZERS[key] = parsed
+    return copy.deepcopy(parsed)  # reading the kept one from several threads at once is safe
+
+
+_TOKENIZERS: dict[tuple[str, tuple[tuple[str, int, int], ...]], PreTrainedTokenizerBase] = {}
+_TOKENIZERS_LOCK = threading.Lock()
+_TOKENIZERS_KEPT = 4
+
+
+def _tokenizer_files_stamp(folder: Path) -> tuple[tuple[str, int, int], ...]:
+    """Name, size and mtime of every file in ``folder`` but the weights."""
+    stamp = []
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if entry.is_file() and not entry.name.endswith((".safetensors", ".bin", ".gguf", ".pt")):
+            info = entry.stat()
+            stamp.append((entry.name, info.st_size, info.st_mtime_ns))
+    return tuple(stamp)
 
 
 def resolve_device(name: str = "auto") -> torch.device:

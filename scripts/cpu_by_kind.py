@@ -84,6 +84,8 @@ class Sampler:
         self.kinds: dict[tuple[int, int], str] = {}
         self.last: dict[tuple[int, int], int] = {}
         self.ticks: dict[str, int] = {}
+        self.process_ticks: dict[tuple[int, int], int] = {}  # each process's ticks while sampled
+        self.commands: dict[tuple[int, int], str] = {}
         self.first = True
         self.min_available_kib: int | None = None
         self.timeline: list[tuple[float, float]] = []  # (epoch seconds, busy share since the last read)
@@ -97,10 +99,12 @@ class Sampler:
             key = (pid, start)
             if key not in self.kinds:
                 up = table.get(parent)
-                self.kinds[key] = kind_of(_command(pid), self.kinds.get((parent, up[2])) if up else None)
+                self.commands[key] = _command(pid)
+                self.kinds[key] = kind_of(self.commands[key], self.kinds.get((parent, up[2])) if up else None)
             before = self.last.get(key, ticks if self.first else 0)
             self.last[key] = ticks
             self.ticks[self.kinds[key]] = self.ticks.get(self.kinds[key], 0) + ticks - before
+            self.process_ticks[key] = self.process_ticks.get(key, 0) + ticks - before
         self.first = False
         busy, every = _machine_busy()
         self.timeline.append((round(time.time(), 1), round((busy - self._busy[0]) / max(every - self._busy[1], 1), 3)))
@@ -109,6 +113,16 @@ class Sampler:
             if line.startswith("MemAvailable:"):
                 available = int(line.split()[1])
                 self.min_available_kib = min(available, self.min_available_kib or available)
+
+    def processes(self, least_s: float = 0.5) -> list[dict]:
+        """Every process that burnt at least ``least_s`` CPU-seconds while sampled, heaviest
+        first: its kind, CPU-seconds and command line (cut at 300 characters)."""
+        found = [
+            {"kind": self.kinds[key], "cpu_s": round(ticks * TICK_S, 1), "command": self.commands[key][:300]}
+            for key, ticks in self.process_ticks.items()
+            if ticks * TICK_S >= least_s
+        ]
+        return sorted(found, key=lambda p: -p["cpu_s"])
 
     def run(self) -> None:
         while not self._stop.is_set():
@@ -138,17 +152,23 @@ def main() -> None:
     sampler.sample()
     busy1, all1 = _machine_busy()
     cpu = {kind: round(ticks * TICK_S, 1) for kind, ticks in sorted(sampler.ticks.items(), key=lambda kv: -kv[1])}
+    started_by_kind: dict[str, int] = {}
+    for kind in sampler.kinds.values():
+        started_by_kind[kind] = started_by_kind.get(kind, 0) + 1
     figures = {
         "command": command, "exit_status": status, "wall_s": round(time.monotonic() - started, 1),
         "machine_busy_cpu_s": round((busy1 - busy0) * TICK_S, 1),
         "machine_busy_share": round((busy1 - busy0) / max(all1 - all0, 1), 3),
         "min_available_gib": round((sampler.min_available_kib or 0) / 2**20, 2),
         "cpu_s_by_kind": cpu,
+        "processes_by_kind": dict(sorted(started_by_kind.items(), key=lambda kv: -kv[1])),
         # (epoch seconds, the machine's busy share over the second before): which stretches
         # left cores idle (scripts/test_cpu_report.py charges them to the tests then running)
         "busy_timeline": sampler.timeline,
+        # which processes burnt it (the same vLLM server started 40 times shows as 40 rows)
+        "processes": sampler.processes(),
     }  # fmt: skip
-    print(json.dumps({k: v for k, v in figures.items() if k != "busy_timeline"}, indent=1), file=sys.stderr)
+    print(json.dumps({k: v for k, v in figures.items() if k not in ("busy_timeline", "processes")}, indent=1), file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps(figures, indent=1) + "\n")
     sys.exit(status)

@@ -24,10 +24,13 @@ _SESSION_HOME = tempfile.mkdtemp(prefix="rollflow-tests-")
 # Removed when this process exits, passed, failed or interrupted (each xdist worker has its
 # own). Registered before any server's atexit stop, so it runs after them: atexit is LIFO.
 atexit.register(shutil.rmtree, _SESSION_HOME, ignore_errors=True)
+# Set, not defaulted: xdist workers start with the controller's environment, and a defaulted
+# store was the controller's, shared by every worker (two migrating it at once failed a run
+# with "duplicate column name: step"; tests/test_session_isolation.py).
 os.environ["PREFECT_HOME"] = os.path.join(_SESSION_HOME, "prefect")  # never the user's or the Makefile's
+os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_SESSION_HOME}/mlflow.db"
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{_SESSION_HOME}/mlflow.db")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

@@ -80,6 +80,28 @@ def test_tokenizer_without_pad_falls_back_to_eos(tmp_path: Path) -> None:
     assert reloaded.pad_token_id == reloaded.eos_token_id is not None
 
 
+def test_a_tokenizer_is_parsed_once_and_every_caller_gets_its_own_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = build_tiny_model(tmp_path / "m")
+    parses: list[str] = []
+    real = models.AutoTokenizer.from_pretrained
+
+    def counted(path: str, **kwargs: object) -> PreTrainedTokenizerBase:
+        parses.append(path)
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", counted)
+    ref = ModelRef(path=str(folder))
+    first, second = load_tokenizer(ref), load_tokenizer(ref)
+    assert len(parses) == 1 and first is not second
+    first.chat_template = "changed by one caller"  # stays that caller's
+    assert load_tokenizer(ref).chat_template == second.chat_template != "changed by one caller"
+    assert first.encode("hello tools") == second.encode("hello tools")
+    first.save_pretrained(str(folder))  # the folder's tokenizer rewritten in place: parsed anew
+    assert load_tokenizer(ref).chat_template == "changed by one caller" and len(parses) == 2
+
+
 def test_lora_adapter_loads_on_top(tmp_path: Path, tiny_model_dir: Path) -> None:
     from peft import LoraConfig, PeftModel, get_peft_model
 
