@@ -7,7 +7,7 @@ server died at once while the run was still unwinding; the flow engine, reportin
 crash, then retried the dead server for minutes and exited 1 with tracebacks (issue 48).
 
 ``serve_prefect_in_own_session()`` registers, before a flow runs, a ``SubprocessASGIServer``
-that differs in one thing: its process starts in a new session (as the managed vLLM server
+(``own_session_server_class()``, ``OwnSessionServer``) that differs in one thing: its process starts in a new session (as the managed vLLM server
 does, policy/vllm_server.py). It is registered as Prefect's default instance
 (``SubprocessASGIServer._instances[None]``, the key Prefect's own test harness uses to
 substitute its server), so every part of Prefect that wants the temporary server (the
@@ -25,42 +25,57 @@ or when a default instance exists already (Prefect's test harness, an earlier ca
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import prefect
-from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import PREFECT_API_URL, get_current_settings
 
 from rollflow.policy.procs import parent_death_signal
 
+if TYPE_CHECKING:
+    from prefect.server.api.server import SubprocessASGIServer
 
-class OwnSessionServer(SubprocessASGIServer):
-    """Prefect's temporary server, its process in a session (and process group) of its own."""
 
-    def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
-        # Prefect 3.9's command and environment (SubprocessASGIServer._run_uvicorn_command),
-        # tests/test_ctrl_c.py checks they still match; only the session is new.
-        server_env = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
-        return subprocess.Popen(
-            args=[
-                sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent),
-                "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
-                "--port", str(self.port), "--log-level", "error", "--lifespan", "on",
-            ],
-            env={**os.environ, **server_env, **get_current_settings().to_environment_variables(exclude_unset=True)},
-            start_new_session=True,  # the terminal's Ctrl-C goes to the run's group only
-            preexec_fn=parent_death_signal(),  # SIGKILLed with the run, when started from the main thread
-        )  # fmt: skip
+@functools.cache
+def own_session_server_class() -> type[SubprocessASGIServer]:
+    """``OwnSessionServer``, defined on first need: Prefect's server package takes 1.7
+    CPU-seconds to import, which a run on a configured server (a nightly pipeline's, the
+    test suite's) never needs."""
+    from prefect.server.api.server import SubprocessASGIServer
+
+    class OwnSessionServer(SubprocessASGIServer):
+        """Prefect's temporary server, its process in a session (and process group) of its own."""
+
+        def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
+            # Prefect 3.9's command and environment (SubprocessASGIServer._run_uvicorn_command),
+            # tests/test_ctrl_c.py checks they still match; only the session is new.
+            server_env = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+            return subprocess.Popen(
+                args=[
+                    sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent),
+                    "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
+                    "--port", str(self.port), "--log-level", "error", "--lifespan", "on",
+                ],
+                env={**os.environ, **server_env, **get_current_settings().to_environment_variables(exclude_unset=True)},
+                start_new_session=True,  # the terminal's Ctrl-C goes to the run's group only
+                preexec_fn=parent_death_signal(),  # SIGKILLed with the run, when started from the main thread
+            )  # fmt: skip
+
+    return OwnSessionServer
 
 
 def serve_prefect_in_own_session() -> SubprocessASGIServer | None:
     """Make Prefect's temporary server an ``OwnSessionServer`` (not started yet); return it,
     or None where nothing was registered (see the module docstring)."""
-    if PREFECT_API_URL.value() or SubprocessASGIServer._instances.get(None) is not None:
+    if PREFECT_API_URL.value():
+        return None  # a configured server: no temporary one, and no import of Prefect's server
+    server_class = own_session_server_class()
+    if server_class._instances.get(None) is not None:
         return None
-    server = OwnSessionServer()  # Prefect's __new__ files it under its port, None: the default
-    assert SubprocessASGIServer._instances.get(None) is server
+    server = server_class()  # Prefect's __new__ files it under its port, None: the default
+    assert server_class._instances.get(None) is server
     return server

@@ -58,8 +58,9 @@ def test_the_own_session_server_runs_prefects_own_command(monkeypatch: pytest.Mo
 
     from prefect.server.api.server import SubprocessASGIServer
 
-    from rollflow.flows.prefect_server import OwnSessionServer
+    from rollflow.flows.prefect_server import own_session_server_class
 
+    OwnSessionServer = own_session_server_class()
     calls: list[dict] = []
     monkeypatch.setattr(subprocess, "Popen", lambda **kwargs: calls.append(kwargs))
     for cls, port in ((SubprocessASGIServer, 1), (OwnSessionServer, 2)):
@@ -78,7 +79,7 @@ def test_the_own_session_server_runs_prefects_own_command(monkeypatch: pytest.Mo
 def test_the_own_session_server_is_prefects_default_and_leaves_a_harness_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     from prefect.server.api.server import SubprocessASGIServer
 
-    from rollflow.flows.prefect_server import OwnSessionServer, serve_prefect_in_own_session
+    from rollflow.flows.prefect_server import own_session_server_class, serve_prefect_in_own_session
 
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -86,13 +87,29 @@ def test_the_own_session_server_is_prefects_default_and_leaves_a_harness_alone(m
     # as `rollflow train` runs: no server configured (the suite's session harness sets one)
     with temporary_settings(restore_defaults={PREFECT_API_URL}):
         server = serve_prefect_in_own_session()
-        assert isinstance(server, OwnSessionServer) and not server.running
+        assert isinstance(server, own_session_server_class()) and not server.running
         assert SubprocessASGIServer() is server  # what Prefect's client, events and logs ask for
         assert serve_prefect_in_own_session() is None  # one there already
     monkeypatch.setattr(SubprocessASGIServer, "_instances", {})
     with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:4200/api"}):
         assert serve_prefect_in_own_session() is None  # a server of the user's, or the test harness
     assert not SubprocessASGIServer._instances
+
+
+def test_a_run_on_a_configured_server_never_imports_prefects_server() -> None:
+    """1.7 CPU-seconds a run on a nightly pipeline's server (or the suite's) does not need."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\n"
+             "from rollflow.flows.prefect_server import serve_prefect_in_own_session\n"
+             "from rollflow.flows.train import train_flow\n"
+             "assert serve_prefect_in_own_session() is None\n"
+             "print(sorted(m for m in sys.modules if m.startswith('prefect.server')))")  # fmt: skip
+    env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:4200/api"}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout
 
 
 def test_a_stage_error_after_ctrl_c_is_the_stop_not_a_failed_stage(tmp_path: Path) -> None:
