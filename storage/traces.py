@@ -26,6 +26,7 @@ trace stays linear in the episode's length, like the Parquet records.
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from rollflow.storage.parquet import write_bytes_atomic
 from rollflow.storage.records import EpisodeRecord, ScoreRecord
 
 TRACES_FILE = "traces.json"
+ISOLATED_IDS_ENV = "MLFLOW_TRACE_USE_ISOLATED_RANDOM_ID_GENERATOR"
 PASS_TAG = "rollflow.pass"  # "<mlflow run id>:<split folder>/<pass folder>"
 EPISODE_TAG = "rollflow.episode"
 
@@ -86,7 +88,13 @@ def log_validation_traces(
     # None when unset: restoring MLflow's resolved default instead would pin it (and the
     # MLFLOW_TRACKING_URI it exports) to ./mlflow.db, where the pipeline then registered.
     previous = mlflow.get_tracking_uri() if mlflow.is_tracking_uri_set() else None
+    # Trace ids from a generator of MLflow's own, not Python's ``random``, which a run seeds
+    # (train.seed): two passes reached at the same state drew the same ids, and the later
+    # pass's traces replaced the earlier one's. Read when the tracer is set up, so it is
+    # set up again (the URI change alone does not when the URI is the same).
+    os.environ.setdefault(ISOLATED_IDS_ENV, "true")
     mlflow.set_tracking_uri(tracking_uri)  # the fluent tracing API exports to the global URI
+    mlflow.tracing.reset()
     try:
         logged = logged_pass_traces(client, experiment_id, pass_key)  # by an attempt that died
         trace_ids = [

@@ -69,6 +69,29 @@ def test_each_episode_is_a_trace_with_a_span_per_turn_and_tool_call(tmp_path: Pa
 
 
 @pytest.mark.slow  # 5 s in a loaded suite run (docs/testing.md)
+@pytest.mark.slow  # 3 s in a loaded suite run
+def test_two_passes_after_the_same_seed_keep_their_own_traces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run seeds Python's ``random`` (train.seed) before its validation passes; OpenTelemetry
+    drew trace ids from that same generator, so two passes reached at the same state got the
+    same ids and the later one's traces replaced the earlier one's (seen in the nightly test:
+    step 0's validation traces gone, step 1's listed twice)."""
+    import random
+
+    monkeypatch.delenv("MLFLOW_TRACE_USE_ISOLATED_RANDOM_ID_GENERATOR", raising=False)
+    uri, client, experiment, run_id = mlflow_run(tmp_path)
+    logged = []
+    for step in (0, 1):
+        episodes, scores = validation_pass(2, step=step)
+        pass_dir = tmp_path / "validation" / f"step={step:06d}"
+        pass_dir.mkdir(parents=True)
+        random.seed(0)  # what seed_everything did before each pass
+        logged.append(log_validation_traces(uri, experiment, run_id, pass_dir, episodes, scores, TraceSelection(1, 1, 0)))
+    assert len(set(logged[0] + logged[1])) == 4, logged
+    traces = client.search_traces(locations=[experiment], run_id=run_id)
+    assert sorted(t.data.spans[0].name for t in traces) == [
+        f"episode validation/{step}/{task}/0" for step in (0, 1) for task in (0, 1)]  # fmt: skip
+
+
 def test_a_crash_between_logging_and_traces_json_logs_no_trace_twice(tmp_path: Path, monkeypatch) -> None:
     """The process dies after the traces reached MLflow but before ``traces.json`` (here: before
     they were linked to the run, then after); the resume logs no episode a second time."""
