@@ -43,13 +43,16 @@ def ensure_training_limit(slots: int = 1) -> None:
     """Create the limit with ``slots`` slots unless it exists (an existing one is kept)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-    from prefect.exceptions import ObjectNotFound
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
     with get_client(sync_client=True) as client:
         try:
             client.read_global_concurrency_limit_by_name(TRAINING_LIMIT)
         except ObjectNotFound:
-            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=TRAINING_LIMIT, limit=slots))
+            try:
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=TRAINING_LIMIT, limit=slots))
+            except ObjectAlreadyExists:
+                pass  # another run made it between the read and the create: theirs is kept
 
 
 def server_configured() -> bool:
