@@ -109,6 +109,9 @@ def log_validation_traces(
             client.link_traces_to_run(trace_ids, mlflow_run_id)
     finally:
         mlflow.set_tracking_uri(previous)
+        # Dropped now, while the process runs: MLflow's isolated generator, collected at
+        # interpreter exit, prints a traceback ("Exception ignored in ... __del__").
+        mlflow.tracing.reset()
     write_bytes_atomic(json.dumps({"trace_ids": trace_ids}).encode(), marker)
     return trace_ids
 

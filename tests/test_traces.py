@@ -92,6 +92,34 @@ def test_two_passes_after_the_same_seed_keep_their_own_traces(tmp_path: Path, mo
         f"episode validation/{step}/{task}/0" for step in (0, 1) for task in (0, 1)]  # fmt: skip
 
 
+_LOG_AND_EXIT = """
+import sys
+from pathlib import Path
+import test_traces as t
+from rollflow.storage.traces import TraceSelection, log_validation_traces
+uri, client, experiment, run_id = t.mlflow_run(Path(sys.argv[1]))
+episodes, scores = t.validation_pass(2)
+(Path(sys.argv[1]) / "pass").mkdir()
+log_validation_traces(uri, experiment, run_id, Path(sys.argv[1]) / "pass", episodes, scores, TraceSelection(1, 1, 0))
+"""
+
+
+@pytest.mark.slow  # a child process, ~5 s
+def test_a_process_that_logged_traces_exits_without_a_traceback(tmp_path: Path) -> None:
+    """The isolated trace-id generator above, left to interpreter exit, printed "Exception
+    ignored in ... __del__" and a traceback at the end of every run that logged traces."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",  # the run's own URI
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", _LOG_AND_EXIT, str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-3000:]
+
+
 def test_a_crash_between_logging_and_traces_json_logs_no_trace_twice(tmp_path: Path, monkeypatch) -> None:
     """The process dies after the traces reached MLflow but before ``traces.json`` (here: before
     they were linked to the run, then after); the resume logs no episode a second time."""
