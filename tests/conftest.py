@@ -92,13 +92,76 @@ def _no_run_left_stopped() -> Iterator[None]:
         kill_matrix.end_runs()
 
 
-@pytest.fixture(scope="session")
-def prefect_harness() -> object:
-    """One temporary Prefect server and database for the whole session (~10 s to start)."""
-    from prefect.testing.utilities import prefect_test_harness
+_SESSION_SERVER: list[object] = []  # the controller's server process, when it started one
 
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The xdist controller starts the suite's one Prefect server for all its workers (not
+    waiting for it: it starts while they collect). A pytest run inside a test of the suite
+    inherits the URL and starts none; a run without workers uses Prefect's own harness."""
+    from prefect_server import SESSION_URL_ENV, start_session_server
+
+    workers = config.getoption("numprocesses", default=None)
+    if hasattr(config, "workerinput") or os.environ.get(SESSION_URL_ENV) or not isinstance(workers, int) or workers < 2:
+        return
+    _SESSION_SERVER.append(start_session_server(Path(_SESSION_HOME) / "session-prefect"))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    from prefect_server import SESSION_URL_ENV, stop_group
+
+    while _SESSION_SERVER:
+        stop_group(_SESSION_SERVER.pop())  # type: ignore[arg-type]
+        os.environ.pop(SESSION_URL_ENV, None)
+
+
+@pytest.fixture(scope="session")
+def prefect_harness() -> Iterator[None]:
+    """One Prefect server and database for the whole session: the controller's, shared by
+    every worker (``pytest_configure``), else Prefect's test harness (~7 CPU-s to start)."""
+    from prefect_server import SESSION_URL_ENV
+
+    url = os.environ.get(SESSION_URL_ENV)
+    if not url:
+        from prefect.testing.utilities import prefect_test_harness
+
+        with prefect_test_harness(server_startup_timeout=120):
+            yield
+        return
+    from prefect.context import _temporary_global_settings_context, get_settings_context
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from prefect_server import wait_for_session_server
+
+    wait_for_session_server(url)
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        # as Prefect's harness does, also for contexts copied before (its issue 15818)
+        with _temporary_global_settings_context(get_settings_context()):
+            _many_training_slots()  # before this worker's first flow, whatever the other workers did
+            yield
+            _drain_prefect_workers()
+
+
+def _drain_prefect_workers() -> None:
+    """Send this worker's queued logs and events before it exits (Prefect's harness does)."""
+    import inspect
+
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    async def drain() -> None:
+        try:
+            result = APILogWorker.instance().drain()
+            if inspect.isawaitable(result):
+                await result
+        except RuntimeError:
+            pass  # never started
+        result = EventsWorker.drain_all()
+        if inspect.isawaitable(result):
+            await result
+
+    run_coro_as_sync(drain())
 
 
 SHARED_SERVER_SLOTS = 100
@@ -112,18 +175,23 @@ def shared_prefect_url(prefect_harness: object) -> str:
     hold the next run. The tests of the slot itself (test_pipeline_server.py) and of the
     temporary server's end (each kill matrix's first run, test_flow_train.py's SIGTERM,
     test_ctrl_c.py, test_prefect_home.py) keep theirs."""
+    from prefect.settings import PREFECT_API_URL
+
+    _many_training_slots()
+    url = PREFECT_API_URL.value()
+    assert url, "the Prefect harness set no API URL"
+    return str(url)
+
+
+def _many_training_slots() -> None:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
-    from prefect.settings import PREFECT_API_URL
 
     from rollflow.flows.concurrency import TRAINING_LIMIT, ensure_training_limit
 
     ensure_training_limit(SHARED_SERVER_SLOTS)
     with get_client(sync_client=True) as client:  # one made with 1 slot by an earlier flow
         client.update_global_concurrency_limit(TRAINING_LIMIT, GlobalConcurrencyLimitUpdate(limit=SHARED_SERVER_SLOTS))
-    url = PREFECT_API_URL.value()
-    assert url, "the Prefect harness set no API URL"
-    return str(url)
 
 
 @pytest.fixture

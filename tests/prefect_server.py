@@ -128,6 +128,62 @@ def running_prefect_server(home: Path, settings: dict[str, str] | None = None) -
 
 
 
+# ---------------------------------------------------------------- the suite's one server
+# Prefect's temporary server as its test harness runs it (ephemeral, no UI), started once by
+# the xdist controller for all its workers (tests/conftest.py): each worker starting its own
+# cost ~7 CPU-s to start and ~0.8 CPU-s a minute idle, three times over.
+SESSION_URL_ENV = "ROLLFLOW_TEST_PREFECT_URL"  # the controller's server; its workers use it
+SESSION_LOG_ENV = "ROLLFLOW_TEST_PREFECT_LOG"
+
+
+def start_session_server(home: Path) -> subprocess.Popen[bytes]:
+    """Start the suite's server with its database and log under ``home``, not waiting for it;
+    its URL and log are put in the environment the workers inherit. Tied to this process:
+    SIGKILLed with it (``parent_death_signal``), even if it is SIGKILLed itself."""
+    import importlib.util
+
+    from rollflow.policy.procs import parent_death_signal
+
+    spec = importlib.util.find_spec("prefect")
+    assert spec is not None and spec.origin is not None
+    port = free_port()
+    home.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        # what Prefect's SubprocessASGIServer sets for its temporary server
+        "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
+    }  # fmt: skip
+    command = [
+        sys.executable, "-m", "uvicorn", "--app-dir", str(Path(spec.origin).parent.parent),
+        "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
+        "--log-level", "error", "--lifespan", "on",
+    ]  # fmt: skip
+    log = home / "server.log"
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            command, env=env, cwd=home, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=parent_death_signal(),
+        )  # fmt: skip
+    os.environ[SESSION_URL_ENV] = f"http://127.0.0.1:{port}/api"
+    os.environ[SESSION_LOG_ENV] = str(log)
+    return process
+
+
+def wait_for_session_server(api_url: str, timeout_s: float = 240) -> None:
+    """Wait until the suite's server answers (it starts while the workers collect)."""
+    log = os.environ.get(SESSION_LOG_ENV)
+
+    def healthy() -> bool | None:
+        with suppress(httpx.HTTPError):
+            return httpx.get(f"{api_url}/health", timeout=5).json() is True or None
+        return None
+
+    wait_for(healthy, timeout_s, f"the suite's Prefect server at {api_url}", Path(log) if log else None)
+
+
 def flow_run_state(server: PrefectServer, flow_run_id: str) -> str | None:
     with suppress(httpx.HTTPError):
         return str(httpx.get(f"{server.api_url}/flow_runs/{flow_run_id}", timeout=10).json()["state"]["type"])
