@@ -101,19 +101,26 @@ def test_the_temporary_servers_unused_services_are_off_unless_the_user_set_them(
     assert TRIGGERS not in with_server
 
 
-# The real entry (stopped in its first line), then Prefect's temporary server as a flow
-# starts it; what that server process was started with, from /proc.
+# The real entry (stopped in its first line), then Prefect's temporary server's process as
+# a flow starts it (the command Prefect's SubprocessASGIServer.start runs, not waited on
+# to serve: its database's migrations are not what is checked); what that process was
+# started with, from /proc once it runs uvicorn.
 _REPORT_SERVER_ENVIRONMENT = (
+    "import time\n"
     "from rollflow.flows.cli import main\n"
     "main(['train', 'missing.toml'])\n"
     "from prefect.server.api.server import SubprocessASGIServer\n"
     "server = SubprocessASGIServer()\n"
-    "server.start(timeout=120)\n"
+    "process = server._run_uvicorn_command()\n"
     "try:\n"
-    "    pid = server.server_process.pid\n"
-    "    print(open(f'/proc/{pid}/environ').read().replace(chr(0), chr(10)))\n"
+    "    deadline = time.monotonic() + 60\n"
+    "    while b'uvicorn' not in open(f'/proc/{process.pid}/cmdline', 'rb').read():\n"
+    "        assert time.monotonic() < deadline and process.poll() is None, 'uvicorn never started'\n"
+    "        time.sleep(0.01)\n"
+    "    print(open(f'/proc/{process.pid}/environ').read().replace(chr(0), chr(10)))\n"
     "finally:\n"
-    "    server.stop()\n"
+    "    process.kill()\n"
+    "    process.wait()\n"
 )
 
 
