@@ -20,7 +20,9 @@ finished groups, oldest start version first. A group's age is ``s - start_versio
 optimizer steps since its rollout started; a group older than ``max_steps_off_policy``
 is dropped as stale when the trainer would take it, counted in the admission file and
 ``async/dropped_stale_groups``, never in ``zero_variance_skip_ratio``. ``0`` admits only
-groups started under the current policy.
+groups started under the current policy. A group still playing that step ``s`` must take
+(at ``s + 1`` it would be stale) is waited for rather than passed over for a younger
+group that finished first.
 
 Admission control (``[rollout].admission_control``, on by default): a worker does not
 start a group that would be stale by the time the trainer can take it. The groups
@@ -80,7 +82,7 @@ import asyncio
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollflow.config.run import RunConfig
@@ -123,6 +125,7 @@ class _Buffer:
     replay: list[int]  # indices in flight when a previous process died: played first
     next_index: int
     started: int = 0  # groups started by this process, not yet finished
+    running: dict[int, int] = field(default_factory=dict)  # index -> start version of those
     trainer_step: int = 0  # the step the trainer takes groups for next
     error: BaseException | None = None
 
@@ -191,7 +194,7 @@ class RolloutWorkers:
                     del self.buffer.finished[index]
                     stale.append(index)
                 fresh = sorted(self.buffer.finished, key=lambda i: (self.buffer.finished[i].start_version, i))
-                if len(fresh) >= config.rollout.batch_size:
+                if len(fresh) >= config.rollout.batch_size and not self._due_behind(step, fresh):
                     break
                 self.lock.notify_all()
                 self.lock.wait(timeout=1.0)
@@ -201,6 +204,17 @@ class RolloutWorkers:
             self.buffer.trainer_step = step + 1  # what is left waits for the next step
             self.lock.notify_all()
         return Admission(step, admitted, tuple(sorted(stale)), time.perf_counter() - started)
+
+    def _due_behind(self, step: int, fresh: list[int]) -> bool:
+        """Whether a group still playing must be taken at ``step`` (one step later it is
+        stale) and a younger finished group would take its place: the trainer waits for it.
+        Admission control started it counting on this step; a younger group that finished
+        first took its place and it was dropped one step later (the killed-run test, suite
+        run of 2026-12-05 22:29). Called under the lock."""
+        limit = self.config.rollout.max_steps_off_policy
+        assert limit is not None
+        newest = max(self.buffer.finished[i].start_version for i in fresh[: self.config.rollout.batch_size])
+        return any(step - version == limit and version < newest for version in self.buffer.running.values())
 
     # ---- the collector thread
 
@@ -229,7 +243,8 @@ class RolloutWorkers:
                 version = await self.generator.start_group()
                 if version is None:  # stopped
                     break
-                running.add(asyncio.create_task(self._play(self._next_index(), version)))
+                index = self._next_index(version)
+                running.add(asyncio.create_task(self._play(index, version)))
                 continue
             await asyncio.sleep(POLL_S)
         for task in running:
@@ -250,12 +265,14 @@ class RolloutWorkers:
             taken_at = step + ahead // self.config.rollout.batch_size
         return taken_at - self.generator.version <= limit
 
-    def _next_index(self) -> int:
+    def _next_index(self, version: int) -> int:
         with self.lock:
             self.buffer.started += 1
             if self.buffer.replay:
-                return self.buffer.replay.pop(0)
-            index, self.buffer.next_index = self.buffer.next_index, self.buffer.next_index + 1
+                index = self.buffer.replay.pop(0)
+            else:
+                index, self.buffer.next_index = self.buffer.next_index, self.buffer.next_index + 1
+            self.buffer.running[index] = version
             return index
 
     async def _play(self, index: int, version: int) -> None:
@@ -278,7 +295,9 @@ class RolloutWorkers:
         if not await asyncio.to_thread(self.generator.keep, errored, len(groups[0]), f"group {index}", restarts):
             with self.lock:  # the generator was restarted: the group is played again, first
                 self.buffer.started -= 1
+                self.buffer.running.pop(index, None)
                 self.buffer.replay.insert(0, index)
+                self.lock.notify_all()  # a trainer waiting for it (``_due_behind``) looks again
             return
         stamp = GroupStamp(
             index=index, task_id=item.task_id, start_version=version,
@@ -289,6 +308,7 @@ class RolloutWorkers:
         write_group(self.folder, stamp, groups[0])
         with self.lock:
             self.buffer.started -= 1
+            self.buffer.running.pop(index, None)
             self.buffer.finished[index] = stamp
             self.stamps[index] = stamp
             self.lock.notify_all()

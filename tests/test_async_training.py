@@ -172,6 +172,35 @@ def test_the_trainer_waits_for_a_full_batch_of_admissible_groups(tmp_path: Path)
     assert taken and taken[0].admitted == (0, 1)  # type: ignore[attr-defined]
 
 
+def test_a_group_still_playing_that_this_step_must_take_is_not_passed_over(tmp_path: Path) -> None:
+    """Group 0 (version 0) still plays when step 1 takes its batch: at step 2 it would be
+    stale. Group 3 (version 0) and group 4 (version 1) have finished. Taking 3 and 4 left
+    group 0 to be dropped at step 2 (the killed-run test below, in a suite run); the
+    trainer waits for it instead, and group 4 waits for step 2, where it is one step old."""
+    import threading
+
+    workers = _workers(tmp_path, limit=1, batch=2)
+    workers.buffer.running[0] = 0
+    _finish(workers, 3, 0)
+    _finish(workers, 4, 1)
+    taken: list[object] = []
+    thread = threading.Thread(target=lambda: taken.append(workers.take(step=1)))
+    thread.start()
+    time.sleep(0.3)
+    assert not taken, "group 4 took the place of a group that would go stale"
+    with workers.lock:
+        del workers.buffer.running[0]
+        _finish(workers, 0, 0)
+        workers.lock.notify_all()
+    thread.join(timeout=5)
+    assert taken and taken[0].admitted == (0, 3) and taken[0].dropped == ()  # type: ignore[attr-defined]
+    assert set(workers.buffer.finished) == {4}
+    # A group that is already stale, or not due until a later step, holds nothing up.
+    workers.buffer.running.update({7: 0, 8: 2})
+    _finish(workers, 5, 2)
+    assert workers.take(step=2).admitted == (4, 5)
+
+
 def test_admission_control_holds_back_a_group_that_would_be_stale(tmp_path: Path) -> None:
     class Published:
         version = 0
