@@ -72,6 +72,7 @@ def test_a_stopped_run_and_its_children_are_killed_when_the_test_ends(ending: st
     inner_tmp.mkdir()
     env = {**os.environ, "RUN_PIDS": str(pids), "RUN_STOPPED": str(stopped), "RUN_GO": str(go), "ENDING": ending,
            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]), "TMPDIR": str(inner_tmp)}
+    env.pop("ROLLFLOW_TEST_CPU_LOG", None)  # the inner tests' CPU is this test's (its child's), not lines of their own
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "conftest",
                "--rootdir", str(tmp_path), "--basetemp", str(tmp_path / "inner"), str(tmp_path / "test_inner.py")]
     inner = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -42,8 +42,9 @@ def test_each_worker_has_its_own_mlflow_store_and_prefect_home(tmp_path: Path) -
     out.mkdir()
     env = {**os.environ, "ISOLATION_OUT": str(out),
            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "MLFLOW_TRACKING_URI", "PREFECT_HOME"):
-        env.pop(name, None)  # as a pytest started from a shell has them
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "MLFLOW_TRACKING_URI", "PREFECT_HOME",
+                 "ROLLFLOW_TEST_CPU_LOG"):
+        env.pop(name, None)  # as a pytest started from a shell has them (and no lines in the suite's CPU log)
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest", "-n", "2",
          "--dist", "loadfile", "--rootdir", str(tmp_path), str(tmp_path / "test_a.py"), str(tmp_path / "test_b.py")],
