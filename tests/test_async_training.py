@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -155,15 +156,19 @@ def test_zero_admits_only_groups_started_under_the_current_policy(tmp_path: Path
     assert admission.admitted == (1, 2) and admission.dropped == (0,)
 
 
-def test_the_trainer_waits_for_a_full_batch_of_admissible_groups(tmp_path: Path) -> None:
-    import threading
-
-    workers = _workers(tmp_path, limit=1, batch=2)
-    _finish(workers, 0, 0)
+def _take_in_a_thread(workers: RolloutWorkers, step: int) -> tuple[list[object], threading.Thread]:
+    """``workers.take(step)`` on a thread, given 0.3 s to return; what it took, once it has."""
     taken: list[object] = []
-    thread = threading.Thread(target=lambda: taken.append(workers.take(step=0)))
+    thread = threading.Thread(target=lambda: taken.append(workers.take(step=step)))
     thread.start()
     time.sleep(0.3)
+    return taken, thread
+
+
+def test_the_trainer_waits_for_a_full_batch_of_admissible_groups(tmp_path: Path) -> None:
+    workers = _workers(tmp_path, limit=1, batch=2)
+    _finish(workers, 0, 0)
+    taken, thread = _take_in_a_thread(workers, step=0)
     assert not taken, "one group is not a batch"
     with workers.lock:
         _finish(workers, 1, 0)
@@ -177,16 +182,11 @@ def test_a_group_still_playing_that_this_step_must_take_is_not_passed_over(tmp_p
     stale. Group 3 (version 0) and group 4 (version 1) have finished. Taking 3 and 4 left
     group 0 to be dropped at step 2 (the killed-run test below, in a suite run); the
     trainer waits for it instead, and group 4 waits for step 2, where it is one step old."""
-    import threading
-
     workers = _workers(tmp_path, limit=1, batch=2)
     workers.buffer.running[0] = 0
     _finish(workers, 3, 0)
     _finish(workers, 4, 1)
-    taken: list[object] = []
-    thread = threading.Thread(target=lambda: taken.append(workers.take(step=1)))
-    thread.start()
-    time.sleep(0.3)
+    taken, thread = _take_in_a_thread(workers, step=1)
     assert not taken, "group 4 took the place of a group that would go stale"
     with workers.lock:
         del workers.buffer.running[0]
