@@ -7,11 +7,12 @@ server died at once while the run was still unwinding; the flow engine, reportin
 crash, then retried the dead server for minutes and exited 1 with tracebacks (issue 48).
 
 ``serve_prefect_in_own_session()`` registers, before a flow runs, a ``SubprocessASGIServer``
-(``own_session_server_class()``, ``OwnSessionServer``) that differs in one thing: its process starts in a new session (as the managed vLLM server
-does, policy/vllm_server.py). It is registered as Prefect's default instance
-(``SubprocessASGIServer._instances[None]``, the key Prefect's own test harness uses to
-substitute its server), so every part of Prefect that wants the temporary server (the
-client, the events and log workers) gets this one, started when first needed as before.
+(``OwnSessionServer``, from ``own_session_server_class()``) that differs in one thing: its
+process starts in a new session (as the managed vLLM server does, policy/vllm_server.py).
+It is registered as Prefect's default instance (``SubprocessASGIServer._instances[None]``,
+the key Prefect's own test harness uses to substitute its server), so every part of Prefect
+that wants the temporary server (the client, the events and log workers) gets this one,
+started when first needed as before.
 
 Its stop is unchanged: Prefect's ``atexit`` on a normal exit, an exception, SIGTERM or
 Ctrl-C (policy/stopping.py turns both into ``SystemExit``). A SIGKILLed run runs no
