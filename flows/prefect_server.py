@@ -41,6 +41,19 @@ if TYPE_CHECKING:
     from prefect.server.api.server import SubprocessASGIServer
 
 
+# What Prefect 3.9's SubprocessASGIServer._run_uvicorn_command runs, and the environment it
+# adds (tests/test_ctrl_c.py checks they still match Prefect's).
+TEMPORARY_SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+
+
+def temporary_server_command(port: int) -> list[str]:
+    return [
+        sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent),
+        "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
+        "--port", str(port), "--log-level", "error", "--lifespan", "on",
+    ]  # fmt: skip
+
+
 @functools.cache
 def own_session_server_class() -> type[SubprocessASGIServer]:
     """``OwnSessionServer``, defined on first need: Prefect's server package takes 1.7
@@ -52,19 +65,14 @@ def own_session_server_class() -> type[SubprocessASGIServer]:
         """Prefect's temporary server, its process in a session (and process group) of its own."""
 
         def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
-            # Prefect 3.9's command and environment (SubprocessASGIServer._run_uvicorn_command),
-            # tests/test_ctrl_c.py checks they still match; only the session is new.
-            server_env = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+            # Prefect's command and environment; only the session is new.
+            settings = get_current_settings().to_environment_variables(exclude_unset=True)
             return subprocess.Popen(
-                args=[
-                    sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent),
-                    "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
-                    "--port", str(self.port), "--log-level", "error", "--lifespan", "on",
-                ],
-                env={**os.environ, **server_env, **get_current_settings().to_environment_variables(exclude_unset=True)},
+                args=temporary_server_command(self.port),
+                env={**os.environ, **TEMPORARY_SERVER_ENV, **settings},
                 start_new_session=True,  # the terminal's Ctrl-C goes to the run's group only
                 preexec_fn=parent_death_signal(),  # SIGKILLed with the run, when started from the main thread
-            )  # fmt: skip
+            )
 
     return OwnSessionServer
 

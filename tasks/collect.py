@@ -124,8 +124,7 @@ class _Buffer:
     finished: dict[int, GroupStamp]  # finished, not yet taken or dropped
     replay: list[int]  # indices in flight when a previous process died: played first
     next_index: int
-    started: int = 0  # groups started by this process, not yet finished
-    running: dict[int, int] = field(default_factory=dict)  # index -> start version of those
+    running: dict[int, int] = field(default_factory=dict)  # index -> start version: started here, not finished
     trainer_step: int = 0  # the step the trainer takes groups for next
     error: BaseException | None = None
 
@@ -261,13 +260,12 @@ class RolloutWorkers:
         with self.lock:
             step = self.buffer.trainer_step
             waiting = sum(step - s.start_version <= limit for s in self.buffer.finished.values())
-            ahead = waiting + self.buffer.started  # stale ones will be dropped, not trained
+            ahead = waiting + len(self.buffer.running)  # stale ones will be dropped, not trained
             taken_at = step + ahead // self.config.rollout.batch_size
         return taken_at - self.generator.version <= limit
 
     def _next_index(self, version: int) -> int:
         with self.lock:
-            self.buffer.started += 1
             if self.buffer.replay:
                 index = self.buffer.replay.pop(0)
             else:
@@ -294,8 +292,7 @@ class RolloutWorkers:
         errored = sum(r.error is not None for r in groups[0])
         if not await asyncio.to_thread(self.generator.keep, errored, len(groups[0]), f"group {index}", restarts):
             with self.lock:  # the generator was restarted: the group is played again, first
-                self.buffer.started -= 1
-                self.buffer.running.pop(index, None)
+                del self.buffer.running[index]
                 self.buffer.replay.insert(0, index)
                 self.lock.notify_all()  # a trainer waiting for it (``_due_behind``) looks again
             return
@@ -307,8 +304,7 @@ class RolloutWorkers:
         keep_group_errors(self.folder, index, item.task_id, groups[0], tracebacks)
         write_group(self.folder, stamp, groups[0])
         with self.lock:
-            self.buffer.started -= 1
-            self.buffer.running.pop(index, None)
+            del self.buffer.running[index]
             self.buffer.finished[index] = stamp
             self.stamps[index] = stamp
             self.lock.notify_all()

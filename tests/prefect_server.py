@@ -140,12 +140,9 @@ def start_session_server(home: Path) -> subprocess.Popen[bytes]:
     """Start the suite's server with its database and log under ``home``, not waiting for it;
     its URL and log are put in the environment the workers inherit. Tied to this process:
     SIGKILLed with it (``parent_death_signal``), even if it is SIGKILLed itself."""
-    import importlib.util
-
+    from rollflow.flows.prefect_server import TEMPORARY_SERVER_ENV, temporary_server_command
     from rollflow.policy.procs import parent_death_signal
 
-    spec = importlib.util.find_spec("prefect")
-    assert spec is not None and spec.origin is not None
     port = free_port()
     home.mkdir(parents=True, exist_ok=True)
     env = {
@@ -153,18 +150,12 @@ def start_session_server(home: Path) -> subprocess.Popen[bytes]:
         "PREFECT_HOME": str(home),
         "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect.db'}",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        # what Prefect's SubprocessASGIServer sets for its temporary server
-        "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
-    }  # fmt: skip
-    command = [
-        sys.executable, "-m", "uvicorn", "--app-dir", str(Path(spec.origin).parent.parent),
-        "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
-        "--log-level", "error", "--lifespan", "on",
-    ]  # fmt: skip
+        **TEMPORARY_SERVER_ENV,
+    }
     log = home / "server.log"
     with log.open("wb") as sink:
         process = subprocess.Popen(
-            command, env=env, cwd=home, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            temporary_server_command(port), env=env, cwd=home, stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True, preexec_fn=parent_death_signal(),
         )  # fmt: skip
     os.environ[SESSION_URL_ENV] = f"http://127.0.0.1:{port}/api"

@@ -209,19 +209,19 @@ def test_admission_control_holds_back_a_group_that_would_be_stale(tmp_path: Path
     workers.generator = Published()  # type: ignore[assignment]
     # 4 groups ahead (started or finished) fill steps 0 and 1; a fifth would be taken at
     # step 2 with version 0: two steps old, above the limit.
-    workers.buffer.started = 4
+    workers.buffer.running = dict.fromkeys(range(4), 0)
     assert not workers._may_start()
-    workers.buffer.started = 3
+    workers.buffer.running = dict.fromkeys(range(3), 0)
     assert workers._may_start()  # taken at step 1: one step old
     # Finished groups already too old for the trainer's step are not work ahead of a new
     # group (they will be dropped): counting them would hold the workers back for good.
     Published.version = 5
-    workers.buffer.trainer_step, workers.buffer.started = 5, 0
+    workers.buffer.trainer_step, workers.buffer.running = 5, {}
     for index in range(6):
         _finish(workers, index, 1)
     assert workers._may_start()
     off = _workers(tmp_path, limit=1, batch=2, control=False)
-    off.buffer.started = 40
+    off.buffer.running = dict.fromkeys(range(40), 0)
     assert off._may_start()  # the reference's behaviour: start freely, drop later
 
 
