@@ -27,8 +27,9 @@ replica is never left unplaced for want of its named node); the log says where.
 
 The actors are the run's: the generator stops them (and their servers) when it closes,
 and Ray ends an actor whose driver exits; a server started by an actor dies with the
-actor's thread (``parent_death_signal``), and a local cluster's ``stop()`` ends every
-process that carries its mark.
+actor's thread (``parent_death_signal``), its engine core dies with the server
+(``policy/vllm_fork_start.py``), and a local cluster's ``stop()`` ends every process that
+carries its mark.
 """
 
 from __future__ import annotations

@@ -21,6 +21,11 @@ of the whole test suite start and serve forked. ``ROLLFLOW_VLLM_ENGINE_START=spa
 environment keeps vLLM's own choice. Any other platform (a CUDA build) is left alone: the
 change is to the CPU platform's method only.
 
+Every child the API server forks (the engine core) closes its copies of the server's
+listening sockets and is SIGKILLed by the kernel when the server ends, however it ends: an
+engine core orphaned by a SIGKILLed server held the model, its KV cache and its cores until
+someone ended the server's session, and in a Ray actor on a killed node nobody did.
+
 Standard library and vLLM only.
 """
 
@@ -86,8 +91,49 @@ def keep_fork_on_cpu() -> str | None:
             print(FORKED_LINE, file=sys.stderr, flush=True)
 
     cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[assignment]
-    os.register_at_fork(after_in_child=close_inherited_server_sockets)
     return None
+
+
+_FORKING: list[int | None] = [None]  # the parent's pid when it forks on its main thread (the child's copy)
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def note_forking_thread() -> None:
+    """In the parent, just before a fork: which process forks, if from its main thread."""
+    import threading
+
+    _FORKING[0] = os.getpid() if threading.current_thread() is threading.main_thread() else None
+
+
+def die_with_the_api_server() -> None:
+    """In a forked child: have the kernel SIGKILL it when the API server ends.
+
+    The API server dies alone when it is SIGKILLed: by the kernel when the process that
+    started it dies (``PR_SET_PDEATHSIG``: a Ray actor whose node died), or by a user. Its
+    engine core would live on, an orphan in the server's session holding the model and its
+    KV cache, until someone ended that session; in a Ray actor nobody does (seen: a killed
+    node's engine core outlived the run). The signal follows the thread that forked, so
+    only a child forked from the main thread (vLLM starts its engine core there) gets it;
+    another thread's end would kill the child early."""
+    parent = _FORKING[0]
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the prctl: nobody would signal
+        os._exit(1)
+
+
+def tie_forked_children() -> None:
+    """Every child the API server forks (its engine core): none of its listening sockets,
+    and killed with the server (``close_inherited_server_sockets``, ``die_with_the_api_server``)."""
+    os.register_at_fork(before=note_forking_thread, after_in_child=close_inherited_server_sockets)
+    os.register_at_fork(after_in_child=die_with_the_api_server)
 
 
 def main() -> None:
@@ -98,6 +144,7 @@ def main() -> None:
     if method not in ("fork", "spawn"):
         sys.exit(f"{START_ENV}={method!r}: expected 'fork' or 'spawn'")
     if method == "fork":
+        tie_forked_children()
         reason = keep_fork_on_cpu()
         if reason is not None:
             print(f"rollflow: the engine core starts as vLLM chooses: {reason}", file=sys.stderr, flush=True)

@@ -325,7 +325,10 @@ def _replicas_on_both_nodes(config: RunConfig) -> RunConfig:
 
 class _ServerWatch(threading.Thread):
     """Notes, while a run goes on, each vLLM server process of the cluster and the node whose
-    session its parent (the replica's actor) is in."""
+    session its parent (the replica's actor) is in: "elsewhere" for an orphan, such as an
+    engine core that outlived its API server (without setproctitle it keeps the server's
+    command line). A process is noted once two polls in a row found it: an engine core in
+    the instant between its server's death and its own is no orphan."""
 
     def __init__(self, cluster: LocalRayCluster) -> None:
         super().__init__(daemon=True)
@@ -333,10 +336,15 @@ class _ServerWatch(threading.Thread):
 
     def run(self) -> None:
         sessions = {process.pid: name for name, process in self.cluster._nodes.items()}
+        last = dict[int, str]()
         while not self.done.is_set():
-            for proc in self.cluster.processes().values():
-                if proc.pid not in self.seen and is_vllm_api_server(proc):
-                    self.seen[proc.pid] = sessions.get(session_of(proc.ppid) or -1, "elsewhere")
+            now = {
+                proc.pid: sessions.get(session_of(proc.ppid) or -1, "elsewhere")
+                for proc in self.cluster.processes().values()
+                if proc.pid not in self.seen and is_vllm_api_server(proc)
+            }
+            self.seen.update({pid: node for pid, node in now.items() if last.get(pid) == node})
+            last = now
             time.sleep(0.2)
 
 

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -45,10 +46,13 @@ def wait_for(child: subprocess.Popen[str], done: object, what: str, within_s: fl
         time.sleep(0.05)
 
 
-def frozen_run(tmp_path: Path, tiny_config_path: Path) -> Path:
+def frozen_run(tmp_path: Path, tiny_config_path: Path, num_steps: int | None = None) -> Path:
     """A run folder with its config frozen and nothing run yet (no lock taken here)."""
     root = tmp_path / "run"
-    freeze_config(RunFolder(root), load_config(tiny_config_path))
+    config = load_config(tiny_config_path)
+    if num_steps is not None:
+        config = replace(config, train=replace(config.train, num_steps=num_steps))
+    freeze_config(RunFolder(root), config)
     return root
 
 
@@ -104,7 +108,9 @@ def test_one_process_may_open_its_run_again(tiny_config_path: Path, tmp_path: Pa
 def test_two_rollflow_resumes_of_one_folder_the_second_refused_while_the_first_trains(
     tiny_config_path: Path, tmp_path: Path, shared_prefect_url: str
 ) -> None:
-    root = frozen_run(tmp_path, tiny_config_path)
+    # more steps than the second's start can outlast (two steps took 4 s; a loaded machine's
+    # start of the second took longer): it trains on until it is killed
+    root = frozen_run(tmp_path, tiny_config_path, num_steps=1000)
     first = rollflow("resume", str(root), stderr=tmp_path / "first.txt", prefect_url=shared_prefect_url)
     try:
         # the flow is running (on the session's Prefect server, the flow opened the run again): still held

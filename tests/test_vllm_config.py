@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -193,3 +195,76 @@ def test_the_fork_launcher_runs_its_module_and_says_when_it_cannot_fork() -> Non
     assert wrong.returncode == 1 and "ROLLFLOW_VLLM_ENGINE_START='thread': expected 'fork' or 'spawn'" in wrong.stderr
     bare = _fork_start()
     assert bare.returncode == 1 and "usage: vllm_fork_start.py MODULE" in bare.stderr
+
+
+FORKING_MODULE = '''
+import os, signal, socket, sys, threading, time
+
+out = sys.argv[1]
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen()
+
+
+def report(name):
+    import ctypes
+    death = ctypes.c_int(-1)
+    ctypes.CDLL(None).prctl(2, ctypes.byref(death), 0, 0, 0)  # PR_GET_PDEATHSIG
+    try:
+        os.fstat(listener.fileno())
+        kept = True
+    except OSError:
+        kept = False
+    with open(os.path.join(out, name), "w") as f:
+        f.write(f"{os.getpid()} {death.value} {kept}")
+
+
+def fork(name, then):
+    if os.fork() == 0:
+        report(name)
+        then()
+
+
+other = threading.Thread(target=fork, args=("thread", lambda: os._exit(0)))
+other.start()
+other.join()
+fork("main", lambda: time.sleep(120) or os._exit(0))
+while not all(os.path.exists(os.path.join(out, name)) for name in ("main", "thread")):
+    time.sleep(0.01)
+os.kill(os.getpid(), signal.SIGKILL)  # the API server SIGKILLed: its engine core must not live on
+'''
+
+
+def test_a_child_the_launched_server_forks_holds_none_of_its_listening_sockets_and_dies_with_it(
+    tmp_path: Path,
+) -> None:
+    """The engine core forked from the API server (on its main thread) gets the kernel's
+    SIGKILL when the server dies, and none of the server's listening sockets (a killed
+    server's port is refused at once). A child forked from another thread is not tied: that
+    thread's end would kill it early."""
+    (tmp_path / "forking_server.py").write_text(FORKING_MODULE)
+    out = tmp_path / "out"
+    out.mkdir()
+    with (tmp_path / "stderr.txt").open("w") as stderr:  # a file: a live child would hold a pipe open
+        server = subprocess.run([sys.executable, str(FORK_START), "forking_server", str(out)],
+                                env={**os.environ, "PYTHONPATH": str(tmp_path)}, stdout=subprocess.DEVNULL,
+                                stderr=stderr, timeout=60)  # fmt: skip
+    assert server.returncode == -signal.SIGKILL, (tmp_path / "stderr.txt").read_text()
+    pid, death, kept = (out / "main").read_text().split()
+    deadline = time.monotonic() + 10
+    while _running(int(pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _running(int(pid)):
+        os.kill(int(pid), signal.SIGKILL)
+        pytest.fail(f"the forked child outlived the server that forked it (PDEATHSIG {death})")
+    assert (int(death), kept) == (int(signal.SIGKILL), "False")
+    _, death, kept = (out / "thread").read_text().split()
+    assert (int(death), kept) == (0, "False")
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
