@@ -146,10 +146,16 @@ def main() -> None:
     started = time.monotonic()
     thread = threading.Thread(target=sampler.run, daemon=True)
     thread.start()
-    status = subprocess.call(command)
-    sampler.stop()
-    thread.join()
-    sampler.sample()
+    with subprocess.Popen(command) as process:
+        try:  # exited, not yet reaped: the last sample still reads its CPU (else up to a second of it is lost)
+            os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)
+        except BaseException:
+            process.kill()
+            raise
+        sampler.stop()
+        thread.join()
+        sampler.sample()
+        status = process.wait()
     busy1, all1 = _machine_busy()
     cpu = {kind: round(ticks * TICK_S, 1) for kind, ticks in sorted(sampler.ticks.items(), key=lambda kv: -kv[1])}
     started_by_kind: dict[str, int] = {}

@@ -52,7 +52,8 @@ def test_a_measured_command_has_its_cpu_its_status_and_the_machines_share(tmp_pa
     assert len(timeline) >= 2 and [t for t, _ in timeline] == sorted(t for t, _ in timeline)
     assert all(0 <= share <= 1 for _, share in timeline) and max(share for _, share in timeline) > 0.3
     assert "busy_timeline" not in done.stderr and "processes\"" not in done.stderr  # printed figures stay short
-    # the spinning process by name, with its own CPU, and counted among the processes started
+    # the spinning process by name, with all its CPU (read after it exited, before it was reaped),
+    # and counted among the processes started
     (spinner,) = [p for p in figures["processes"] if "process_time" in p["command"]]
-    assert spinner["cpu_s"] >= 1.0 and spinner["kind"] in figures["processes_by_kind"], figures["processes"]
+    assert spinner["cpu_s"] >= 1.45 and spinner["kind"] in figures["processes_by_kind"], figures["processes"]
     assert [p["cpu_s"] for p in figures["processes"]] == sorted((p["cpu_s"] for p in figures["processes"]), reverse=True)

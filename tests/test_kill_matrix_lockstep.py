@@ -41,7 +41,7 @@ def test_a_lockstep_run_killed_at_every_point_leaves_nothing_and_resumes_to_the_
     kill_the_server_mid_request(run, rollout_half_done(folder, 0))
     run.wait_until(training(folder, 0), "step 0's train stage")
     run.kill()
-    assert run.killed_its_own_prefect_server()  # and the watchdog ended it (kill's check)
+    assert run.killed_its_own_prefect_server()  # and it was gone after the kill (kill's check)
     # The resumes' flows run on the session's Prefect server (the first run has shown the
     # temporary one ended with its run; starting one per resume cost ~3 CPU-s each)
     # 2: step 1's adapter going to a fresh server

@@ -174,7 +174,8 @@ def test_length_endings_and_a_refused_long_conversation(server: CannedServer) ->
 
 
 def test_transient_failures_are_retried_then_reported(server: CannedServer) -> None:
-    settings = SamplingSettings(max_sampling_attempts=2, generation_timeout_s=0.3)
+    # a timeout a busy machine's local round trip stays well inside, and answers slower than it
+    settings = SamplingSettings(max_sampling_attempts=2, generation_timeout_s=1.0)
     server.answer({"error": {"message": "overloaded"}}, status=503)
     server.answer(completion("Done."))
     policy = OpenAIChatPolicy(server.base_url, "m", settings=settings)
@@ -183,9 +184,9 @@ def test_transient_failures_are_retried_then_reported(server: CannedServer) -> N
     seeds = [body["seed"] for _, _, body in server.requests]
     assert seeds[0] != seeds[1]  # a retry is a fresh draw
 
-    server.answer(completion("late"), delay_s=0.6)
-    server.answer(completion("late"), delay_s=0.6)
-    with pytest.raises(OpenAIPolicyError, match="all 2 attempts failed.*generation_timeout_s=0.3"):
+    server.answer(completion("late"), delay_s=3.0)
+    server.answer(completion("late"), delay_s=3.0)
+    with pytest.raises(OpenAIPolicyError, match="all 2 attempts failed.*generation_timeout_s=1"):
         asyncio.run(act_all(policy, [QUESTION], []))
     assert server.requests[2][2]["seed"] not in seeds  # the same question again: a new episode
     policy.reseed(0)

@@ -168,7 +168,8 @@ def test_a_rescore_process_killed_mid_way_resumes_without_doubles(run_dir: Path)
 def test_a_second_rescore_of_one_name_is_refused_while_the_first_runs(
     run_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    kwargs = {**SAME, "threshold": 0.9, "score_delay_s": 1.0}
+    # two seconds a chunk: the two chunks left outlast this test's two refusals on a busy machine
+    kwargs = {**SAME, "threshold": 0.9, "score_delay_s": 2.0}
     command = [sys.executable, "-m", "rollflow.flows.cli", "rescore", str(run_dir), "--env", ENV,
                "--kwargs", json.dumps(kwargs), "--name", "busy"]  # fmt: skip
     first = run_dir / "rescores" / "busy" / "train" / "step=000000.parquet"

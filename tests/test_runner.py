@@ -145,14 +145,16 @@ class CountingPolicy:
 def test_play_groups_bounds_concurrency_and_keeps_order(env_module: str) -> None:
     handle = load_environment_handle(f"{env_module}:load_environment", {"size": 4})
     items = handle.tasks("train")
-    policy = CountingPolicy(delay_s=0.05)
+    # each action long enough that four sessions are in it together on a busy machine too
+    policy = CountingPolicy(delay_s=0.2)
     started = time.perf_counter()
     groups = asyncio.run(
         play_groups(handle, items, group_size=3, policy=policy, limits=EpisodeLimits(), concurrency=4)
     )
     elapsed = time.perf_counter() - started
     assert policy.most_acting == 4
-    assert elapsed < 12 * 0.05  # 12 episodes of one action each, four at a time: about 3 rounds
+    # 12 episodes of one action each, four at a time: about 3 rounds (0.6 s), not 12 (2.4 s)
+    assert elapsed < 6 * 0.2
     assert [len(group) for group in groups] == [3, 3, 3, 3]
     assert [[r.response_text for r in group] for group in groups] == [
         [f"done: task {i}"] * 3 for i in range(4)

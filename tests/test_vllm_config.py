@@ -215,8 +215,9 @@ def report(name):
         kept = True
     except OSError:
         kept = False
-    with open(os.path.join(out, name), "w") as f:
+    with open(os.path.join(out, name + ".tmp"), "w") as f:
         f.write(f"{os.getpid()} {death.value} {kept}")
+    os.rename(os.path.join(out, name + ".tmp"), os.path.join(out, name))  # whole, or not there
 
 
 def fork(name, then):
