@@ -21,9 +21,10 @@ stopped (SIGSTOP) first so that the snapshot of its descendants taken just befor
 is exact. After it, every process of the run ever seen (by pid and start time) and every
 member of their process groups must be gone within seconds: the kernel ends the children
 tied to the run (``PR_SET_PDEATHSIG``: the vLLM server, its engine core, Prefect's server)
-and the run's watchdog (``rollflow.policy.procs``) what is left. The first run of each matrix starts Prefect's
-temporary server, as a plain ``rollflow train`` does, and the check covers it; the resumes
-run their flows on the session's server (``shared_prefect_url``), one start fewer each.
+and the run's watchdog (``rollflow.policy.procs``) what is left. The first run of each
+matrix starts Prefect's temporary server, as a plain ``rollflow train`` does, and the check
+covers it; the resumes run their flows on the session's server (``shared_prefect_url``),
+one start fewer each.
 
 A run stopped (SIGSTOP) by ``kill`` or at a fault point has no watchdog to end it: the
 watchdog waits for the run's death, and a stopped run never dies. So every ``RunProcess``
@@ -189,7 +190,7 @@ class RunProcess:
         assert_gone(list(self.seen.values()), f"the run killed ({self.log.name})")
 
     def killed_its_own_prefect_server(self) -> bool:
-        """Whether Prefect's temporary server was among what ``kill`` left to the watchdog."""
+        """Whether Prefect's temporary server was in the run's tree when ``kill`` killed it."""
         return any(PREFECT_SERVER in command for command in self.killed_with)
 
     def finish(self) -> int:
