@@ -55,7 +55,9 @@ def test_a_wrong_env_name_is_one_line_in_seconds_and_leaves_no_run_folder(
     assert done.stderr.splitlines() == [
         "rollflow train: [env].name: no module named 'no_such_env' (environment spec 'no_such_env:load_environment')"
     ]
-    assert seconds < 30  # before Prefect starts: imports and the check only
+    # before Prefect starts (its start would be lines of its own): imports and the check only,
+    # seconds on an idle machine; the bound is for a hang, not a busy machine's slow imports
+    assert seconds < 120
     assert not run_dir.exists()
 
 
@@ -67,7 +69,7 @@ def test_the_pipeline_checks_its_config_before_prefect_starts(tiny_model_dir: Pa
     assert done.stderr.splitlines() == [
         "rollflow pipeline: [env].name: no module named 'no_such_env' (environment spec 'no_such_env:load_environment')"
     ]
-    assert seconds < 30 and not run_dir.exists()
+    assert seconds < 120 and not run_dir.exists()
 
 
 @pytest.mark.slow  # 5 s in a loaded suite run (docs/testing.md)

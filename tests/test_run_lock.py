@@ -60,13 +60,14 @@ def assert_refused_at_once_naming(root: Path, holder: int, tmp_path: Path) -> No
     started = time.monotonic()
     second = rollflow("resume", str(root), stderr=tmp_path / "second.txt")
     try:
-        second.wait(timeout=60)
+        second.wait(timeout=120)  # the holder holds for minutes: a second that waited for it fails here
     finally:
         kill_group(second)
     seconds = time.monotonic() - started
     message = (tmp_path / "second.txt").read_text()
     assert second.returncode != 0 and f"PID {holder}" in message, message[-2000:]
-    assert "Traceback" not in message and seconds < 30, (seconds, message[-2000:])
+    # seconds on an idle machine (imports, then the refusal); the bound is for a hang
+    assert "Traceback" not in message and seconds < 120, (seconds, message[-2000:])
 
 
 @pytest.mark.slow  # 6 s in a loaded suite run (docs/testing.md)
