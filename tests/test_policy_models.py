@@ -61,12 +61,9 @@ def test_tiny_model_is_a_real_hf_folder_with_the_smollm2_tokenizer(
 
 
 def test_tiny_model_weights_depend_only_on_the_seed(tmp_path: Path) -> None:
-    started = time.perf_counter()
     first = build_tiny_model(tmp_path / "a", seed=3)
-    elapsed = time.perf_counter() - started
     second = build_tiny_model(tmp_path / "b", seed=3)
     other = build_tiny_model(tmp_path / "c", seed=4)
-    assert elapsed < 3.0, f"building a tiny model took {elapsed:.1f} s"
     weights = [(folder / "model.safetensors").read_bytes() for folder in (first, second, other)]
     assert weights[0] == weights[1] != weights[2]
 
@@ -184,13 +181,17 @@ def test_cached_copy_of_the_bundled_model_matches_the_gguf_and_loads_fast() -> N
     started = time.perf_counter()
     model, tokenizer = load_causal_lm(ModelRef())
     load_s = time.perf_counter() - started
-    assert load_s < 5.0, f"loading the cached copy took {load_s:.1f} s"
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
 
     gguf = bundled_gguf_path()
+    started = time.perf_counter()
     direct = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     ).eval()
+    gguf_s = time.perf_counter() - started
+    # the cached copy skips the dequantization: side by side under the same load, not a
+    # bound a slower machine could break
+    assert load_s < gguf_s / 2, f"loading the cached copy took {load_s:.1f} s, the GGUF {gguf_s:.1f} s"
     ids_BT = torch.tensor([tokenizer.encode("The capital of France is")])
     with torch.no_grad():
         assert torch.equal(model(ids_BT).logits, direct(ids_BT).logits)
