@@ -8,6 +8,7 @@ logged episode and show one's opening question. The server is stopped whatever h
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -40,6 +41,12 @@ def rendered_dom(url: str, profile: Path) -> str:
     return done.stdout
 
 
+def _shm_folders() -> set[str]:
+    """The temporary folders in /dev/shm (``tempfile.mkdtemp`` names)."""
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("tmp*") if p.is_dir()} if shm.is_dir() else set()
+
+
 def test_the_runs_traces_tab_lists_the_validation_episodes(tmp_path: Path) -> None:
     uri, _, experiment, run_id = mlflow_run(tmp_path)
     episodes, scores = validation_pass(6)
@@ -52,7 +59,11 @@ def test_the_runs_traces_tab_lists_the_validation_episodes(tmp_path: Path) -> No
     mlflow = str(Path(sys.executable).parent / "mlflow")
     command = [mlflow, "server", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
     log = tmp_path / "mlflow-server.log"
-    with background(command, env=None, log=log, cwd=tmp_path):
+    # Without its job runner (scorers, prompt optimization: not what the page needs): the
+    # runner's queue is a folder MLflow makes in /dev/shm and leaves there, one a test run
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    shm_before = _shm_folders()
+    with background(command, env=env, log=log, cwd=tmp_path):
 
         def healthy() -> bool | None:
             try:
@@ -63,6 +74,7 @@ def test_the_runs_traces_tab_lists_the_validation_episodes(tmp_path: Path) -> No
         wait_for(healthy, 300, "mlflow server's /health", log)
         dom = rendered_dom(f"http://127.0.0.1:{port}/#/experiments/{experiment}/runs/{run_id}/traces", tmp_path / "chromium")
     assert "5 of 5" in dom, f"the trace list did not render:\n{dom[-3000:]}\n{tail(log)}"
+    assert _shm_folders() - shm_before == set(), "the MLflow server left a folder in /dev/shm"
     best = next(e for e in episodes if e.episode_id == "validation/5/5/0")
     assert best.rollout.messages[1]["content"] in dom  # the episode's opening question is on the page
 
