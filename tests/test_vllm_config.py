@@ -15,6 +15,7 @@ from rollflow.config.parsing import ConfigError
 from rollflow.config.run import config_to_toml, parse_config
 from rollflow.flows.runs import open_run
 from rollflow.policy.models import build_tiny_model
+from rollflow.policy.procs import is_alive, read_proc
 from rollflow.policy.vllm_cpu import cpu_attention_problem, cpu_list, is_cpu_vllm, model_head_dim, parse_cpu_list
 from rollflow.policy.vllm_server import VLLMServer
 from rollflow.policy.vllm_spec import DEFAULT_PYTHON, FORK_START, VLLMServerError, VLLMServerSpec, lora_rank_limit
@@ -252,20 +253,13 @@ def test_a_child_the_launched_server_forks_holds_none_of_its_listening_sockets_a
                                 stderr=stderr, timeout=60)  # fmt: skip
     assert server.returncode == -signal.SIGKILL, (tmp_path / "stderr.txt").read_text()
     pid, death, kept = (out / "main").read_text().split()
+    child = read_proc(int(pid))  # None: gone already
     deadline = time.monotonic() + 10
-    while _running(int(pid)) and time.monotonic() < deadline:
+    while child is not None and is_alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
-    if _running(int(pid)):
-        os.kill(int(pid), signal.SIGKILL)
+    if child is not None and is_alive(child):
+        os.kill(child.pid, signal.SIGKILL)
         pytest.fail(f"the forked child outlived the server that forked it (PDEATHSIG {death})")
     assert (int(death), kept) == (int(signal.SIGKILL), "False")
     _, death, kept = (out / "thread").read_text().split()
     assert (int(death), kept) == (0, "False")
-
-
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
