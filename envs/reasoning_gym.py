@@ -6,13 +6,25 @@ procedural datasets. Each entry (``question``, ``answer``, ``metadata``) becomes
 ``TaskExample``; an episode is one prompt and one reply (``EnvironmentSingleTurn``), so
 it runs through the same runner, scoring, Parquet records and SQL as the bundled tasks.
 
-Scoring is the library's, untouched: the reply's answer is read the way reasoning-gym's
-own training code reads it (the text inside the last ``<answer>...</answer>``, with
-``answer_format = "tags"``; the whole reply, stripped, with ``"raw"``) and handed to the
-dataset's ``score_answer(answer, entry)``. Its value is the reward; an episode passes at
-``pass_threshold`` (1.0: some datasets give partial credit for near misses, which is a
-reward, not a pass). Components: ``score`` (the same value) and ``answered`` (an answer
-was found in the reply at all).
+Judging is the library's: the reply's answer is read (``answer_format``) and handed to the
+dataset's ``score_answer(answer, entry)``, whose 1.0 is the dataset's own equivalence (some
+compare numbers, sets or expressions, not strings). Reading the answer:
+
+- ``"tags"``: the text inside the last ``<answer>...</answer>``, as reasoning-gym's own
+  training code reads it (no tags, no answer);
+- ``"final"``: the tags when the reply has them; otherwise the reply's final answer: the last
+  number in it when the oracle answer is a number, else its last line with a leading
+  "Answer:" / "The answer is" and a closing full stop taken off (``final_answer``);
+- ``"raw"``: the whole reply, stripped.
+
+``credit`` decides what the dataset's score becomes. ``"exact"`` (the default): the reward is
+1.0 when the dataset scores the answer 1.0 and 0.0 otherwise. ``"dataset"``: the library's
+score as it is, partial credit included. Beware that partial credit: most datasets' default
+``score_answer`` gives ``len(oracle) / len(answer)`` to any answer that merely *contains*
+the oracle string, so with ``"raw"`` a constant reply of every digit earns about 0.07 on
+one-digit arithmetic while solving nothing (review 2026-12-07, F2). An episode passes at
+``pass_threshold`` (1.0) either way. Components: ``score`` (the reward), ``dataset_score``
+(the library's own value), ``answered`` (an answer was found in the reply at all).
 
 SFT targets come from the entry's answer, written the way the scorer reads it
 (``<answer>42</answer>``, or the bare answer with ``"raw"``), so ``rollflow sft`` and the
@@ -35,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,7 +57,8 @@ from rollflow.envs.single_turn import EnvironmentSingleTurn
 from rollflow.envs.types import Message, RewardResult, TaskExample
 
 EXTRA = "pip install 'rollflow[reasoning-gym]'"
-ANSWER_FORMATS = ("tags", "raw")
+ANSWER_FORMATS = ("tags", "final", "raw")
+CREDITS = ("exact", "dataset")
 # Our own prompt, in the spirit of the library's "default" system prompt: think, then put
 # only the final answer inside the tags the scorer reads.
 TAGS_PROMPT = (
@@ -54,6 +68,9 @@ TAGS_PROMPT = (
 # Validation looks at most this many entries per wanted task past the training range.
 VALIDATION_SCAN = 4
 RAW_PROMPT = "Solve the problem. Reply with only the final answer, in the format the question asks for."
+# A number as replies write it: a sign, thousands separators, a decimal part.
+_NUMBER = re.compile(r"[-+]?\d[\d,]*(?:\.\d+)?")
+_ANSWER_LEAD = re.compile(r"^(?:the\s+)?(?:final\s+)?answer(?:\s+is)?\s*[:=]?\s*", re.IGNORECASE)
 
 
 class ReasoningGymEnvironment(EnvironmentSingleTurn):
@@ -69,6 +86,7 @@ class ReasoningGymEnvironment(EnvironmentSingleTurn):
         entries: Mapping[str, dict[str, Any]],
         *,
         answer_format: str = "tags",
+        credit: str = "exact",
         system_prompt: str | None = None,
         pass_threshold: float = 1.0,
     ) -> None:
@@ -77,6 +95,7 @@ class ReasoningGymEnvironment(EnvironmentSingleTurn):
         self.dataset = {"train": list(train), "validation": list(validation)}
         self._entries = dict(entries)
         self.answer_format = answer_format
+        self.credit = credit
         self.system_prompt = system_prompt if system_prompt is not None else _default_prompt(answer_format)
         self.pass_threshold = pass_threshold
 
@@ -95,31 +114,70 @@ class ReasoningGymEnvironment(EnvironmentSingleTurn):
         metadata = example.metadata
         return {"question": example.input, "answer": metadata.get("answer"), "metadata": metadata.get("entry_metadata", {})}
 
-    def extract(self, response_text: str) -> str | None:
-        """The answer in a reply, read as reasoning-gym's training code reads it."""
+    def extract(self, response_text: str, oracle: object = None) -> str | None:
+        """The answer in a reply, read the ``answer_format`` way (``oracle``, the entry's
+        answer, tells ``"final"`` whether to look for a number)."""
         if self.answer_format == "raw":
             text = response_text.strip()
             return text or None
         from reasoning_gym.utils import extract_answer
 
-        return extract_answer(response_text)
+        tagged = extract_answer(response_text)
+        if self.answer_format == "tags" or tagged is not None:
+            return tagged
+        return final_answer(response_text, oracle)
 
     def score_response(self, example: TaskExample, response_text: str) -> RewardResult:
-        answer = self.extract(response_text)
-        score = float(self.library_dataset.score_answer(answer, self.entry(example)))
+        entry = self.entry(example)
+        answer = self.extract(response_text, entry.get("answer"))
+        dataset_score = float(self.library_dataset.score_answer(answer, entry))
+        score = dataset_score if self.credit == "dataset" else float(dataset_score >= 1.0)
         return RewardResult(
             score=score,
             threshold=self.pass_threshold,
-            components={"score": score, "answered": float(answer is not None)},
+            components={"score": score, "dataset_score": dataset_score, "answered": float(answer is not None)},
         )
 
     def format_answer(self, answer: str) -> str:
         """``answer`` written as a reply the scorer reads: the SFT target's form."""
-        return answer if self.answer_format == "raw" else f"<answer>{answer}</answer>"
+        return f"<answer>{answer}</answer>" if self.answer_format == "tags" else answer
+
+
+def final_answer(reply: str, oracle: object = None) -> str | None:
+    """The final answer of an untagged reply: its last number when ``oracle`` is a number
+    (``"7 + 2 = 9."`` -> ``"9"``; ``"1,200"`` -> ``"1200"``; ``"9.0"`` -> ``"9"`` when the
+    oracle is an integer), else its last non-empty line without a leading "The answer is" /
+    "Answer:" and a closing full stop. ``None`` when there is nothing to read."""
+    if _is_number(oracle):
+        numbers = _NUMBER.findall(reply)
+        return _normalized_number(numbers[-1], str(oracle)) if numbers else None
+    lines = [line.strip() for line in reply.strip().splitlines() if line.strip()]
+    if not lines:
+        return None
+    text = _ANSWER_LEAD.sub("", lines[-1]).strip()
+    text = text[:-1].rstrip() if text.endswith(".") else text
+    return text or None
+
+
+def _is_number(value: object) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int | float):
+        return True
+    return isinstance(value, str) and _NUMBER.fullmatch(value.strip()) is not None
+
+
+def _normalized_number(text: str, oracle: str) -> str:
+    """``text`` as the oracle writes numbers: no separators or plus sign, and an integral
+    value without its ``.0`` when the oracle is an integer."""
+    text = text.replace(",", "").lstrip("+")
+    if "." in text and "." not in oracle.strip() and float(text).is_integer():
+        return str(int(float(text)))
+    return text
 
 
 def _default_prompt(answer_format: str) -> str:
-    return RAW_PROMPT if answer_format == "raw" else TAGS_PROMPT
+    return TAGS_PROMPT if answer_format == "tags" else RAW_PROMPT
 
 
 def load_environment(
@@ -128,19 +186,23 @@ def load_environment(
     seed: int = 0,
     num_validation: int = 50,
     answer_format: str = "tags",
+    credit: str = "exact",
     system_prompt: str | None = None,
     pass_threshold: float = 1.0,
     **dataset_kwargs: Any,
 ) -> ReasoningGymEnvironment:
     """reasoning-gym's ``dataset`` with ``size`` training and ``num_validation`` validation
     entries from ``seed``; any other keyword goes to the dataset's own config (e.g.
-    ``min_terms``, ``max_digits`` for ``basic_arithmetic``). ``system_prompt`` replaces the
-    default instruction ("" for none)."""
+    ``min_terms``, ``max_digits`` for ``basic_arithmetic``). ``answer_format`` and ``credit``
+    are the module docstring's; ``system_prompt`` replaces the default instruction ("" for
+    none)."""
     require_int("[env].kwargs size", size, minimum=1)
     require_int("[env].kwargs num_validation", num_validation, minimum=0)
     require_int("[env].kwargs seed", seed, minimum=0)
     if answer_format not in ANSWER_FORMATS:
         raise ValueError(f"[env].kwargs answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}")
+    if credit not in CREDITS:
+        raise ValueError(f"[env].kwargs credit must be one of {CREDITS}, got {credit!r}")
     if system_prompt is not None and not isinstance(system_prompt, str):
         raise ValueError(f"[env].kwargs system_prompt must be text, got {type(system_prompt).__name__}")
     if isinstance(pass_threshold, bool) or not isinstance(pass_threshold, int | float):
@@ -164,7 +226,8 @@ def load_environment(
         entries[str(example.id)] = entry
     return ReasoningGymEnvironment(
         dataset, library_dataset, train, validation, entries,
-        answer_format=answer_format, system_prompt=system_prompt, pass_threshold=float(pass_threshold),
+        answer_format=answer_format, credit=credit, system_prompt=system_prompt,
+        pass_threshold=float(pass_threshold),
     )  # fmt: skip
 
 
@@ -213,7 +276,7 @@ def _entry_at(library_dataset: Any, name: str, index: int) -> dict[str, Any]:
 
 def _example(name: str, seed: int, index: int, entry: Mapping[str, Any], answer_format: str) -> TaskExample:
     answer = entry["answer"]
-    target = None if answer is None else (str(answer) if answer_format == "raw" else f"<answer>{answer}</answer>")
+    target = None if answer is None else (f"<answer>{answer}</answer>" if answer_format == "tags" else str(answer))
     return TaskExample(
         input=str(entry["question"]),
         output=target,

@@ -40,7 +40,7 @@ def _answers_by_question(handle) -> dict[str, str]:  # type: ignore[no-untyped-d
 
 
 def test_episodes_score_what_the_library_scores_for_the_same_answers() -> None:
-    handle = load_environment_handle(SPEC, KWARGS)
+    handle = load_environment_handle(SPEC, {**KWARGS, "credit": "dataset"})
     items = handle.tasks("train")
     answers = _answers_by_question(handle)
     questions = [str(item.payload.input) for item in items]
@@ -87,13 +87,69 @@ def test_sft_targets_and_the_expert_score_one() -> None:
 
 
 def test_raw_answers_are_the_whole_reply() -> None:
-    env = load_environment(**KWARGS, answer_format="raw")
+    env = load_environment(**KWARGS, answer_format="raw", credit="dataset")
     example = env.examples("train")[0]
     answer = str(example.metadata["answer"])
     assert env.sft_completion(example)[0]["content"] == answer
     assert env.score_response(example, f"  {answer}\n").score == 1.0
     tagged = env.score_response(example, f"<answer>{answer}</answer>")
     assert tagged.score < 1.0 and tagged.score == env.library_dataset.score_answer(f"<answer>{answer}</answer>", env.entry(example))
+
+
+def _worked_environment():  # type: ignore[no-untyped-def]
+    config = load_config(REPO / "configs" / "reasoning_gym.toml")
+    return load_environment(**config.env.kwargs)
+
+
+def test_the_worked_config_gives_a_constant_reply_nothing_it_did_not_solve() -> None:
+    """Review 2026-12-07 F2: with the whole reply scored by the dataset's substring credit, a
+    constant "123456789" earned 0.073 on the validation questions, most of what 10 steps of
+    training showed (0.100). The worked config credits only the right answer: a constant
+    reply earns exactly the share of questions whose answer it is."""
+    env = _worked_environment()
+    validation = env.examples("validation")
+    answers = [str(e.metadata["answer"]) for e in validation]
+    for reply in ("0123456789", "123456789", "-1-2-3-4-5-6-7-8-9 10 11 12 13 14 15 16 17 18 0"):
+        last = reply.split()[-1].split("-")[-1]
+        rewards = [env.score_response(e, reply).score for e in validation]
+        assert set(rewards) <= {0.0, 1.0}
+        assert sum(rewards) == answers.count(last), reply
+    assert sum(env.score_response(e, "0123456789").score for e in validation) == 0
+
+
+@pytest.mark.parametrize(
+    ("reply", "answer", "read"),
+    [
+        ("The answer is 9.", 9, "9"),
+        ("7 + 2 = 9", "9", "9"),
+        ("9.0", "9", "9"),
+        ("1,200 apples", "1200", "1200"),
+        ("It is -3", "-3", "-3"),
+        ("Let me see: 2 and 3.\n<answer>5</answer> then 7", "5", "5"),  # tags win
+        ("no number here", "4", None),
+        ("Answer: Paris.", "Paris", "Paris"),
+        ("Thinking...\nThe final answer is blue", "blue", "blue"),
+        ("", "blue", None),
+    ],
+)  # fmt: skip
+def test_final_answers_are_read_from_the_end_of_the_reply(reply: str, answer: object, read: str | None) -> None:
+    env = load_environment(**KWARGS, answer_format="final")
+    assert env.extract(reply, answer) == read
+
+
+def test_exact_credit_is_the_datasets_own_full_marks_and_nothing_less() -> None:
+    env = load_environment(**KWARGS, answer_format="final")
+    example = env.examples("train")[0]
+    answer = str(example.metadata["answer"])
+    right = env.score_response(example, f"Let me add them up. The answer is {answer}.")
+    assert right.score == 1.0 >= right.threshold and right.components["answered"] == 1.0
+    near = env.score_response(example, f"{answer}1")  # holds the answer's digits: partial credit
+    assert near.components["dataset_score"] > 0.0 and near.score == 0.0 < near.threshold
+    partial = load_environment(**KWARGS, answer_format="raw", credit="dataset")
+    assert partial.score_response(example, f"{answer}1").score == near.components["dataset_score"]
+    assert env.sft_completion(example)[0]["content"] == answer  # the SFT target is the bare answer
+    with pytest.raises(EnvironmentLoadError, match=r"credit must be one of \('exact', 'dataset'\), got 'half'"):
+        load_environment_handle(SPEC, {**KWARGS, "credit": "half"})
 
 
 def test_splits_never_overlap_even_when_questions_repeat() -> None:
