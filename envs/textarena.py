@@ -22,13 +22,28 @@ a loss (GuessTheNumber pays how close the last guess was) counts that as a pass;
 A task is one seed: training plays seeds ``seed .. seed+num_train-1``, validation the
 ``num_validation`` seeds after them, so the splits never share a seed (a game with few
 distinct states, such as GuessTheNumber's 20 targets, still repeats *positions* across
-seeds). Seeding goes through the library's global ``random``; each ``reset`` seeds and
-draws in one call on the event loop, so concurrent episodes do not disturb each other.
+seeds).
+
+Each episode draws from its own ``random.Random``, seeded from its seed. TextArena's games
+call the module-level ``random`` (``State`` reseeds it at reset; Blackjack, 2048 and
+Minesweeper draw from it again in ``step``), so concurrent episodes sharing the process's
+generator would deal each other's cards, and a replayed chunk or a resumed step would not see
+its games again. The ``random`` name inside TextArena's modules is therefore a router
+(``_RoutedRandom``): while an episode's call into the game runs, the module-level draws go
+to that episode's generator, chosen by a context variable set around the call. That is
+exact however episodes interleave: on one event loop the game's calls are synchronous, and
+a context variable is per thread, so episodes in worker threads do not see each other's
+either. Swapping the process's state in and out (``random.setstate``) would not be: any
+other thread drawing during the swap would take from, and shift, the episode's stream. The
+rest of the process keeps the plain ``random``, untouched by the games' reseeding.
+``numpy.random`` is not routed (none of the games verified below draws from it).
 
 Before anything runs, ``load_environment`` makes the game and resets it once: a missing
 library, an unknown game (with close names), a game for more players, or a library-side
-failure (Wordle, Hangman and other word games download NLTK corpora at reset, which an
-offline machine cannot) is one line naming ``[env].kwargs``. Verified offline here
+failure (Wordle, Hangman and other word games download NLTK corpora when made, which an
+offline machine cannot; NLTK's own download messages are silenced so the refusal is the one
+line), and a game whose module does not import on this Python (Chess) is one line naming
+``[env].kwargs``. Verified offline here
 (0.7.4: make and reset with one player): 2048, Blackjack, Countdown, Crosswords,
 Cryptarithm, FifteenPuzzle, FrozenLake, GuessTheNumber, LightsOut, LogicPuzzle, Mastermind,
 Minesweeper, PegJump, RushHour, Secretary, Slitherlink, Sokoban, Sudoku, ThreeCardMonte,
@@ -38,8 +53,16 @@ TowerOfHanoi (each ``-v0``).
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
-from typing import Any
+import importlib
+import io
+import random
+import sys
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from functools import partial
+from typing import Any, TypeVar
 
 from rollflow.envs.checks import require_int
 from rollflow.envs.env import AnnotatedStepResult, AsyncEnvSuite, Env
@@ -47,6 +70,51 @@ from rollflow.envs.types import Message, StepResult, Task, ToolSpec
 
 EXTRA = "pip install 'rollflow[textarena]'"
 PLAYER = 0
+PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"
+T = TypeVar("T")
+
+# The module-level draws of ``random`` (``random.choice`` is the hidden shared instance's bound
+# method); anything else there (``random.Random``, constants) is the module's own.
+_DRAWS = frozenset(name for name, value in vars(random).items() if isinstance(getattr(value, "__self__", None), random.Random))
+_EPISODE_RNG: ContextVar[random.Random | None] = ContextVar("textarena_episode_rng", default=None)
+_NLTK_LOCK = threading.Lock()
+
+
+class _RoutedRandom:
+    """Stands in for ``random`` inside TextArena's modules: a module-level draw goes to the
+    running episode's generator, or to the process's ``random`` outside an episode."""
+
+    def __getattr__(self, name: str) -> Any:
+        episode_rng = _EPISODE_RNG.get()
+        if episode_rng is not None and name in _DRAWS:
+            return getattr(episode_rng, name)
+        return getattr(random, name)
+
+
+_ROUTER = _RoutedRandom()
+_routed_module_count = 0
+
+
+def _route_textarena_random() -> None:
+    """Point ``random`` at the router in every TextArena module imported so far (a game's
+    module is imported when first made, so this runs again whenever more have been loaded)."""
+    global _routed_module_count
+    if len(sys.modules) == _routed_module_count:
+        return
+    for name, module in list(sys.modules.items()):
+        if (name == "textarena" or name.startswith("textarena.")) and getattr(module, "random", None) is random:
+            setattr(module, "random", _ROUTER)
+    _routed_module_count = len(sys.modules)
+
+
+def drawing_from(episode_rng: random.Random, call: Callable[[], T]) -> T:
+    """``call()`` with TextArena's module-level ``random`` draws taken from ``episode_rng``."""
+    _route_textarena_random()
+    token = _EPISODE_RNG.set(episode_rng)
+    try:
+        return call()
+    finally:
+        _EPISODE_RNG.reset(token)
 
 
 def _core(wrapped: Any) -> Any:
@@ -72,17 +140,55 @@ def make_game(game: str, game_kwargs: Mapping[str, Any]) -> Any:
             f"[env].kwargs game = {game!r} is not a TextArena game; {hint}e.g. GuessTheNumber-v0, "
             "Mastermind-v0, TowerOfHanoi-v0"
         )
+    with _quiet_nltk_downloads():
+        _import_game_module(game, ENV_REGISTRY[game].entry_point)
+        _route_textarena_random()  # before the game's constructor can draw
+        try:
+            return _core(textarena.make(game, **game_kwargs))
+        except Exception as exc:
+            raise ValueError(
+                f"[env].kwargs: TextArena's {game!r} could not be made with {dict(game_kwargs)!r}: {_one_line(exc)}"
+            ) from None
+
+
+def _import_game_module(game: str, entry_point: object) -> None:
+    """Import the game's module first, so that one that does not import here (Chess's
+    f-strings need Python 3.12) is named as such rather than as a failed make."""
+    if not isinstance(entry_point, str):
+        return
     try:
-        return _core(textarena.make(game, **game_kwargs))
-    except Exception as exc:
-        raise ValueError(
-            f"[env].kwargs: TextArena's {game!r} could not be made with {dict(game_kwargs)!r}: {_one_line(exc)}"
-        ) from None
+        importlib.import_module(entry_point.split(":")[0])
+    except (ImportError, SyntaxError) as exc:
+        raise ValueError(f"[env].kwargs game = {game!r}: TextArena's game does not import on Python {PYTHON}: {_one_line(exc)}") from None
+
+
+@contextmanager
+def _quiet_nltk_downloads() -> Iterator[None]:
+    """NLTK's downloader writes its failures to the stderr it captured at import, past any
+    redirection: the word games' modules call it when made, and offline it prints several
+    lines before the failure rollflow reports in one. Its messages go nowhere meanwhile."""
+    nltk = sys.modules.get("nltk")  # imported by ``import textarena``
+    download = getattr(nltk, "download", None)
+    if nltk is None or download is None:
+        yield
+        return
+    with _NLTK_LOCK:
+        setattr(nltk, "download", partial(download, print_error_to=io.StringIO()))
+        try:
+            yield
+        finally:
+            setattr(nltk, "download", download)
 
 
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).replace("*", " ").split())
     return f"{type(exc).__name__}: {text[:300] or '(no message)'}"
+
+
+def _reset_and_read(core: Any, seed: int) -> str:
+    """Reset the game for one player with ``seed``; its opening text."""
+    core.reset(num_players=1, seed=seed)
+    return _new_text(core)
 
 
 def _new_text(core: Any) -> str:
@@ -102,6 +208,7 @@ class TextArenaEnv(Env):
         self.game_kwargs = dict(game_kwargs)
         self.system_prompt = system_prompt
         self._core: Any = None
+        self._rng = random.Random()
         self._messages: list[Message] = []
 
     @property
@@ -113,21 +220,24 @@ class TextArenaEnv(Env):
         return list(self._messages)
 
     async def reset(self, task: Task) -> list[Message]:
-        self._core = make_game(self.game, self.game_kwargs)
-        self._core.reset(num_players=1, seed=int(task.metadata["seed"]))
+        seed = int(task.metadata["seed"])
+        self._rng = random.Random(seed)
+        self._core = drawing_from(self._rng, lambda: make_game(self.game, self.game_kwargs))
+        opening = drawing_from(self._rng, lambda: _reset_and_read(self._core, seed))
         self._messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        self._messages.append({"role": "user", "content": _new_text(self._core)})
+        self._messages.append({"role": "user", "content": opening})
         return list(self._messages)
 
     async def step(self, message: Message) -> StepResult:
         if self._core is None:
             raise RuntimeError("step() before reset()")
         self._messages.append(message)
-        done, _ = self._core.step(str(message.get("content", "")))
+        done, _ = drawing_from(self._rng, lambda: self._core.step(str(message.get("content", ""))))
         if not done:
-            self._messages.append({"role": "user", "content": _new_text(self._core) or "Your move."})
+            news = drawing_from(self._rng, lambda: _new_text(self._core))
+            self._messages.append({"role": "user", "content": news or "Your move."})
             return AnnotatedStepResult(terminated=False, truncated=False, messages=list(self._messages))
-        rewards, game_info = self._core.close()
+        rewards, game_info = drawing_from(self._rng, self._core.close)
         info = dict((game_info or {}).get(PLAYER, {}))
         reward = float((rewards or {}).get(PLAYER, 0.0))
         return AnnotatedStepResult(
@@ -159,10 +269,10 @@ def load_environment(
     require_int("[env].kwargs seed", seed, minimum=0)
     if system_prompt is not None and not isinstance(system_prompt, str):
         raise ValueError(f"[env].kwargs system_prompt must be text, got {type(system_prompt).__name__}")
-    probe = make_game(game, game_kwargs)
+    probe_rng = random.Random(seed)
+    probe = drawing_from(probe_rng, lambda: make_game(game, game_kwargs))
     try:
-        probe.reset(num_players=1, seed=seed)
-        _new_text(probe)
+        drawing_from(probe_rng, lambda: _reset_and_read(probe, seed))
     except Exception as exc:
         raise ValueError(
             f"[env].kwargs game = {game!r} cannot start a one-player game here: {_one_line(exc)}"

@@ -1,11 +1,15 @@
 """The TextArena adapter (envs/textarena.py) with the real library: games played through
 rollflow's runner end with the reward the library itself gives the same moves; splits
-never share a seed; an unknown game or one that cannot start offline is one line."""
+never share a seed; episodes played together draw the same cards as each played alone; an
+unknown game or one that cannot start offline is one line."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 import re
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -71,6 +75,33 @@ def test_rewards_are_the_librarys_for_the_same_moves(script) -> None:  # type: i
     assert script is binary_search or losses
 
 
+def blackjack_moves(messages: Sequence[Message], turn: int) -> str:
+    return ("[Hit]", "[Hit]", "[Stand]")[min(turn, 2)]  # each move deals a card in the game's step()
+
+
+def blackjack_transcripts(concurrency: int) -> list[list[Message]]:
+    handle = load_environment_handle(SPEC, {"game": "Blackjack-v0", "num_train": 2, "num_validation": 0, "seed": 7})
+    policy = ScriptedPolicy(blackjack_moves, delay_s=0.001)  # every episode waits, so in flight they take turns
+    groups = asyncio.run(play_groups(handle, handle.tasks("train"), 3, policy, EpisodeLimits(max_turns=6), concurrency))
+    return [rollout.messages for group in groups for rollout in group]
+
+
+def test_episodes_played_together_draw_as_each_played_alone() -> None:
+    alone = blackjack_transcripts(concurrency=1)
+    together = blackjack_transcripts(concurrency=6)
+    assert together == alone
+    assert alone[0] == alone[1] == alone[2] and alone[3] == alone[4] == alone[5] and alone[0] != alone[3]
+
+
+def test_an_episode_leaves_the_process_random_alone() -> None:
+    random.seed(123)
+    expected = [random.random() for _ in range(3)]
+    random.seed(123)
+    first = random.random()
+    blackjack_transcripts(concurrency=2)
+    assert [first, random.random(), random.random()] == expected
+
+
 def test_splits_are_disjoint_seeds() -> None:
     handle = load_environment_handle(SPEC, {"game": GAME, "num_train": 5, "num_validation": 3, "seed": 2})
     train = {item.payload.metadata["seed"] for item in handle.tasks("train")}  # type: ignore[union-attr]
@@ -91,6 +122,26 @@ def test_bad_games_are_one_line(kwargs: dict, pattern: str) -> None:
     with pytest.raises(EnvironmentLoadError, match=pattern) as raised:
         load_environment_handle(SPEC, kwargs)
     assert "\n" not in str(raised.value)
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="Chess's module imports from Python 3.12 on")
+def test_a_game_that_does_not_import_says_so() -> None:
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    pattern = rf"'Chess-v0': TextArena's game does not import on Python {python}: SyntaxError: f-string: unmatched '\['"
+    with pytest.raises(EnvironmentLoadError, match=pattern):
+        load_environment_handle(SPEC, {"game": "Chess-v0"})
+
+
+def test_an_offline_word_game_is_refused_without_nltk_noise() -> None:
+    """NLTK writes its download failures to the stderr it captured when imported, so only a
+    fresh process shows what a user sees."""
+    script = (
+        "from rollflow.envs.runner import load_environment_handle\n"
+        f"load_environment_handle({SPEC!r}, {{'game': 'Wordle-v0'}})\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "could not be made with {}: LookupError: Resource 'words' not found" in result.stderr
+    assert not [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("[nltk_data]")]
 
 
 @pytest.mark.slow
