@@ -101,15 +101,34 @@ def starter_spec(name: str, dest_dir: Path) -> tuple[str, Path | None]:
     return ".".join([*parts, name]) + ":load_environment", None
 
 
+def _installed_subpackages() -> dict[str, Path]:
+    """Each folder installed as a subpackage of rollflow, by name (``ops`` -> ``<checkout>/ops``).
+
+    Found from the installed package rather than listed by hand, so a package added to
+    setup.py is guarded the day it lands: a candidate is any folder inside ``rollflow``'s
+    own (a regular install) or beside it (a checkout, where ``./envs`` installs as
+    ``rollflow.envs``), kept when ``rollflow.<name>`` is imported from exactly that folder.
+    """
+    import rollflow
+
+    packages = [Path(path).resolve() for path in rollflow.__path__]
+    found: dict[str, Path] = {}
+    for parent in {where for package in packages for where in (package, package.parent)}:
+        for candidate in sorted(parent.iterdir()):
+            if not (candidate.name.isidentifier() and (candidate / "__init__.py").is_file()):
+                continue
+            spec = importlib.util.find_spec(f"rollflow.{candidate.name}")
+            locations = [Path(path).resolve() for path in (spec.submodule_search_locations or [])] if spec else []
+            if candidate.resolve() in locations:
+                found[candidate.name] = candidate.resolve()
+    return found
+
+
 def _own_folders() -> list[Path]:
     """The folders rollflow's own modules are imported from (its package and subpackages)."""
     import rollflow
 
-    folders = [Path(rollflow.__file__).parent]
-    for sub in ("envs", "tasks", "generators", "config", "flows", "cluster", "storage", "policy"):
-        spec = importlib.util.find_spec(f"rollflow.{sub}")
-        folders += [Path(path) for path in (spec.submodule_search_locations or [])] if spec else []
-    return [folder.resolve() for folder in folders]
+    return [Path(path).resolve() for path in rollflow.__path__] + list(_installed_subpackages().values())
 
 
 def _check_destination(dest_dir: Path) -> None:
@@ -128,11 +147,7 @@ def _check_name(name: str) -> None:
         raise ValueError(
             f"environment name {name!r} must be a lowercase Python name: a letter, then letters, digits or _"
         )
-    if (
-        keyword.iskeyword(name)
-        or name in sys.stdlib_module_names
-        or name in {"rollflow", "envs", "tasks", "flows", "storage", "policy"}
-    ):
+    if keyword.iskeyword(name) or name in sys.stdlib_module_names or name in {"rollflow", *_installed_subpackages()}:
         raise ValueError(
             f"environment name {name!r} would shadow a Python or rollflow module; choose another"
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import importlib
 import os
@@ -84,6 +85,27 @@ def test_the_written_tests_pass_under_pytest(tmp_path: Path) -> None:
 def test_bad_names_are_refused(tmp_path: Path, name: str, problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
         write_starter(name, tmp_path, "hook")
+    assert list(tmp_path.iterdir()) == []
+
+
+def installed_subpackages() -> dict[str, Path]:
+    """What setup.py installs under ``rollflow.`` (its ``FOLDERS``), each with the folder it
+    is imported from: read from setup.py itself, so a package added there is checked here."""
+    tree = ast.parse((Path(__file__).parents[1] / "setup.py").read_text(encoding="utf-8"))
+    (folders,) = [node.value for node in ast.walk(tree) if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "FOLDERS"]
+    names = ast.literal_eval(folders)
+    return {name: Path(importlib.import_module(f"rollflow.{name}").__path__[0]) for name in names}
+
+
+def test_every_installed_subpackage_is_refused_as_a_folder_and_as_a_name(tmp_path: Path) -> None:
+    subpackages = installed_subpackages()
+    assert "ops" in subpackages  # the package the hand-kept list missed
+    for name, folder in subpackages.items():
+        with pytest.raises(ValueError, match="inside rollflow's own package folder"):
+            write_starter("stray_env", folder, "hook")
+        assert not (folder / "stray_env").exists()
+        with pytest.raises(ValueError, match="would shadow a Python or rollflow module"):
+            write_starter(name, tmp_path, "hook")
     assert list(tmp_path.iterdir()) == []
 
 
