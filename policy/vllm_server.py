@@ -38,8 +38,13 @@ link to torch inductor's cache of compiled kernels, which stays shared: ``induct
 ``/tmp/rollflow-vllm-tmp-PID-*`` (``TMPDIR`` in the server's environment; PID is the process
 that started it), removed when the server is stopped, killed or not: vLLM leaves them
 behind when it is killed, four files a start, thousands on a machine that runs nightly. The
-folders of a process that is gone (a SIGKILLed run, whose watchdog ended the server) are
-removed by the next server start on the machine (``sweep_server_temp_dirs``).
+folders of a server that is gone (a SIGKILLed run, whose watchdog ended the server) are
+removed by the next server start on the machine (``sweep_server_temp_dirs``). Gone is
+proved, not guessed from the PID in the name, which another PID namespace sharing the temp
+directory (containers sharing /tmp) would not see: the folder holds a file ``alive.lock``
+whose ``flock`` the run and its server process hold for the server's life; the kernel
+releases it when the last of them is gone, in whatever namespace they ran. A sweep removes
+only folders of its own user whose lock it can take.
 
 Simplifications, and why:
 - The port is found by binding port 0 and closing the socket; another process could take
@@ -51,6 +56,7 @@ Simplifications, and why:
 from __future__ import annotations
 
 import atexit
+import fcntl
 import getpass
 import os
 import re
@@ -61,12 +67,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 import httpx
 
-from rollflow.policy.procs import group_gone, parent_death_signal, read_proc, signal_group
+from rollflow.policy.procs import group_gone, parent_death_signal, signal_group
 from rollflow.policy.stopping import exit_on_sigterm
 from rollflow.policy.vllm_cpu import EngineFailure, cpu_attention_problem, engine_failure, is_cpu_vllm
 from rollflow.policy.vllm_spec import VLLMServerError, VLLMServerSpec, resolve_python
@@ -81,19 +88,41 @@ _UNIX_SOCKET_PATH_MAX = 107  # bytes of an AF_UNIX path (108 with its NUL)
 _IPC_NAME_LEN = 37  # "/" and a uuid4: vLLM's socket names in TMPDIR
 
 
-def server_temp_dir() -> Path | None:
+ALIVE_LOCK = "alive.lock"  # in a server's temp folder, flock-ed while the server may use it
+
+
+@dataclass(frozen=True)
+class ServerTempDir:
+    """One server's temp folder and an open file holding the lock on its ``ALIVE_LOCK``.
+    The server process gets the file too (``pass_fds``): the lock lasts while the run or the
+    server lives, so a sweep never takes the folder of a server whose run was just killed."""
+
+    path: Path
+    lock_fd: int
+
+    def remove(self) -> None:
+        """Remove the folder, then let go of the lock (the server must be gone)."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        os.close(self.lock_fd)
+
+
+def server_temp_dir() -> ServerTempDir | None:
     """A new folder for one server's temporary files, named after this process, after the
-    folders of processes that are gone are removed. None where the socket paths in it would
+    folders of servers that are gone are removed. None where the socket paths in it would
     be too long for AF_UNIX (a long ``TMPDIR``): the server then keeps the inherited one."""
     sweep_server_temp_dirs()
     folder = Path(tempfile.mkdtemp(prefix=f"{TEMP_DIR_PREFIX}{os.getpid()}-"))
     if len(os.fsencode(folder)) + _IPC_NAME_LEN > _UNIX_SOCKET_PATH_MAX:
         folder.rmdir()
         return None
+    # locked under another name first: a sweep that sees ALIVE_LOCK never finds it free
+    lock_fd, name = tempfile.mkstemp(dir=folder)
+    fcntl.flock(lock_fd, fcntl.LOCK_EX)
+    os.rename(name, folder / ALIVE_LOCK)
     shared = Path(inductor_cache_dir())
     shared.mkdir(parents=True, exist_ok=True)
     (folder / shared.name).symlink_to(shared)  # removing the folder removes the link only
-    return folder
+    return ServerTempDir(folder, lock_fd)
 
 
 def inductor_cache_dir() -> str:
@@ -111,15 +140,38 @@ def inductor_cache_dir() -> str:
 
 def sweep_server_temp_dirs(root: Path | None = None) -> list[Path]:
     """Remove the server temp folders (``server_temp_dir``) in ``root`` (default: the temp
-    directory) whose process is gone; return them."""
+    directory) that are this user's and whose lock nobody holds; return those now gone. A
+    folder without the lock file (being made, or left by a rollflow older than the lock)
+    stays: nothing proves its server gone."""
     removed = []
     for folder in Path(root or tempfile.gettempdir()).glob(f"{TEMP_DIR_PREFIX}*-*"):
-        pid = folder.name[len(TEMP_DIR_PREFIX) :].split("-", 1)[0]
-        if not pid.isdigit() or read_proc(int(pid)) is not None:
+        lock_fd = _lock_of_abandoned(folder)
+        if lock_fd is None:
             continue
-        shutil.rmtree(folder, ignore_errors=True)
-        removed.append(folder)
+        try:
+            shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            os.close(lock_fd)
+        if not os.path.lexists(folder):
+            removed.append(folder)
     return removed
+
+
+def _lock_of_abandoned(folder: Path) -> int | None:
+    """An open file holding the lock of ``folder``'s ``ALIVE_LOCK``, when the folder is this
+    user's and no process holds the lock; else None."""
+    try:
+        if folder.lstat().st_uid != os.getuid() or not folder.is_dir() or folder.is_symlink():
+            return None
+        lock_fd = os.open(folder / ALIVE_LOCK, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(lock_fd)
+        return None
+    return lock_fd
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -151,7 +203,7 @@ class VLLMServer:
         self._log_start = 0  # where the current process's output begins in log_path
         self._last_fatal: str | None = None  # the engine error the previous process died of
         self._spawned_at = 0.0  # monotonic seconds when the current process was spawned
-        self.temp_dir: Path | None = None  # the current process's TMPDIR (server_temp_dir)
+        self._temp: ServerTempDir | None = None  # the current process's TMPDIR and its lock
 
     @property
     def base_url(self) -> str:
@@ -159,6 +211,11 @@ class VLLMServer:
         if self.port is None:
             raise VLLMServerError("the server has not been started")
         return f"http://{self.spec.host}:{self.port}/v1"
+
+    @property
+    def temp_dir(self) -> Path | None:
+        """The current process's ``TMPDIR`` (``server_temp_dir``), None when it has none."""
+        return self._temp.path if self._temp is not None else None
 
     @property
     def running(self) -> bool:
@@ -205,9 +262,9 @@ class VLLMServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_start = self.log_path.stat().st_size if self.log_path.is_file() else 0
         env = self.spec.environment(os.environ)
-        self.temp_dir = server_temp_dir()
-        if self.temp_dir is not None:
-            env["TMPDIR"] = str(self.temp_dir)
+        self._temp = server_temp_dir()
+        if self._temp is not None:
+            env["TMPDIR"] = str(self._temp.path)
         self._spawned_at = time.monotonic()
         try:
             with self.log_path.open("ab") as log:
@@ -215,6 +272,7 @@ class VLLMServer:
                     self._command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     env=env, start_new_session=True,
                     preexec_fn=parent_death_signal(),  # SIGKILLed with rollflow (policy/procs.py)
+                    pass_fds=(self._temp.lock_fd,) if self._temp is not None else (),  # holds it too
                 )  # fmt: skip
         except BaseException:
             self._remove_temp_dir()
@@ -269,9 +327,9 @@ class VLLMServer:
         self._settle_temp_log()
 
     def _remove_temp_dir(self) -> None:
-        if self.temp_dir is not None:
-            shutil.rmtree(self.temp_dir, ignore_errors=True)
-            self.temp_dir = None
+        if self._temp is not None:
+            self._temp.remove()
+            self._temp = None
 
     def _stop_group(self, process: subprocess.Popen[bytes], grace_s: float) -> None:
         group = process.pid  # start_new_session: the group id is the leader's pid

@@ -116,6 +116,7 @@ def test_a_servers_temporary_files_have_a_folder_of_its_own_removed_when_it_stop
     ended.wait()
     stale = own_tmpdir / f"{prefix}{ended.pid}-abc"
     stale.mkdir()
+    (stale / "alive.lock").touch()  # policy/vllm_server.py's ALIVE_LOCK, which nobody holds
     (stale / "socket").touch()
     alive = own_tmpdir / f"{prefix}{os.getpid()}-abc"  # another server of this process
     alive.mkdir()

@@ -15,15 +15,18 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from rollflow.policy.models import build_tiny_model
 from rollflow.policy.vllm_cpu import engine_failure
-from rollflow.policy.vllm_server import LOG_TAIL_CHARS, VLLMServer, inductor_cache_dir
+from rollflow.policy.vllm_server import ALIVE_LOCK, LOG_TAIL_CHARS, VLLMServer, inductor_cache_dir
 from rollflow.policy.vllm_fork_start import FORKED_LINE
 from rollflow.policy.vllm_spec import DEFAULT_PYTHON, PYTHON_ENV, VLLMServerError, VLLMServerSpec
 from rollflow.policy.vllm_weights import LM_HEAD_SHARD, untied_serving_folder
@@ -120,6 +123,130 @@ def _alive(pid: int) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+# ---------------------------------------------------------------- the sweep of servers' temp folders
+
+
+@pytest.fixture
+def healthy_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stand-in server that answers /health: python's http.server on the --port given."""
+    (tmp_path / "health").write_text("ok")
+    port = '"$(echo "$@" | sed "s/.*--port \\([0-9]*\\).*/\\1/")"'
+    body = f"cd {tmp_path} && exec {sys.executable} -m http.server --bind 127.0.0.1 {port}"
+    monkeypatch.setenv(PYTHON_ENV, str(_fake_python(tmp_path, body)))
+
+
+def _sweep_in(root: Path, *, prefix: list[str] | None = None, user: int | None = None) -> list[str]:
+    """The folders ``sweep_server_temp_dirs(root)`` reports, run in a process of its own
+    (``prefix``: a command that runs it, e.g. in another PID namespace; ``user``: as that uid)."""
+    code = "import sys; from rollflow.policy.vllm_server import sweep_server_temp_dirs as s; " \
+           "print('\\n'.join(p.name for p in s(__import__('pathlib').Path(sys.argv[1]))))"
+    done = subprocess.run([*(prefix or []), sys.executable, "-c", code, str(root)], capture_output=True,
+                          text=True, timeout=60, user=user, check=True)  # fmt: skip
+    return done.stdout.split()
+
+
+def _unshare_works() -> bool:
+    try:
+        return subprocess.run(_OTHER_PID_NAMESPACE + ["true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+_OTHER_PID_NAMESPACE = ["unshare", "--pid", "--fork", "--mount-proc"]
+
+
+@pytest.mark.skipif(not _unshare_works(), reason="needs unshare --pid (root or user namespaces)")
+def test_a_live_servers_temp_folder_survives_a_sweep_from_another_pid_namespace(
+    model_dir: Path, healthy_python: None, own_tmpdir: Path
+) -> None:
+    """Before: the sweep judged a folder by the PID in its name, which another PID namespace
+    sharing the temp directory (containers sharing /tmp) does not see: it removed a live
+    server's sockets and rendezvous file."""
+    server = VLLMServer(VLLMServerSpec(str(model_dir)), startup_timeout_s=60.0).start()
+    try:
+        own = server.temp_dir
+        assert own is not None and own.is_dir()
+        assert _sweep_in(own_tmpdir, prefix=_OTHER_PID_NAMESPACE) == []
+        assert own.is_dir() and server.running
+    finally:
+        server.stop()
+    assert not own.exists()
+
+
+def test_a_temp_folder_is_swept_once_the_run_and_its_server_are_gone(
+    model_dir: Path, healthy_python: None, own_tmpdir: Path
+) -> None:
+    """A SIGKILLed run leaves its server's folder; the next sweep removes it, not before."""
+    code = "from rollflow.policy.vllm_server import VLLMServer; from rollflow.policy.vllm_spec import " \
+           "VLLMServerSpec; import sys, time; s = VLLMServer(VLLMServerSpec(sys.argv[1])).start(); " \
+           "print(s.temp_dir, flush=True); time.sleep(120)"
+    run = subprocess.Popen([sys.executable, "-c", code, str(model_dir)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert run.stdout is not None
+        folder = Path(run.stdout.readline().strip())
+        assert folder.parent == own_tmpdir and folder.is_dir()
+        assert _sweep_in(own_tmpdir) == [] and folder.is_dir()
+    finally:
+        run.kill()
+        run.wait()
+    deadline = time.monotonic() + 30  # its server dies with it (PR_SET_PDEATHSIG)
+    swept: list[str] = []
+    while not swept and time.monotonic() < deadline:
+        swept = _sweep_in(own_tmpdir)
+        time.sleep(0.2)
+    assert swept == [folder.name] and not folder.exists()
+
+
+def _dead_server_folder(root: Path, name: str) -> Path:
+    """A folder as a server's temp folder is left when its run was killed: the PID in its
+    name is gone and nothing holds its lock."""
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    folder = root / f"rollflow-vllm-tmp-{ended.pid}-{name}"
+    folder.mkdir()
+    (folder / ALIVE_LOCK).touch()
+    (folder / "socket").touch()
+    return folder
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a folder of another user (root only)")
+def test_a_sweep_leaves_another_users_folders(own_tmpdir: Path) -> None:
+    """Before: root removed another user's folders (a shared /tmp)."""
+    others = _dead_server_folder(own_tmpdir, "other")
+    for path in (others, *others.iterdir()):
+        os.chown(path, 65534, 65534)
+    assert _sweep_in(own_tmpdir) == [] and (others / "socket").exists()
+
+
+@contextmanager
+def _undeletable(folder: Path) -> Iterator[None]:
+    """A file in ``folder`` that this user cannot delete (root: ``chattr +i``)."""
+    if os.geteuid() != 0:
+        (folder / "kept").mkdir()
+        (folder / "kept" / "file").touch()
+        (folder / "kept").chmod(0o555)
+        yield
+        (folder / "kept").chmod(0o755)
+        return
+    (folder / "kept").touch()
+    if subprocess.run(["chattr", "+i", str(folder / "kept")], capture_output=True).returncode != 0:
+        pytest.skip("no chattr +i here: root deletes everything")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(folder / "kept")], check=True)
+
+
+def test_a_sweep_reports_only_the_folders_it_removed(own_tmpdir: Path) -> None:
+    """Before: a folder that ``rmtree(ignore_errors=True)`` could not remove was reported
+    as removed."""
+    stuck = _dead_server_folder(own_tmpdir, "stuck")
+    gone = _dead_server_folder(own_tmpdir, "gone")
+    with _undeletable(stuck):
+        assert _sweep_in(own_tmpdir) == [gone.name]
+        assert stuck.is_dir() and not gone.exists()
 
 
 # ---------------------------------------------------------------- an engine that dies for good
