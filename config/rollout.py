@@ -42,6 +42,9 @@ class RolloutConfig:
     backend: Backend = "transformers"
     base_url: str | None = None  # the OpenAI-compatible server (backend "openai")
     api_model: str | None = None  # the model name that server expects (vllm: its served name)
+    # Backend "openai": the tools go into the system message (as rollflow's own codec puts
+    # them), not the request's tools=: how a rollflow-trained policy read them
+    tools_in_system_prompt: bool = False
     base_urls: tuple[str, ...] = ()  # backend "vllm": external servers; empty = rollflow starts one
     vllm_python: str | None = None  # the Python that has vLLM; None = .venv-vllm ($ROLLFLOW_VLLM_PYTHON wins)
     vllm_kvcache_space_gib: int = 2  # a managed server's KV cache (its RSS is ~3 GB more)
@@ -100,6 +103,11 @@ class RolloutConfig:
         if self.backend == "openai" and not (self.base_url and self.api_model):
             raise ConfigError(
                 "[rollout].backend = 'openai' needs [rollout].base_url and [rollout].api_model"
+            )
+        if self.tools_in_system_prompt and self.backend != "openai":
+            raise ConfigError(
+                "[rollout].tools_in_system_prompt is for backend = 'openai': the other backends "
+                "always describe the tools in the system prompt"
             )
         at_least(self, "rollout", "vllm_kvcache_space_gib", 1)
         in_range(self, "rollout", "vllm_startup_timeout_s", 0.0, None, low_open=True)

@@ -3,11 +3,16 @@
 ``rollflow chat RUN_DIR`` loads the run's newest checkpoint (``--step N`` for another; the
 base model while the run has none) with the transformers backend, or talks to an
 OpenAI-compatible server with ``--base-url URL --api-model NAME`` (e.g. vLLM serving a
-``rollflow export``). The person types user turns; the policy answers. Commands:
-``/reset`` starts the conversation over, ``/exit`` (or end of input, Ctrl-D) ends it.
+``rollflow export``, whose ``SERVING.md`` prints the line). A server needs no run folder:
+``--env`` names the environment and the sampling settings are the defaults of
+``[rollout]``; a RUN_DIR given beside it supplies both. The person types user turns; the
+policy answers. Commands: ``/reset`` starts the conversation over, ``/exit`` (or end of
+input, Ctrl-D) ends it.
 
 The environment (the run's ``[env]``, or ``--env module:function``; ``--env none`` for a
-bare chat) gives the chat two things:
+bare chat) is made with ``--kwargs`` (a JSON object, as ``rollflow rescore`` takes it), else the run's ``[env].kwargs``
+when it is the run's environment, else none (``chat_env_config``), and gives the chat two
+things:
 
 - its **system messages**: those of its opening messages for the first validation task
   (``start_episode`` / ``reset``), so the policy sees the instructions it was trained on;
@@ -190,6 +195,23 @@ async def chat_loop(policy: Policy, environment: ChatEnvironment, read_line: Rea
 # ---------------------------------------------------------------- the environment
 
 
+def chat_env_config(
+    run_dir: str | Path | None, env: str | None, kwargs: Mapping[str, object] | None
+) -> tuple[str, dict[str, object]]:
+    """(spec, kwargs) of the environment a chat runs: ``env``, else the run's ``[env].name``;
+    ``kwargs``, else the run's ``[env].kwargs`` when the spec is the run's own (as
+    ``rollflow eval --env`` does), else none."""
+    from rollflow.config.parsing import ConfigError
+
+    run_env = _run_config(run_dir).env if run_dir is not None else None
+    spec = env if env is not None else (run_env.name if run_env is not None else None)
+    if spec is None:
+        raise ConfigError("without RUN_DIR, --env names the environment (module:function, or 'none' for a bare chat)")
+    if kwargs is not None:
+        return spec, dict(kwargs)
+    return spec, dict(run_env.kwargs) if run_env is not None and run_env.name == spec else {}
+
+
 def chat_environment(spec: str | None, kwargs: Mapping[str, object] | None = None) -> ChatEnvironment:
     """Instructions and tools of environment ``spec`` (``None`` or ``"none"``: a bare chat)."""
     if spec is None or spec == NO_ENV:
@@ -242,7 +264,7 @@ class ChatPolicy:
 
 
 def chat_policy(
-    run_dir: str | Path,
+    run_dir: str | Path | None,
     step: int | None = None,
     *,
     base_url: str | None = None,
@@ -250,20 +272,20 @@ def chat_policy(
     temperature: float | None = None,
     tools_in_system_prompt: bool = False,
 ) -> ChatPolicy:
-    """The run's policy (a checkpoint, or the base model before the first one), or a server."""
+    """The run's policy (a checkpoint, or the base model before the first one), or a server
+    (sampled with the run's ``[rollout]`` settings, or the defaults without ``run_dir``)."""
     import dataclasses
 
+    from rollflow.config.parsing import ConfigError
+    from rollflow.config.run import RunConfig
     from rollflow.flows.export import find_checkpoint
     from rollflow.policy.sampling import SamplingSettings
     from rollflow.storage.runfolder import RunFolder
-    from rollflow.config.run import load_config
 
-    folder = RunFolder(run_dir)
-    if not folder.config_path.is_file():
-        from rollflow.flows.export import ExportError
-
-        raise ExportError(f"{folder.root} is not a run folder (no config.toml)")
-    config = load_config(folder.config_path, frozen=True)
+    served = base_url is not None or api_model is not None
+    if run_dir is None and not served:
+        raise ConfigError("give RUN_DIR (a run's policy), or --base-url and --api-model (a server)")
+    config = _run_config(run_dir) if run_dir is not None else RunConfig()
     rollout = config.rollout
     settings = SamplingSettings(
         temperature=rollout.temperature, top_p=rollout.top_p, max_completion_tokens=rollout.max_completion_tokens,
@@ -271,10 +293,23 @@ def chat_policy(
     )
     if temperature is not None:
         settings = dataclasses.replace(settings, temperature=temperature)
-    if base_url is not None or api_model is not None:
+    if served:
         return _server_policy(base_url, api_model, settings, tools_in_system_prompt)
+    assert run_dir is not None
+    folder = RunFolder(run_dir)
     checkpoint = find_checkpoint(folder, step) if step is not None or folder.checkpoints() else None
     return _local_policy(config, checkpoint, settings)
+
+
+def _run_config(run_dir: str | Path) -> RunConfig:
+    from rollflow.config.run import load_config
+    from rollflow.flows.export import ExportError
+    from rollflow.storage.runfolder import RunFolder
+
+    folder = RunFolder(run_dir)
+    if not folder.config_path.is_file():
+        raise ExportError(f"{folder.root} is not a run folder (no config.toml)")
+    return load_config(folder.config_path, frozen=True)
 
 
 def _server_policy(

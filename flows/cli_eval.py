@@ -33,6 +33,9 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adapter", help="a LoRA adapter folder on top of the model (e.g. from rollflow sft)")
     parser.add_argument("--base-url", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
     parser.add_argument("--api-model", help="the model name that server expects")
+    parser.add_argument("--tools-in-system-prompt", action="store_true",
+                        help="(server) describe the tools in the system prompt, not with tools=, as a "
+                             "rollflow-trained policy read them (a rollflow export's SERVING.md)")
     parser.add_argument("--tasks", type=int, help="evaluate the first N validation tasks")
     parser.add_argument("--run-dir", help="the run folder (default: <runs_dir>/eval-<config name>-<time>)")
 
@@ -48,7 +51,7 @@ def run_eval(args: argparse.Namespace) -> int:
         # A bad config, model path or environment fails here in one line, before Prefect
         # starts and before a run folder is made (the flow checks again, for pipelines).
         check_eval(args.config, EvalOverrides(args.env, args.model, args.adapter, args.base_url,
-                                              args.api_model, args.tasks))
+                                              args.api_model, args.tasks, args.tools_in_system_prompt))
         from rollflow.flows.eval import describe_policy, eval_flow, eval_report, format_report
         from rollflow.flows.prefect_server import serve_prefect_in_own_session
         from rollflow.config.run import load_config
@@ -58,6 +61,7 @@ def run_eval(args: argparse.Namespace) -> int:
             config_path=args.config, run_dir=args.run_dir, env=args.env, model=args.model,
             adapter=args.adapter, base_url=args.base_url, api_model=args.api_model, num_tasks=args.tasks,
             log_report=False,  # printed below, to stdout
+            tools_in_system_prompt=args.tools_in_system_prompt,
         )
     except _user_errors() as exc:
         raise UserError(str(exc)) from exc

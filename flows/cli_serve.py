@@ -6,10 +6,13 @@ stays fast.
 
 - ``rollflow export RUN_DIR --out DIR [--step N] [--merged]``: a peft adapter folder (or,
   with ``--merged``, a whole model folder) with the tokenizer and chat template; prints
-  what it wrote and the ``vllm serve`` line that serves it (``rollflow.flows.export``).
-- ``rollflow chat RUN_DIR [--step N] [--env SPEC] [--base-url URL --api-model NAME]``:
-  talk to the policy in the terminal, with the environment's tools run when the model
-  calls them (``rollflow.flows.chat``).
+  what it wrote, the line that starts a vLLM server on it and the model name to ask that
+  server for (``rollflow.flows.export``).
+- ``rollflow chat RUN_DIR [--step N] [--env SPEC [--kwargs JSON]]``: talk to the policy
+  in the terminal, with the environment's tools run when the model calls them
+  (``rollflow.flows.chat``). ``rollflow chat --base-url URL --api-model NAME --env SPEC``
+  talks to a server instead, no run folder needed (a RUN_DIR given still names the
+  environment and the sampling settings).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from rollflow.flows.cli import Command, UserError, register
+from rollflow.flows.cli import Command, UserError, json_object_flag, register
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -64,8 +67,8 @@ def _export_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     try:
-        from rollflow.flows.export import export_policy, serve_command
-        from rollflow.flows.export_serving import SERVING_FILE
+        from rollflow.flows.export import export_policy
+        from rollflow.flows.export_serving import SERVED_BASE, SERVING_FILE
 
         result = export_policy(args.run_dir, args.out, step=args.step, merged=args.merged)
     except _user_errors() as exc:
@@ -74,7 +77,9 @@ def run_export(args: argparse.Namespace) -> int:
           f"as {_format_text(result.format)} to {result.out}")
     if result.is_adapter:
         print(f"  base model: {result.base_model}")
-    print(f"  serve: {serve_command(result)}")
+    print(f"  serve: {result.serve}")
+    base = f" (\"{SERVED_BASE}\" is the base model alone, untrained)" if result.is_adapter else ""
+    print(f"  the trained policy is served as model \"{result.served_model}\"{base}")
     guide = Path(result.out) / SERVING_FILE
     if guide.is_file():
         print(f"  trained with tools in its system prompt: {guide} says how to serve it to match")
@@ -95,9 +100,14 @@ register(Command("export", "write a checkpoint as a LoRA adapter or merged model
 
 
 def _chat_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", help="the run folder (its config names the model and environment)")
+    parser.add_argument("run_dir", nargs="?",
+                        help="the run folder (its config names the model and environment); "
+                             "optional with --base-url, where --env names the environment")
     parser.add_argument("--step", type=_step, help="the checkpoint of training step N (default: the newest)")
     parser.add_argument("--env", help="the environment as module:function (default: the run's [env]; 'none': no env)")
+    parser.add_argument("--kwargs", metavar="JSON",
+                        help="the environment's keyword arguments, a JSON object (default: the run's "
+                             "[env].kwargs when --env is the run's environment, else none)")
     parser.add_argument("--base-url", help="an OpenAI-compatible server instead, e.g. http://127.0.0.1:8000/v1")
     parser.add_argument("--api-model", help="the model name that server expects")
     parser.add_argument("--tools-in-system-prompt", action="store_true",
@@ -110,16 +120,12 @@ def run_chat(args: argparse.Namespace) -> int:
     import asyncio
 
     try:
-        from rollflow.flows.chat import chat_environment, chat_loop, chat_policy
-        from rollflow.config.run import load_config
+        from rollflow.flows.chat import chat_env_config, chat_environment, chat_loop, chat_policy
 
         policy = chat_policy(args.run_dir, args.step, base_url=args.base_url, api_model=args.api_model,
                              temperature=args.temperature, tools_in_system_prompt=args.tools_in_system_prompt)
-        if args.env is None:
-            env_config = load_config(f"{args.run_dir}/config.toml").env
-            environment = chat_environment(env_config.name, env_config.kwargs)
-        else:
-            environment = chat_environment(args.env)
+        kwargs = None if args.kwargs is None else json_object_flag(args.kwargs)
+        environment = chat_environment(*chat_env_config(args.run_dir, args.env, kwargs))
     except _user_errors() as exc:
         raise UserError(str(exc)) from exc
     print(f"chatting with {policy.description}")

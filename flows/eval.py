@@ -102,6 +102,7 @@ def eval_flow(
     api_model: str | None = None,
     num_tasks: int | None = None,
     log_report: bool = True,
+    tools_in_system_prompt: bool = False,
 ) -> str:
     """Evaluate one policy on the validation tasks; returns the run folder.
 
@@ -110,7 +111,7 @@ def eval_flow(
     eval`` turns it off and prints the report to stdout instead, once. The other arguments
     are ``EvalOverrides``.
     """
-    overrides = EvalOverrides(env, model, adapter, base_url, api_model, num_tasks)
+    overrides = EvalOverrides(env, model, adapter, base_url, api_model, num_tasks, tools_in_system_prompt)
     config = checked_eval_config(config_path, overrides)  # before the run folder is made
     name = f"eval-{Path(config_path).stem}" if config_path is not None else "eval"
     folder = open_eval_run(config, run_dir, name)

@@ -32,6 +32,7 @@ class EvalOverrides:
     base_url: str | None = None  # an OpenAI-compatible server (with api_model)
     api_model: str | None = None
     num_tasks: int | None = None  # the first N validation tasks
+    tools_in_system_prompt: bool = False  # a server's policy reads the tools in its system prompt
 
 
 def eval_config(config: RunConfig, overrides: EvalOverrides) -> RunConfig:
@@ -48,8 +49,15 @@ def eval_config(config: RunConfig, overrides: EvalOverrides) -> RunConfig:
     if overrides.adapter is not None:
         config = replace(config, model=replace(config.model, adapter=overrides.adapter))
     if overrides.base_url is not None:
-        rollout = replace(config.rollout, backend="openai", base_url=overrides.base_url, api_model=overrides.api_model)
+        # The server replaces the run's own (base_urls, replicas): a run's config evaluates as is
+        rollout = replace(config.rollout, backend="openai", base_url=overrides.base_url,
+                          api_model=overrides.api_model, base_urls=(), num_generator_replicas=1)
         config = replace(config, rollout=rollout)
+    if overrides.tools_in_system_prompt:
+        if config.rollout.backend != "openai":
+            raise ConfigError("--tools-in-system-prompt is for a server (--base-url and --api-model): a local "
+                              "model always reads its tools in the system prompt")
+        config = replace(config, rollout=replace(config.rollout, tools_in_system_prompt=True))
     if overrides.num_tasks is not None:
         config = replace(config, validation=replace(config.validation, num_tasks=overrides.num_tasks))
     return config

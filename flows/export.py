@@ -7,21 +7,22 @@ and writes ``out``:
 - LoRA run, default: a peft adapter folder (``adapter_model.safetensors``,
   ``adapter_config.json``) whose ``base_model_name_or_path`` is the absolute path of the
   base model folder (for a GGUF base, its dequantized safetensors copy in the rollflow
-  cache). vLLM serves it with
-  ``vllm serve BASE --enable-lora --lora-modules NAME=OUT --max-lora-rank R``;
-  peft loads it with ``AutoPeftModelForCausalLM.from_pretrained(OUT)``.
+  cache). vLLM serves it on its base (``--model BASE --enable-lora --lora-modules
+  policy=OUT --max-lora-rank R``); peft loads it with
+  ``AutoPeftModelForCausalLM.from_pretrained(OUT)``.
 - LoRA run, ``merged=True``: the base with the adapter folded in (peft's
   ``merge_and_unload``), a plain Hugging Face folder in safetensors, in the run's dtype:
-  ``vllm serve OUT``.
+  vLLM serves it with ``--model OUT``.
 - Full-weight run: the checkpoint already is a whole model folder, so its weights are
   copied (``merged`` is implied) without the training state (optimizer, RNG, results).
 
 Every export carries the tokenizer files and the chat template (``tokenizer.save_pretrained``
 of the run's tokenizer), ``export.json`` saying which run, step and policy version it
-holds, and, for an environment with tools, what serving needs to match training: the
-system text with the tool descriptions, the tool specs and ``SERVING.md``
-(``flows/export_serving.py``: the policy read its tools in its system message, never
-through the template's ``tools=``).
+holds and the line that starts a vLLM server on it (``ExportResult.serve``: vLLM for CPU,
+the trained policy served as ``policy``), and, for an environment with tools, what
+serving needs to match training: the system text with the tool descriptions, the tool
+specs and ``SERVING.md`` (``flows/export_serving.py``: the policy read its tools in its
+system message, never through the template's ``tools=``).
 
 The folder is written under a hidden temporary name next to ``out`` and renamed into place
 whole; an ``out`` that exists and is not empty is refused, never overwritten.
@@ -35,11 +36,11 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from rollflow.config.run import RunConfig, load_config
-from rollflow.flows.export_serving import write_serving_files
+from rollflow.flows.export_serving import SERVED_POLICY, ServeCommand, serve_command, write_serving_files
 from rollflow.generators.checkpoints import (
     OPTIMIZER_FILE,
     RESULT_FILE,
@@ -51,6 +52,7 @@ from rollflow.generators.checkpoints import (
 )
 from rollflow.generators.models import base_model_ref, policy_model_ref, torch_dtype
 from rollflow.policy.models import load_causal_lm, load_tokenizer
+from rollflow.policy.vllm_spec import VLLMServerError
 from rollflow.storage.filemodes import give_ordinary_modes
 from rollflow.storage.parquet import temporary_path
 from rollflow.storage.runfolder import RunFolder
@@ -73,6 +75,8 @@ class ExportResult:
     format: str  # "adapter" | "merged" | "weights" (a full-weight run's copy)
     base_model: str | None  # the folder an adapter goes on top of; None for whole models
     lora_rank: int | None
+    serve: str = ""  # the shell line that starts a vLLM server on it (export_serving.serve_command)
+    served_model: str = SERVED_POLICY  # the model name a client of that server asks for
 
     @property
     def is_adapter(self) -> bool:
@@ -89,8 +93,10 @@ def export_policy(run_dir: str | Path, out: str | Path, step: int | None = None,
     tmp.mkdir(parents=True)
     try:
         result = _write_export(config, folder, checkpoint, tmp, final, merged)
+        served = served_by(config, result)
+        result = replace(result, serve=served.text(), served_model=served.model)
         (tmp / EXPORT_FILE).write_text(json.dumps(asdict(result), indent=1) + "\n")
-        write_serving_files(config, tmp, serve_command(result))
+        write_serving_files(config, tmp, served, result.run_dir)
         give_ordinary_modes(tmp)  # safetensors writes 0600, and copy2 keeps a mode
         if final.exists():
             final.rmdir()  # empty, checked above
@@ -101,21 +107,15 @@ def export_policy(run_dir: str | Path, out: str | Path, step: int | None = None,
     return result
 
 
-def serve_command(result: ExportResult) -> str:
-    """The ``vllm serve`` line that serves ``result``."""
-    if result.is_adapter:
-        return (f"vllm serve {result.base_model} --enable-lora --lora-modules policy={result.out} "
-                f"--max-lora-rank {vllm_lora_rank(result.lora_rank or 1)}")
-    return f"vllm serve {result.out}"
-
-
-# The values vLLM's --max-lora-rank accepts (vLLM 0.32), smallest first.
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def vllm_lora_rank(rank: int) -> int:
-    """The smallest rank vLLM accepts that holds a LoRA of rank ``rank``."""
-    return next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
+def served_by(config: RunConfig, result: ExportResult) -> ServeCommand:
+    """The vLLM server that serves ``result``: a whole model, or the adapter on its base."""
+    if not result.is_adapter:
+        return serve_command(config, result.out)
+    assert result.base_model is not None, "an adapter export names its base"
+    try:
+        return serve_command(config, result.base_model, adapter_dir=result.out, lora_rank=result.lora_rank)
+    except VLLMServerError as error:  # a rank above vLLM's largest --max-lora-rank
+        raise ExportError(f"{error}: vLLM cannot serve this adapter; export it with --merged") from None
 
 
 def find_checkpoint(folder: RunFolder, step: int | None) -> Checkpoint:

@@ -220,7 +220,8 @@ def openai_generator(config: RunConfig) -> FixedGenerator:
     rollout = config.rollout
     if not rollout.base_url or not rollout.api_model:
         raise ValueError("[rollout] backend = \"openai\" needs base_url and api_model")
-    policy = OpenAIChatPolicy(base_url=rollout.base_url, model=rollout.api_model, settings=sampling_settings(config))
+    policy = OpenAIChatPolicy(base_url=rollout.base_url, model=rollout.api_model, settings=sampling_settings(config),
+                              tools_in_system_prompt=rollout.tools_in_system_prompt)
     return FixedGenerator(policy, "an OpenAI-compatible server ([rollout].backend = 'openai')")
 
 

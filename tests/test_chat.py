@@ -216,6 +216,59 @@ def test_a_server_policy_needs_both_its_url_and_model_name(tmp_path: Path, tiny_
         chat_policy(folder.root, step=0)
 
 
+GAME = "rollflow.envs.tool_use_game:load_environment"
+
+
+def _end_of_input(prompt: str) -> str:
+    raise EOFError
+
+
+def test_a_server_chat_needs_no_run_folder(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The line SERVING.md and the README printed had no RUN_DIR, which argparse required
+    (exit 2). Against a server the environment comes from --env, its kwargs from --kwargs."""
+    monkeypatch.setattr("builtins.input", _end_of_input)  # the chat opens, then the input ends
+    served = ["chat", "--base-url", "http://127.0.0.1:9/v1", "--api-model", "policy"]
+    assert main([*served, "--env", GAME, "--kwargs", '{"worked_example": false}', "--tools-in-system-prompt"]) == 0
+    printed = capsys.readouterr().out
+    assert "chatting with policy at http://127.0.0.1:9/v1" in printed
+    assert f"environment: {GAME}" in printed and "tools: list_fact_keys, lookup, calculator" in printed
+    assert main(served) == 1
+    assert "without RUN_DIR, --env names the environment" in capsys.readouterr().err
+    assert main(["chat"]) == 1
+    assert "give RUN_DIR (a run's policy), or --base-url and --api-model" in capsys.readouterr().err
+    assert main([*served, "--env", GAME, "--kwargs", "[1]"]) == 1
+    assert "--kwargs must be a JSON object" in capsys.readouterr().err
+
+
+def _run_with_env_kwargs(root: Path, kwargs: dict[str, object]) -> Path:
+    from rollflow.config.run import EnvConfig, RunConfig, config_to_toml
+    from rollflow.storage.runfolder import RunFolder
+
+    RunFolder(root).write_config(config_to_toml(RunConfig(env=EnvConfig(GAME, kwargs))))
+    return root
+
+
+def test_the_runs_env_kwargs_go_with_its_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--env SPEC` made SPEC without kwargs, dropping the run's [env].kwargs even when SPEC
+    was the run's own environment; now they go with it, as `rollflow eval --env` keeps them."""
+    from rollflow.flows.chat import chat_env_config
+
+    run = _run_with_env_kwargs(tmp_path / "run", {"worked_example": False})
+    assert chat_env_config(run, None, None) == (GAME, {"worked_example": False})
+    assert chat_env_config(run, GAME, None) == (GAME, {"worked_example": False})
+    assert chat_env_config(run, ARITHMETIC, None) == (ARITHMETIC, {})  # another env: not the run's kwargs
+    assert chat_env_config(run, GAME, {"seed": 1}) == (GAME, {"seed": 1})
+    assert chat_env_config(None, GAME, None) == (GAME, {})
+    # through the command: a kwarg the game does not take reaches it, and it says so
+    monkeypatch.setattr("builtins.input", _end_of_input)
+    wrong = _run_with_env_kwargs(tmp_path / "wrong", {"no_such_setting": 1})
+    served = ["--base-url", "http://127.0.0.1:9/v1", "--api-model", "policy"]
+    assert main(["chat", str(wrong), *served, "--env", GAME]) == 1
+    assert "no_such_setting" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- a real terminal
 
 

@@ -167,7 +167,8 @@ def test_a_full_weight_run_exports_its_weights_without_the_training_state(
     out = tmp_path / "full"
     assert main(["export", str(folder.root), "--out", str(out)]) == 0
     printed = capsys.readouterr()
-    assert f"as a full model to {out}" in printed.out and f"vllm serve {out}" in printed.out
+    assert f"as a full model to {out}" in printed.out
+    assert f"vllm.entrypoints.openai.api_server --model {out} --served-model-name policy" in printed.out
     assert "as with --merged" in printed.err
     assert not (out / OPTIMIZER_FILE).exists() and not (out / "version.json").exists()
     config = load_config(folder.config_path)
@@ -185,6 +186,7 @@ def test_the_cli_prints_the_vllm_line_for_an_adapter(
     printed = capsys.readouterr().out
     assert "exported step 0 (policy version 1) as a LoRA adapter" in printed
     assert f"--enable-lora --lora-modules policy={out} --max-lora-rank 8" in printed  # rank 4: vLLM's next accepted value
+    assert 'served as model "policy" ("base" is the base model alone, untrained)' in printed
 
 
 def test_an_export_carries_the_system_text_that_serves_it_as_it_was_trained(

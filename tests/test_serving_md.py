@@ -1,0 +1,276 @@
+"""An export's serving path as its ``SERVING.md`` writes it (``flows/export_serving.py``): the
+server line runs on this machine's vLLM for CPU, the model name it gives is the trained
+policy's, and the ``rollflow chat`` / ``rollflow eval`` lines it prints parse and work
+against that server (issue 59: F5 of the review, F1, F2 and F5 of the newcomer's trial)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+
+from rollflow.config.run import load_config
+from rollflow.flows.cli import build_parser
+from rollflow.flows.eval_config import EvalOverrides, eval_config
+from rollflow.flows.export import ExportError, export_policy
+from rollflow.policy.vllm_spec import DEFAULT_PYTHON
+from rollflow.storage.runfolder import RunFolder
+from test_export import run_with_checkpoints
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+@dataclass(frozen=True)
+class ShellLine:
+    """One line of a ``sh`` block: its leading ``NAME=value`` assignments and its words."""
+
+    environment: dict[str, str]
+    argv: list[str]
+
+    def flag(self, name: str) -> str:
+        return self.argv[self.argv.index(name) + 1]
+
+
+def shell_lines(guide: str) -> list[ShellLine]:
+    """The command lines of ``guide``'s fenced ``sh`` blocks, split as a shell splits them."""
+    lines = []
+    for block in re.findall(r"```sh\n(.*?)\n```", guide, re.S):
+        words = shlex.split(block)
+        assigned = 0
+        while assigned < len(words) and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[assigned]):
+            assigned += 1
+        environment = dict(word.split("=", 1) for word in words[:assigned])
+        lines.append(ShellLine(environment, words[assigned:]))
+    return lines
+
+
+def guide_lines(guide: str) -> tuple[ShellLine, ShellLine, ShellLine]:
+    """(server, chat, eval) lines of a SERVING.md."""
+    lines = shell_lines(guide)
+    server = [line for line in lines if SERVER_MODULE in line.argv]
+    chat = [line for line in lines if line.argv[:2] == ["rollflow", "chat"]]
+    evaluate = [line for line in lines if line.argv[:2] == ["rollflow", "eval"]]
+    assert len(server) == len(chat) == len(evaluate) == 1, f"SERVING.md's command lines: {lines}\n{guide}"
+    return server[0], chat[0], evaluate[0]
+
+
+@pytest.fixture(scope="module")
+def adapter_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> RunFolder:
+    return run_with_checkpoints(tmp_path_factory.mktemp("serving") / "run", tiny_model_dir, use_lora=True, steps=1)
+
+
+def test_serving_md_of_an_adapter_serves_it_as_policy_on_the_cpu_and_its_lines_parse(
+    adapter_run: RunFolder, tmp_path: Path
+) -> None:
+    """The old guide said `vllm serve BASE ...` (dies in the CPU wheel), MODEL "the export
+    folder by default" (404; the other name served, BASE, is the untrained model), and a
+    chat line without RUN_DIR that argparse refused."""
+    out = tmp_path / "adapter"
+    result = export_policy(adapter_run.root, out)
+    server, chat, evaluate = guide_lines((out / "SERVING.md").read_text())
+    assert server.environment["VLLM_CPU_KVCACHE_SPACE"] == "2" and server.environment["HF_HUB_OFFLINE"] == "1"
+    assert server.argv[1:3] == ["-m", SERVER_MODULE]
+    assert server.flag("--model") == result.base_model and server.flag("--served-model-name") == "base"
+    assert server.flag("--lora-modules") == f"policy={out}" and server.flag("--max-lora-rank") == "8"
+    assert (server.flag("--host"), server.flag("--dtype")) == ("127.0.0.1", "float32")
+    assert result.serve.endswith(shlex.join(server.argv))  # what `rollflow export` prints
+    assert json.loads((out / "export.json").read_text())["served_model"] == "policy"
+
+    config = load_config(adapter_run.config_path)
+    chat_args = build_parser().parse_args(chat.argv[1:])
+    assert chat_args.run_dir is None and chat_args.tools_in_system_prompt
+    assert (chat_args.api_model, chat_args.env) == ("policy", config.env.name)
+    assert chat_args.base_url == f"http://127.0.0.1:{server.flag('--port')}/v1"
+    eval_args = build_parser().parse_args(evaluate.argv[1:])
+    assert (eval_args.api_model, eval_args.base_url) == ("policy", chat_args.base_url)
+    assert eval_args.tools_in_system_prompt and eval_args.config == str(adapter_run.config_path)
+
+
+def test_serving_md_of_a_merged_export_names_the_policy_on_the_command_line(
+    adapter_run: RunFolder, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rollflow.flows.cli import main
+
+    out = tmp_path / "merged"
+    assert main(["export", str(adapter_run.root), "--out", str(out), "--merged"]) == 0
+    printed = capsys.readouterr().out
+    server, chat, _ = guide_lines((out / "SERVING.md").read_text())
+    assert server.flag("--model") == str(out) and server.flag("--served-model-name") == "policy"
+    assert "--enable-lora" not in server.argv and chat.flag("--api-model") == "policy"
+    assert f"  serve: {json.loads((out / 'export.json').read_text())['serve']}\n" in printed
+    assert 'the trained policy is served as model "policy"' in printed
+    if DEFAULT_PYTHON.is_file() and "ROLLFLOW_VLLM_PYTHON" not in os.environ:
+        assert server.argv[0] == str(DEFAULT_PYTHON)  # the project's vLLM, not a `python` to find
+
+
+def test_the_environments_kwargs_travel_in_the_chat_line(adapter_run: RunFolder, tmp_path: Path) -> None:
+    from rollflow.flows.chat import chat_env_config
+    from rollflow.flows.export_serving import client_commands, serve_command
+
+    config = load_config(adapter_run.config_path)
+    config = replace(config, env=replace(config.env, kwargs={"num_tasks": 3}))
+    chat, _ = client_commands(config, serve_command(config, str(tmp_path)), str(adapter_run.root))
+    args = build_parser().parse_args(shlex.split(chat)[1:])
+    assert json.loads(args.kwargs) == {"num_tasks": 3}
+    assert chat_env_config(args.run_dir, args.env, json.loads(args.kwargs)) == (config.env.name, {"num_tasks": 3})
+
+
+def test_a_lora_rank_vllm_cannot_serve_is_refused_with_the_way_out() -> None:
+    """export.py had its own rank table, which wrote `--max-lora-rank 600` for rank 600
+    (vLLM refuses it); the spec's ``lora_rank_limit`` raises, and the export says --merged."""
+    from rollflow.config.run import RunConfig
+    from rollflow.flows.export import ExportResult, served_by
+
+    result = ExportResult(out="/x/out", run_dir="/x/run", step=0, policy_version=1, format="adapter",
+                          base_model="/x/base", lora_rank=600)
+    with pytest.raises(ExportError, match=r"LoRA rank 600 is above vLLM's largest --max-lora-rank 512.*--merged"):
+        served_by(RunConfig(), result)
+    assert served_by(RunConfig(), replace(result, lora_rank=512)).argv[-1] == "512"
+    assert served_by(RunConfig(), replace(result, lora_rank=4)).argv[-1] == "8"
+
+
+# ---------------------------------------------------------------- eval --tools-in-system-prompt
+
+
+def test_eval_sends_the_tools_in_the_system_prompt_when_asked() -> None:
+    """`rollflow eval --base-url` sent the tools as `tools=`, which vLLM refuses (HTTP 400,
+    "auto" tool choice) and which the policy never saw in training; there was no flag."""
+    from rollflow.config.run import RunConfig
+    from rollflow.generators.generator import openai_generator
+    from rollflow.policy.openai_backend import OpenAIChatPolicy
+
+    args = build_parser().parse_args(["eval", "--base-url", "http://127.0.0.1:8000/v1", "--api-model", "policy",
+                                      "--tools-in-system-prompt"])
+    overrides = EvalOverrides(base_url=args.base_url, api_model=args.api_model,
+                              tools_in_system_prompt=args.tools_in_system_prompt)
+    config = eval_config(RunConfig(), overrides)
+    policy = openai_generator(config).policy
+    assert isinstance(policy, OpenAIChatPolicy)
+    spec = {"type": "function", "function": {"name": "add", "description": "adds", "parameters": {"type": "object"}}}
+    body = policy.request_body([{"role": "system", "content": "Play."}, {"role": "user", "content": "hi"}], [spec], 0)
+    assert "tools" not in body and body["messages"][0]["content"].startswith("Play.")
+    assert '"add"' in body["messages"][0]["content"]
+    plain = openai_generator(eval_config(RunConfig(), replace(overrides, tools_in_system_prompt=False))).policy
+    assert isinstance(plain, OpenAIChatPolicy)
+    assert plain.request_body([{"role": "user", "content": "hi"}], [spec], 0)["tools"] == [spec]
+
+
+def test_tools_in_the_system_prompt_without_a_server_is_refused() -> None:
+    from rollflow.config.parsing import ConfigError
+    from rollflow.config.run import RunConfig
+
+    with pytest.raises(ConfigError, match="--tools-in-system-prompt is for a server"):
+        eval_config(RunConfig(), EvalOverrides(tools_in_system_prompt=True))
+
+
+# ---------------------------------------------------------------- the real server
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _with_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    changed = list(argv)
+    changed[changed.index(flag) + 1] = value
+    return changed
+
+
+def _wait_until_healthy(process: subprocess.Popen[bytes], url: str, log: Path, limit_s: float = 600.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"the server exited with {process.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            if httpx.get(url.removesuffix("/v1") + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(2)
+    raise AssertionError(f"the server was not healthy within {limit_s} s:\n{log.read_text()[-4000:]}")
+
+
+def _stop_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the server's whole session (its engine outlives the API process by a
+    second or two), SIGKILL after 30 s; returns once no process of the group is left."""
+    for sent, wait_s in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(process.pid, sent)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            process.poll()  # reap the leader, else the group never empties
+            try:
+                os.killpg(process.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+
+def _episode_errors(run_dir: Path) -> list[str | None]:
+    import duckdb
+
+    pattern = str(run_dir / "validation" / "*" / "episodes" / "*.parquet")
+    return [row[0] for row in duckdb.sql(f"SELECT error FROM read_parquet('{pattern}')").fetchall()]
+
+
+@pytest.mark.slow  # a CPU vLLM server with LoRA, an eval and a chat against it: 2-4 minutes, ~5 GB
+@pytest.mark.skipif(not DEFAULT_PYTHON.is_file(), reason="needs the vLLM Python (make vllm-setup)")
+def test_the_served_export_answers_the_eval_and_chat_lines_of_its_serving_md(
+    adapter_run: RunFolder, tmp_path: Path, own_tmpdir: Path
+) -> None:
+    """The server starts from SERVING.md's own line (only its port changed to a free one: a
+    fixed 8000 would collide on a shared machine), on this machine's vLLM for CPU; the
+    printed eval line scores the policy it serves by the name it gives, every episode
+    played to its end (before: `vllm serve` died of a missing `vllm` distribution, the
+    eval had no --tools-in-system-prompt and every episode failed with HTTP 400), and the
+    printed chat line talks to it without a run folder."""
+    import httpx
+
+    out = tmp_path / "adapter"
+    export_policy(adapter_run.root, out)
+    server, chat, evaluate = guide_lines((out / "SERVING.md").read_text())
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/v1"
+    rollflow = str(Path(sys.executable).with_name("rollflow"))
+    log = tmp_path / "server.log"
+    with log.open("wb") as sink:
+        process = subprocess.Popen(_with_flag(server.argv, "--port", str(port)), env={**os.environ, **server.environment},
+                                   stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    try:
+        _wait_until_healthy(process, url, log)
+        served = {model["id"] for model in httpx.get(f"{url}/models", timeout=30).json()["data"]}
+        assert served == {"policy", "base"} and evaluate.flag("--api-model") == "policy"
+        eval_run = tmp_path / "eval"
+        evaluated = subprocess.run(
+            [rollflow, *_with_flag(evaluate.argv[1:], "--base-url", url), "--run-dir", str(eval_run)],
+            capture_output=True, text=True, timeout=900,
+        )  # fmt: skip
+        assert evaluated.returncode == 0, evaluated.stdout[-3000:] + evaluated.stderr[-3000:]
+        errors = _episode_errors(eval_run)
+        assert errors == [None, None], errors  # configs/tiny.toml: 2 validation tasks, 1 episode each
+        chatted = subprocess.run(
+            [rollflow, *_with_flag(chat.argv[1:], "--base-url", url)],
+            input="What is 2 + 3?\n/exit\n", capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert chatted.returncode == 0, chatted.stdout[-3000:] + chatted.stderr[-3000:]
+        assert f"chatting with policy at {url}" in chatted.stdout
+        assert "assistant> " in chatted.stdout or "  tool call " in chatted.stdout  # the policy answered
+    finally:
+        _stop_group(process)
+    assert "POST /v1/chat/completions HTTP/1.1\" 200" in log.read_text()
