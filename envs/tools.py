@@ -104,6 +104,8 @@ async def _run_one(tools: Mapping[str, Tool], name: str, arguments: str) -> Tool
         return problem
     try:
         result = await tool.execute(arguments)
+    except BrokenToolError:  # the tool itself broke (an MCP server died): the episode's error
+        raise
     except Exception as exc:  # a raising tool is the model's feedback, not our crash
         return f"{name} failed: {type(exc).__name__}: {exc}"
     if not isinstance(result, ToolResult):
