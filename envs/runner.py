@@ -4,9 +4,10 @@ Everything a stage needs to drive an environment comes from here:
 
 - ``load_environment_handle("module:function", kwargs)`` calls the environment's
   ``load_environment(**kwargs)``; an ``EnvironmentMultiTurn`` gives a hook-style handle, an
-  ``AsyncEnvSuite`` an async one. ``handle_from_async`` / ``handle_from_hook`` wrap objects
-  built in Python (the reference's ``train_multi_turn(config, tasks, env_factory,
-  val_tasks)``).
+  ``AsyncEnvSuite`` an async one, an ``AgentEnvironment`` (``rollflow.envs.openai_agent``:
+  a user's own ``openai``-SDK agent) one that plays the agent against a capture endpoint.
+  ``handle_from_async`` / ``handle_from_hook`` wrap objects built in Python (the
+  reference's ``train_multi_turn(config, tasks, env_factory, val_tasks)``).
 - ``handle.tasks(split)`` lists ``TaskItem`` s; ``play_groups`` plays ``group_size``
   episodes of each, all concurrently under one bound; ``handle.score`` scores a group.
 
@@ -40,6 +41,7 @@ from rollflow.envs.episode import EpisodeRollout
 from rollflow.envs.handle import NO_TURN_LIMIT, EnvironmentHandle, EpisodeLimits, TaskItem
 from rollflow.envs.hook_handle import HookEnvironmentHandle
 from rollflow.envs.hooks import EnvironmentMultiTurn
+from rollflow.envs.openai_agent import AgentEnvironment, AgentEnvironmentHandle
 from rollflow.envs.type_names import type_mismatch
 from rollflow.envs.types import Task
 
@@ -84,6 +86,8 @@ def handle_for(loaded: object, where: str = "the environment") -> EnvironmentHan
         return HookEnvironmentHandle(loaded)
     if isinstance(loaded, AsyncEnvSuite):
         return AsyncEnvironmentHandle(loaded)
+    if isinstance(loaded, AgentEnvironment):  # rollflow.envs.openai_agent's, never a user's own
+        return AgentEnvironmentHandle(loaded)
     raise EnvironmentLoadError(f"{where} returned {type_mismatch(loaded, EnvironmentMultiTurn, AsyncEnvSuite)}")
 
 
