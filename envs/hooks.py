@@ -18,7 +18,10 @@ Defaults and our additions:
   ``max_score_concurrency`` at a time (threads; an ``async`` scorer runs in each thread's
   own event loop). The runner calls it once per GRPO group.
 - ``sft_completion`` turns ``example.output`` into target messages: a scalar becomes one
-  assistant message; a message list, or ``{"messages": [...]}``, is the transcript.
+  assistant message; a message list, or ``{"messages": [...]}``, is the transcript. A
+  scalar is the bare answer, without the tool calls that led to it, so ``rollflow sft``
+  says in one line when it trains on such rows (``tasks/sft_rows.py: bare_answer_note``);
+  override it to return the expert's transcript.
 - ``tool_specs(example)`` (default: none) tells the policy which tools to describe.
 - ``examples(split)``: the rows to play. The default reads a ``dataset`` attribute, like
   the reference's ``AgentEnv``: either one list of rows (the loader already chose the

@@ -73,14 +73,20 @@ def run_eval(args: argparse.Namespace) -> int:
 def _sft_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="a run config (TOML) with an [sft] section")
     parser.add_argument("--run-dir", help="the run folder (default: <runs_dir>/sft-<config name>-<time>)")
+    parser.add_argument("--preview", type=int, metavar="N",
+                        help="print the first N rows with their trained tokens marked, then exit without training")
 
 
 def run_sft(args: argparse.Namespace) -> int:
     """Train on the transcripts, then print the losses and how to start GRPO from the result."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     try:
-        from rollflow.flows.sft import describe_sft, sft_flow
+        from rollflow.flows.sft import describe_sft, preview_sft, sft_flow
         from rollflow.config.run import load_config
+
+        if args.preview is not None:
+            sys.stdout.write(preview_sft(args.config, max(args.preview, 1)))
+            return 0
 
         from rollflow.flows.prefect_server import serve_prefect_in_own_session
 

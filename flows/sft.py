@@ -4,6 +4,9 @@ One stage (``tasks/sft.py``) in a run folder of its own: the config is frozen as
 ``config.toml``, the policy lands in ``<run_dir>/sft/policy/`` and MLflow gets ``sft/loss``
 per epoch. Running the flow again on the same folder returns the finished policy.
 
+``preview_sft`` is ``rollflow sft CONFIG --preview N``: the first N rows as the model reads
+them, the trained tokens marked, and nothing trained (no model, no run folder, no Prefect).
+
 What to put in the training config afterwards (``start_from``):
 - LoRA (``[train].use_lora = true``, the default): ``[model].adapter = "<policy folder>"``,
   keeping the same ``[model].path``; GRPO then trains that adapter further.
@@ -23,13 +26,14 @@ from rollflow.flows.concurrency import one_training_at_a_time
 from rollflow.flows.runs import freeze_config
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.runs import mark_run_kind
-from rollflow.tasks.sft import log_sft_metrics, read_sft_result, sft_stage
+from rollflow.tasks.sft import log_sft_metrics, policy_dir, read_sft_result, sft_examples, sft_rows, sft_stage
+from rollflow.tasks.sft_rows import TRAINED_MARKS, bare_answer_note, render_row
 from rollflow.tasks.tracking import finish_tracking, start_tracking
 
 
 @task(name="sft", task_run_name="sft", cache_policy=NO_CACHE, persist_result=False)
-def supervised_finetune(config: RunConfig, run_dir: Path) -> Path:
-    return sft_stage(config, run_dir)
+def supervised_finetune(config: RunConfig, out_policy: Path) -> Path:
+    return sft_stage(config, out_policy)
 
 
 def start_from(config: RunConfig, policy: Path) -> str:
@@ -54,7 +58,7 @@ def sft_flow(config_path: str, run_dir: str | None = None) -> str:
     succeeded = False
     try:
         with one_training_at_a_time(f"sft {root.name}"):
-            policy = supervised_finetune(config, root)
+            policy = supervised_finetune(config, policy_dir(root))
         log_sft_metrics(config, root, read_sft_result(policy))
         succeeded = True
     finally:
@@ -75,3 +79,28 @@ def describe_sft(policy: Path) -> str:
         f"  loss per epoch {losses}  ({result.optimizer_steps} steps, {result.seconds:.1f}s)\n"
         f"to start GRPO from it, put in the training config:\n{start_from(config, policy)}\n"
     )
+
+
+def preview_sft(config_path: str, count: int) -> str:
+    """The first ``count`` SFT rows of ``config_path`` as text, trained tokens marked."""
+    from rollflow.generators.models import base_model_ref
+    from rollflow.policy.codec import ChatCodec
+    from rollflow.policy.models import ModelRef, hf_model_folder, load_tokenizer, stop_token_ids
+
+    config = load_config(config_path)
+    examples = sft_examples(config, count)
+    base = base_model_ref(config)
+    tokenizer = load_tokenizer(ModelRef(path=base.path, gguf_file=base.gguf_file))
+    codec = ChatCodec(tokenizer, stop_token_ids=stop_token_ids(hf_model_folder(base)))  # as the trainer's
+    rows, skipped = sft_rows(config, codec, examples)
+    source = config.sft.transcripts or config.env.name
+    lines = [f"sft rows of {source}: the first {len(examples)}; trained tokens are between "
+             f"{TRAINED_MARKS[0]} and {TRAINED_MARKS[1]}"]
+    for number, row in enumerate(rows, start=1):
+        lines += [f"--- row {number} {row.row_id}: {len(row.input_ids)} tokens, {row.num_trained} trained",
+                  render_row(codec, row)]
+    if skipped:
+        lines.append(f"({skipped} more longer than [rollout].max_model_length = "
+                     f"{config.rollout.max_model_length} tokens: skipped, as training would)")
+    note = bare_answer_note(config.env.name, examples)
+    return "\n".join([*lines, *([note] if note else []), "preview only: nothing was trained"]) + "\n"

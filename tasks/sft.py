@@ -1,14 +1,16 @@
 """SFT stage: a supervised warm-start on expert transcripts, with completion-only loss.
 
-``sft_stage(config, run_dir)`` reads the rows (``tasks/sft_rows.py``: ``start_episode`` +
+``sft_stage(config, out_policy)`` reads the rows (``tasks/sft_rows.py``: ``start_episode`` +
 ``sft_completion`` of the ``[env]`` environment, or the ``[sft].transcripts`` file),
 tokenises them with the policy's chat codec, trains ``[sft].epochs`` passes, and writes
-the policy to ``<run_dir>/sft/policy/``:
+the policy to ``out_policy`` (the flow's is ``<run_dir>/sft/policy/``, ``policy_dir``), as
+the other stages write the paths they are given. Rows from an environment without its own
+``sft_completion`` train on the bare answer; the stage says so in one line first.
 
 - with ``[train].use_lora`` (the default) a peft adapter folder: start GRPO from it with
-  ``[model].adapter = "<run_dir>/sft/policy"`` (and the same ``[model].path``);
+  ``[model].adapter = "<out_policy>"`` (and the same ``[model].path``);
 - with full weights a Hugging Face model folder (weights and tokenizer): start GRPO from
-  it with ``[model].path = "<run_dir>/sft/policy"``.
+  it with ``[model].path = "<out_policy>"``.
 
 ``sft.json`` inside that folder records the rows, tokens, per-epoch losses and timings.
 The folder is written under a temporary name and renamed into place whole, so one that
@@ -46,9 +48,16 @@ from rollflow.policy.codec import ChatCodec
 from rollflow.policy.models import generation_stop_ids
 from rollflow.policy.stopping import raise_if_stop_requested
 from rollflow.storage.filemodes import give_ordinary_modes
-from rollflow.storage.parquet import temporary_path
-from rollflow.storage.runfolder import RunFolder
-from rollflow.tasks.sft_rows import SFTDataError, SFTRow, examples_from_environment, examples_from_file, tokenize_example
+from rollflow.storage.parquet import is_temporary, remove_temporaries, temporary_path
+from rollflow.tasks.sft_rows import (
+    SFTDataError,
+    SFTExample,
+    SFTRow,
+    bare_answer_note,
+    examples_from_environment,
+    examples_from_file,
+    tokenize_example,
+)
 from rollflow.tasks.shared_prefix import first_trained, gradient_checkpointed, pack_by_prefix, plan_prefixes
 from rollflow.tasks.trainer_logprobs import token_logprobs
 
@@ -84,13 +93,21 @@ def read_sft_result(path: Path) -> SFTResult:
 # ---------------------------------------------------------------- rows
 
 
-def sft_rows(config: RunConfig, codec: ChatCodec) -> tuple[list[SFTRow], int]:
-    """The configured rows as tokens, and how many were skipped for being too long."""
-    limit = config.sft.max_rows
+def sft_examples(config: RunConfig, limit: int | None = None) -> list[SFTExample]:
+    """The configured transcripts (the first ``limit`` of at most ``[sft].max_rows``)."""
+    limits = [n for n in (config.sft.max_rows, limit) if n is not None]
+    first = min(limits) if limits else None
     if config.sft.transcripts is not None:
-        examples = examples_from_file(config.sft.transcripts, limit)
-    else:
-        examples = examples_from_environment(config.env.name, config.env.kwargs, limit)
+        return examples_from_file(config.sft.transcripts, first)
+    return examples_from_environment(config.env.name, config.env.kwargs, first)
+
+
+def sft_rows(
+    config: RunConfig, codec: ChatCodec, examples: Sequence[SFTExample] | None = None
+) -> tuple[list[SFTRow], int]:
+    """The configured rows (or ``examples``) as tokens, and how many were skipped for being too long."""
+    if examples is None:
+        examples = sft_examples(config)
     rows = [tokenize_example(codec, example) for example in examples]
     kept = [row for row in rows if len(row.input_ids) <= config.rollout.max_model_length]
     if not kept:
@@ -214,16 +231,21 @@ def sft_update(
 # ---------------------------------------------------------------- the stage
 
 
-def sft_stage(config: RunConfig, run_dir: Path) -> Path:
-    """Train on the SFT rows and write ``<run_dir>/sft/policy``; returns that folder."""
-    final = policy_dir(run_dir)
+def sft_stage(config: RunConfig, out_policy: Path) -> Path:
+    """Train on the SFT rows and write the policy folder ``out_policy``; returns it."""
+    final = Path(out_policy)
     if final.is_dir():
         return final
-    RunFolder(run_dir).discard_temporaries()  # a half-saved policy from a crash
+    final.parent.mkdir(parents=True, exist_ok=True)
+    remove_temporaries([p for p in final.parent.glob(f".{final.name}*") if is_temporary(p)])  # a crash's
     started = time.perf_counter()
+    examples = sft_examples(config)  # a bad environment or file fails before the model loads
+    note = bare_answer_note(config.env.name, examples)
+    if note:
+        print(note, file=sys.stderr, flush=True)
     seed_everything(config.train.seed)
     model, tokenizer = load_policy_for_training(config, None)
-    rows, skipped = sft_rows(config, ChatCodec(tokenizer, stop_token_ids=generation_stop_ids(model)))
+    rows, skipped = sft_rows(config, ChatCodec(tokenizer, stop_token_ids=generation_stop_ids(model)), examples)
     losses, steps = train_epochs(config, model, rows, tokenizer.pad_token_id or 0, started)
     result = SFTResult(
         rows=len(rows), skipped_too_long=skipped, tokens=sum(len(r.input_ids) for r in rows),

@@ -33,6 +33,13 @@ Simplified, and why:
   (the codec's delta runs up to it); targets normally end on the assistant's answer.
 - File rows without ``tools`` render no tool descriptions: give the same ``tools`` the
   environment shows during rollout, or SFT and GRPO see different prompts.
+
+A multi-turn environment that defines no ``sft_completion`` gets the default
+(``envs/hooks.py: messages_from_output``): a scalar ``output`` becomes one assistant message,
+the bare answer with no tool call. That is rarely the expert transcript SFT is for, so such
+rows are marked (``SFTExample.bare_answer``) and ``bare_answer_note`` says so in one line
+(a single-turn environment's reply *is* its answer: not marked). ``render_row`` shows a
+row's text with its trained tokens marked (``rollflow sft CONFIG --preview N``).
 """
 
 from __future__ import annotations
@@ -45,10 +52,11 @@ from pathlib import Path
 from typing import Any, cast
 
 from rollflow.envs.hook_handle import HookEnvironmentHandle
-from rollflow.envs.hooks import call_hook, checked_message, example_prompt_text
+from rollflow.envs.hooks import EnvironmentMultiTurn, call_hook, checked_message, example_prompt_text
 from rollflow.envs.protocol import parse_action, render_tool_calls
 from rollflow.envs.handle import task_id_for
 from rollflow.envs.runner import load_environment_handle
+from rollflow.envs.single_turn import EnvironmentSingleTurn
 from rollflow.envs.types import Message, TaskExample, ToolCall, ToolSpec
 from rollflow.policy.codec import ChatCodec
 
@@ -65,6 +73,7 @@ class SFTExample:
     prompt: tuple[Message, ...]  # masked
     target: tuple[Message, ...]  # trained, every token
     tool_specs: tuple[ToolSpec, ...] = ()
+    bare_answer: bool = False  # the default sft_completion of a scalar output: one assistant message
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,7 @@ def examples_from_environment(spec: str, kwargs: Mapping[str, Any], limit: int |
             "hook-style one; give the transcripts as a file instead ([sft].transcripts)"
         )
     env = handle.env
+    default_hook = _uses_default_sft_completion(env)
     examples: list[SFTExample] = []
     for item in handle.tasks("train")[:limit]:
         example = cast(TaskExample, item.payload)
@@ -103,8 +113,31 @@ def examples_from_environment(spec: str, kwargs: Mapping[str, Any], limit: int |
         prompt = [checked_message(m, f"{where} start_episode message {i}") for i, m in enumerate(opening)]
         target = [checked_message(m, f"{where} sft_completion message {i}")
                   for i, m in enumerate(env.sft_completion(example))]
-        examples.append(_example(item.task_id, prompt, target, tuple(env.tool_specs(example)), where))
+        bare = default_hook and isinstance(example.output, str | int | float | bool)
+        examples.append(_example(item.task_id, prompt, target, tuple(env.tool_specs(example)), where, bare))
     return examples
+
+
+def _uses_default_sft_completion(env: EnvironmentMultiTurn) -> bool:
+    """A multi-turn environment that inherits ``sft_completion`` (a single-turn one's reply is
+    its answer, so the default is its right target)."""
+    inherited = type(env).sft_completion is EnvironmentMultiTurn.sft_completion
+    return inherited and not isinstance(env, EnvironmentSingleTurn)
+
+
+def bare_answer_note(spec: str, examples: Sequence[SFTExample]) -> str | None:
+    """One line when rows train on the bare answer (``SFTExample.bare_answer``); else None."""
+    bare = [example for example in examples if example.bare_answer]
+    if not bare:
+        return None
+    shown = bare[0].target[0]["content"]
+    return (
+        f"sft: {spec} defines no sft_completion, so {len(bare)} of {len(examples)} SFT rows train on "
+        f"the example's output alone as one assistant message (e.g. {shown[:40]!r}), not an expert "
+        "transcript with its tool calls; for those, define sft_completion(example) returning the "
+        "expert's messages, or set [sft].transcripts to a .jsonl of transcripts "
+        "(see the rows first: rollflow sft CONFIG --preview 3)"
+    )
 
 
 def examples_from_file(path: str | Path, limit: int | None = None) -> list[SFTExample]:
@@ -188,7 +221,8 @@ def _file_message(message: Any, where: str) -> Message:
 
 
 def _example(
-    row_id: str, prompt: Sequence[Message], target: Sequence[Message], tools: tuple[ToolSpec, ...], where: str
+    row_id: str, prompt: Sequence[Message], target: Sequence[Message], tools: tuple[ToolSpec, ...], where: str,
+    bare_answer: bool = False,
 ) -> SFTExample:
     if not prompt:
         raise SFTDataError(f"{where}: the prompt is empty; the policy needs something to answer")
@@ -198,7 +232,7 @@ def _example(
             f"{where}: the SFT target must start with an assistant message, got {first}; "
             "opening user/system messages belong in start_episode"
         )
-    return SFTExample(row_id, tuple(prompt), tuple(_as_action(m) for m in target), tools)
+    return SFTExample(row_id, tuple(prompt), tuple(_as_action(m) for m in target), tools, bare_answer)
 
 
 def _as_action(message: Message) -> Message:
@@ -258,3 +292,18 @@ def _stop_after(codec: ChatCodec, rest: str) -> list[int]:
         if text and rest.startswith(text):
             return [stop_id]
     return []
+
+
+TRAINED_MARKS = ("⟦", "⟧")  # around the trained tokens in ``render_row``
+
+
+def render_row(codec: ChatCodec, row: SFTRow) -> str:
+    """The row's text as the model reads it, its trained tokens (mask 1) between ``TRAINED_MARKS``."""
+    parts: list[str] = []
+    start = 0
+    for end in range(1, len(row.input_ids) + 1):
+        if end == len(row.input_ids) or row.loss_mask[end] != row.loss_mask[start]:
+            text = codec.tokenizer.decode(list(row.input_ids[start:end]), skip_special_tokens=False)
+            parts.append(f"{TRAINED_MARKS[0]}{text}{TRAINED_MARKS[1]}" if row.loss_mask[start] else text)
+            start = end
+    return "".join(parts)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -30,6 +31,7 @@ from rollflow.tasks.sft_rows import (
     SFTDataError,
     SFTExample,
     SFTRow,
+    bare_answer_note,
     examples_from_environment,
     examples_from_file,
     tokenize_example,
@@ -178,6 +180,18 @@ def test_a_scalar_output_is_one_assistant_turn(codec: ChatCodec) -> None:
     assert "".join(trained) == "4<|im_end|>"
 
 
+def test_a_target_from_the_default_hook_and_a_bare_output_is_announced() -> None:
+    """The newcomer's F6: an environment without sft_completion trained on its bare answer
+    without a word."""
+    spec = register_environment("sft-scalar-quiz-note", ScalarQuiz())
+    note = bare_answer_note(spec, examples_from_environment(spec, {"key": "sft-scalar-quiz-note"}))
+    assert note is not None and "\n" not in note
+    assert f"{spec} defines no sft_completion" in note and "1 of 1 SFT rows" in note
+    assert "output alone as one assistant message (e.g. '4')" in note
+    assert "[sft].transcripts" in note and "--preview" in note
+    assert bare_answer_note(GAME, examples_from_environment(GAME, GAME_KWARGS)) is None  # its own hook
+
+
 def test_transcript_files_jsonl_and_parquet_give_the_same_rows(tmp_path: Path, codec: ChatCodec) -> None:
     tool: ToolSpec = {"type": "function", "function": {"name": "lookup", "description": "Look up.",
                                                        "parameters": {"type": "object", "properties": {}}}}
@@ -299,13 +313,51 @@ def test_an_epoch_of_many_batches_says_how_far_it_got(
     assert err[-1].startswith("  sft epoch 1/1: loss ")
 
 
+def test_the_stage_writes_where_it_is_told_and_first_says_what_it_trains_on(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = register_environment("sft-scalar-quiz-stage", ScalarQuiz())
+    config = sft_config(tiny_model_dir, tmp_path, use_lora=True, learning_rate=1e-2)
+    config = replace(config, env=replace(config.env, name=spec, kwargs={"key": "sft-scalar-quiz-stage"}),
+                     sft=replace(config.sft, epochs=1))
+    out = tmp_path / "somewhere" / "warm-start"
+    assert sft_stage(config, out) == out and read_sft_result(out).rows == 1
+    assert [p.name for p in out.parent.iterdir()] == ["warm-start"]
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"sft: {spec} defines no sft_completion"), err
+
+
+def test_rollflow_sft_preview_shows_the_rows_trained_tokens_and_trains_nothing(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rollflow.flows.cli import main
+    from rollflow.config.run import config_to_toml
+
+    config = sft_config(tiny_model_dir, tmp_path / "runs", use_lora=True, learning_rate=1e-2)
+    config_path = tmp_path / "sft.toml"
+    config_path.write_text(config_to_toml(config))
+    assert main(["sft", str(config_path), "--preview", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert not (tmp_path / "runs").exists()  # no run folder, no training
+    codec = ChatCodec(load_causal_lm(ModelRef(path=str(tiny_model_dir)))[1])
+    [example] = examples_from_environment(GAME, {**SHORT_GAME})[:1]
+    row = tokenize_example(codec, example)
+    trained = codec.tokenizer.decode([t for t, m in zip(row.input_ids, row.loss_mask, strict=True) if m],
+                                     skip_special_tokens=False)
+    header, body = printed.split("\n", 1)
+    assert "trained tokens are between ⟦ and ⟧" in header
+    marked = "".join(re.findall(r"⟦(.*?)⟧", body, flags=re.S))
+    assert marked == trained and f"row 1 {row.row_id}: {len(row.input_ids)} tokens, {row.num_trained} trained" in printed
+    assert printed.rstrip().endswith("nothing was trained")
+
+
 @pytest.mark.slow  # ~12 s on 2 busy cores
 def test_lora_sft_lowers_the_loss_on_its_rows_and_saves_an_adapter(tiny_model_dir: Path, tmp_path: Path) -> None:
     config = sft_config(tiny_model_dir, tmp_path, use_lora=True, learning_rate=3e-2)
     base, tokenizer = load_causal_lm(ModelRef(path=str(tiny_model_dir)))
     rows, _ = sft_rows(config, ChatCodec(tokenizer))
     before = mean_completion_loss(base, rows, tokenizer.pad_token_id)
-    policy = sft_stage(config, tmp_path / "run")
+    policy = sft_stage(config, tmp_path / "run" / "sft" / "policy")
     assert (policy / "adapter_config.json").is_file() and not (policy / "config.json").exists()
     tuned, _ = load_causal_lm(ModelRef(path=str(tiny_model_dir), adapter=str(policy)))
     after = mean_completion_loss(tuned, rows, tokenizer.pad_token_id)
@@ -315,7 +367,7 @@ def test_lora_sft_lowers_the_loss_on_its_rows_and_saves_an_adapter(tiny_model_di
     assert result.rows == 2 and result.optimizer_steps == 3
     assert list(result.epoch_losses) == sorted(result.epoch_losses, reverse=True)
     assert result.trained_tokens == sum(r.num_trained for r in rows)
-    assert sft_stage(config, tmp_path / "run") == policy  # finished: returned, not retrained
+    assert sft_stage(config, policy) == policy  # finished: returned, not retrained
 
 
 @pytest.mark.slow  # ~12 s on 2 busy cores
@@ -323,7 +375,7 @@ def test_full_weight_sft_is_a_folder_grpo_loads_as_its_model(tiny_model_dir: Pat
     config = sft_config(tiny_model_dir, tmp_path, use_lora=False, learning_rate=1e-2)
     base, tokenizer = load_causal_lm(ModelRef(path=str(tiny_model_dir)))
     rows, _ = sft_rows(config, ChatCodec(tokenizer))
-    policy = sft_stage(config, tmp_path / "run")
+    policy = sft_stage(config, tmp_path / "run" / "sft" / "policy")
     assert (policy / "config.json").is_file() and (policy / "tokenizer.json").is_file()
     modes = {p.name: p.stat().st_mode & 0o777 for p in policy.iterdir() if p.is_file()}
     assert modes == dict.fromkeys(modes, 0o666 & ~current_umask())  # safetensors writes 0600

@@ -200,7 +200,7 @@ def test_sft_on_the_arithmetic_answers_lowers_their_loss(tiny_model_dir: Path, t
     base, tokenizer = load_causal_lm(ModelRef(path=str(tiny_model_dir)))
     rows, _ = sft_rows(config, ChatCodec(tokenizer))
     before = mean_completion_loss(base, rows, tokenizer.pad_token_id)
-    policy = sft_stage(config, tmp_path / "run")
+    policy = sft_stage(config, tmp_path / "run" / "sft" / "policy")
     tuned, _ = load_causal_lm(ModelRef(path=str(tiny_model_dir), adapter=str(policy)))
     after = mean_completion_loss(tuned, rows, tokenizer.pad_token_id)
     assert read_sft_result(policy).rows == 2
