@@ -19,7 +19,7 @@ report names the environment, and the library and dataset or game for the adapte
 
 Command-line overrides (``EvalOverrides``, ``flows/eval_config.py``) are applied to the
 config before the run folder freezes it, so ``config.toml`` says exactly what was
-evaluated, and the result is checked (``tasks.preflight.preflight_eval``) before the run
+evaluated, and the result is checked (``ops.preflight.preflight_eval``) before the run
 folder is made: a missing model or a wrong environment is one line, with no empty folder.
 
 Simplified, and why:

@@ -2,7 +2,7 @@
 
 ``eval_config`` applies the command-line overrides (``EvalOverrides``) to a config before
 the run folder freezes it, so ``config.toml`` says exactly what was evaluated.
-``checked_eval_config`` is that config after ``tasks.preflight.preflight_eval``: model
+``checked_eval_config`` is that config after ``ops.preflight.preflight_eval``: model
 files, the environment and its validation tasks, the first prompt's length. The
 evaluation flow calls it before it makes a run folder (a pipeline's or a deployment's
 evaluation fails in one line, and leaves no empty folder); ``rollflow eval`` calls

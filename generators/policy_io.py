@@ -3,7 +3,7 @@
 Shared by the stages that play episodes (rollout for training and validation, and the
 evaluation flow); not a stage itself. Step ``s`` acts with the newest checkpoint written
 before it (policy version ``s`` in a lockstep run), or the base model at step 0: the
-checkpoint the step's train stage starts from too (``RunFolder.checkpoint_before``).
+checkpoint the step's train stage starts from too (``RunFolder.starting_checkpoint``).
 
 The flow builds the policy a stage acts with: ``acting_policy(config, generator,
 checkpoint)`` asks the flow's generator (a ``Sampler``, ``rollflow.generators.generator``)

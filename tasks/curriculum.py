@@ -4,7 +4,7 @@ failed is drawn less often (``[rollout].curriculum``).
 GRPO learns nothing from a group whose episodes all pass or all fail: its advantages are
 0. A task the policy always solves, or never does, spends a group of episodes a step for
 no gradient. So each training task gets a weight from its ``RECENT_GROUPS`` latest groups
-in the run's own scores (``storage/query.py``'s ``RECENT_TASK_GROUPS_SQL`` over the
+in the run's own scores (``storage/step_metrics.py``'s ``RECENT_TASK_GROUPS_SQL`` over the
 Parquet of the steps before this one)::
 
     weight = max(floor, 1 - uniform / seen)
