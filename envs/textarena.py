@@ -55,6 +55,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import io
+import numbers
 import random
 import sys
 import threading
@@ -239,7 +240,7 @@ class TextArenaEnv(Env):
             return AnnotatedStepResult(terminated=False, truncated=False, messages=list(self._messages))
         rewards, game_info = drawing_from(self._rng, self._core.close)
         info = dict((game_info or {}).get(PLAYER, {}))
-        reward = float((rewards or {}).get(PLAYER, 0.0))
+        reward, reason = _reward_and_reason((rewards or {}).get(PLAYER, 0.0), str(info.get("reason", "")))
         return AnnotatedStepResult(
             terminated=True,
             truncated=False,
@@ -250,8 +251,29 @@ class TextArenaEnv(Env):
                 "invalid_move": float(bool(info.get("invalid_move"))),
                 "turn_count": float(info.get("turn_count", 0) or 0),
             },
-            metadata={"reason": str(info.get("reason", ""))},
+            metadata={"reason": reason},
         )
+
+
+INVALID_MOVE = "Invalid Move: "  # TextArena's prefix of the reason a game lost to bad moves ends with
+
+
+def _reward_and_reason(reward: object, reason: str) -> tuple[float, str]:
+    """Player 0's reward and the game's reason for ending, as ``close()`` gives them.
+
+    Countdown and Cryptarithm (0.7.4) call ``set_invalid_move(progress, message)``, but
+    the library takes ``(reason, reward)``: the message lands in the reward and the
+    progress, as text, in the reason. Those two are put back where the game meant them.
+    """
+    if isinstance(reward, numbers.Real):
+        return float(reward), reason
+    if not isinstance(reward, str):
+        return 0.0, reason  # none given
+    try:
+        progress = float(reason.removeprefix(INVALID_MOVE))
+    except ValueError:
+        progress = 0.0  # no number to fall back on: the loss pays nothing
+    return progress, f"{INVALID_MOVE}{reward}"
 
 
 def load_environment(

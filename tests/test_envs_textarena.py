@@ -102,6 +102,21 @@ def test_an_episode_leaves_the_process_random_alone() -> None:
     assert [first, random.random(), random.random()] == expected
 
 
+@pytest.mark.parametrize("game", ["Countdown-v0", "Cryptarithm-v0"])
+def test_a_game_lost_to_invalid_moves_has_a_number_for_its_reward(game: str) -> None:
+    """These two pass set_invalid_move's arguments swapped (0.7.4): the reason text arrives
+    as the reward, which failed every episode the model lost to bad moves."""
+    handle = load_environment_handle(SPEC, {"game": game, "num_train": 1, "num_validation": 0, "seed": 3})
+    [item] = handle.tasks("train")
+    [[rollout]] = asyncio.run(play_groups(handle, [item], 1, ScriptedPolicy(lambda m, t: "no move"),
+                                          EpisodeLimits(max_turns=6), concurrency=1))
+    assert rollout.error is None and rollout.terminated
+    (score,) = asyncio.run(handle.score(item, [rollout]))
+    assert 0.0 <= score.reward < 1.0 and score.components["invalid_move"] == 1.0
+    reason = rollout.step_metadata[-1]["reason"]
+    assert reason.startswith("Invalid Move: ") and "format" in reason
+
+
 def test_splits_are_disjoint_seeds() -> None:
     handle = load_environment_handle(SPEC, {"game": GAME, "num_train": 5, "num_validation": 3, "seed": 2})
     train = {item.payload.metadata["seed"] for item in handle.tasks("train")}  # type: ignore[union-attr]
