@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import importlib
+import importlib.util
 import inspect
 import json
 import os
@@ -100,6 +101,8 @@ def load_environment(
         raise ValueError(f"agent_timeout_s must be a positive number of seconds, got {agent_timeout_s!r}")
     if system_prompt is not None and not isinstance(system_prompt, str):
         raise TypeError(f"system_prompt must be text, got {type(system_prompt).__name__}")
+    if importlib.util.find_spec("openai") is None:
+        raise ModuleNotFoundError("an agent environment hands its agent an openai client: pip install openai")
     names = {"agent": agent, "tasks": tasks, "reward": reward}
     functions = {role: _resolve(role, spec, arity) for (role, spec), arity in zip(names.items(), (3, 1, 3), strict=True)}
     return AgentEnvironment(

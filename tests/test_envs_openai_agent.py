@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -125,6 +126,7 @@ async def loops_forever(task: dict[str, Any], client: openai.AsyncOpenAI, model:
 
 
 async def hangs(task: dict[str, Any], client: openai.AsyncOpenAI, model: str) -> str:
+    SEEN.setdefault(task["id"], []).append(str(client.base_url))
     await client.chat.completions.create(model=model, messages=opening(task))
     await asyncio.sleep(3600)
     return "never"
@@ -359,6 +361,25 @@ def test_an_agent_that_hangs_is_an_error_not_a_stuck_step(agent: str) -> None:
     assert time.perf_counter() - started < 10
     if agent == "hangs":
         assert "it waits in hangs" in rollout.error
+
+
+def test_a_cancelled_rollout_leaves_no_server_and_no_agent_task() -> None:
+    """What Ctrl-C does to a chunk (asyncio.run cancels its episodes): nothing is left."""
+    handle = agent_handle("hangs")  # no agent_timeout_s: it would wait for the run's 600 s
+
+    async def scenario() -> list[asyncio.Task[Any]]:
+        SEEN.pop("train-0", None)
+        with pytest.raises(TimeoutError):
+            limits = EpisodeLimits()
+            await asyncio.wait_for(play_groups(handle, handle.tasks("train")[:1], 2, ScriptedPolicy(lambda m, t: "hi"), limits, 2), 1.0)
+        await asyncio.sleep(0.5)  # the server's shutdown, by itself (asyncio.run would sweep up the rest)
+        return [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+
+    assert asyncio.run(scenario()) == []
+    base_url = SEEN["train-0"][0]
+    port = int(base_url.rsplit(":", 1)[1].split("/")[0])
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
 
 
 def test_a_call_still_running_when_the_agent_returns_is_an_error() -> None:
