@@ -4,12 +4,15 @@
 - ``not-mcp``: answers every line with text that is not JSON-RPC;
 - ``no-tools``: a FastMCP server with no tools;
 - ``bad-schema``: lists a tool whose input schema is invalid (``"type": "not-a-type"``);
-- ``slow``: a tool ``nap(seconds)`` that sleeps, and ``counter`` that counts its calls (state).
+- ``slow``: a tool ``nap(seconds)`` that sleeps, and ``counter`` that counts its calls (state);
+- ``lingering``: ``slow``, but it takes a minute to exit once its stdin closes (where a
+  well-behaved stdio server exits at once), so only a signal ends it soon.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 
 
 def not_mcp() -> None:
@@ -67,4 +70,6 @@ if __name__ == "__main__":
     kind = sys.argv[1]
     if kind == "fails":
         sys.exit("cannot open the database at /nonexistent/db.sqlite")
-    {"not-mcp": not_mcp, "no-tools": no_tools, "bad-schema": bad_schema, "slow": slow}[kind]()
+    {"not-mcp": not_mcp, "no-tools": no_tools, "bad-schema": bad_schema, "slow": slow, "lingering": slow}[kind]()
+    if kind == "lingering":
+        time.sleep(60)

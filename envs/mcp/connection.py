@@ -40,7 +40,11 @@ from typing import Any, TypeVar
 
 from jsonschema import Draft202012Validator, validators
 from jsonschema.exceptions import SchemaError
-from mcp import ClientSession, McpError, StdioServerParameters, types
+
+try:
+    from mcp import ClientSession, McpError, StdioServerParameters, types
+except ModuleNotFoundError as missing:  # the optional extra
+    raise ModuleNotFoundError(f"rollflow.envs.mcp needs the mcp package ({missing}): pip install 'rollflow[mcp]'") from None
 from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
