@@ -32,11 +32,11 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rollflow.envs.agent import PolicySession
+from rollflow.envs.agent import PolicyAction, PolicySession
 from rollflow.envs.handle import describe_error
 from rollflow.envs.loop import EpisodeTrace
 from rollflow.envs.openai_agent_messages import (
-    IGNORED_PARAMETERS,
+    ChatRequest,
     RequestError,
     parse_request,
     reply_for,
@@ -115,6 +115,7 @@ class AgentEpisode:
             raise RequestError(f"{ENDED}: its call budget of {self.budget} calls is spent (max_calls / max_turns)")
         transcript = [self._raw_reply(m) for m in with_system_text(request.messages, self.system_prompt or "")]
         self.calls += 1
+        self.trace.messages = transcript  # what an error record shows if the policy fails
         self.trace.stage = "PolicySession.act"
         try:
             action = await self.session.act(with_system_text(transcript, request.tools_text))
@@ -122,14 +123,16 @@ class AgentEpisode:
         except Exception as exc:  # the policy failed: the episode's error, the agent is told
             self.error = describe_error(exc, "PolicySession.act")
             return error_answer(500, f"the policy failed: {self.error}")
+        return self._answer(action, transcript, request)
+
+    def _answer(self, action: PolicyAction, transcript: list[Message], request: ChatRequest) -> Answer:
+        """Record a sampled action on the episode and turn it into the agent's reply."""
         self.resets += action.reset
-        if action.reset:
-            self._context_tokens = 0
-        prompt_tokens = self._context_tokens + len(action.prompt_delta_ids)
+        prompt_tokens = (0 if action.reset else self._context_tokens) + len(action.prompt_delta_ids)
         self._context_tokens = prompt_tokens + len(action.token_ids)
         if action.finish_reason == "context":
             self.cut = TruncationCause.CONTEXT_OVERFLOW
-            partial = [{"role": "assistant", "content": action.text}] if action.text else []
+            partial: list[Message] = [{"role": "assistant", "content": action.text}] if action.text else []
             self.trace.messages = [*transcript, *partial]
             raise RequestError(f"{ENDED}: the context budget is spent (max_model_length)", param="messages")
         reply = reply_for(action.text, cut_by_length=action.finish_reason == "length",
@@ -167,9 +170,8 @@ def _completion(message: dict[str, Any], finish: str, prompt_tokens: int, comple
 def _headers(ignored: tuple[str, ...], run_max_tokens: int | None) -> dict[str, str]:
     """What the reply did not take from the request: the run decides sampling."""
     headers = {"x-rollflow-sampling": "the run's settings; request sampling parameters are ignored"}
-    named = [name for name in ignored if name in IGNORED_PARAMETERS] + [n for n in ignored if n not in IGNORED_PARAMETERS]
-    if named:
-        headers["x-rollflow-ignored"] = ",".join(named)
+    if ignored:
+        headers["x-rollflow-ignored"] = ",".join(ignored)
     if run_max_tokens is not None:
         headers["x-rollflow-max-tokens"] = str(run_max_tokens)
     return headers

@@ -11,8 +11,9 @@ module is that translation, as plain functions:
   ``max_completion_tokens`` below the run's budget (a session samples up to the run's
   ``max_completion_tokens``; it takes no per-call cap yet). A larger cap is accepted and
   capped by the run's. Sampling settings (``temperature``, ``top_p``, ``seed``...) are
-  ignored: the run's are used, so the sampler's logprobs stay those of the distribution
-  trained against; the reply's ``x-rollflow-ignored`` header names what was ignored.
+  ignored, as is any parameter the endpoint does not read: the run's settings are used, so
+  the sampler's logprobs stay those of the distribution trained against; the reply's
+  ``x-rollflow-ignored`` header names what was ignored.
 - ``transcript_messages``: the agent's messages as rollflow's ``Message`` dicts (text
   content, structured calls, tool results named after the call they answer, as the native
   environments write them).
@@ -38,13 +39,9 @@ from typing import Any, cast
 from rollflow.envs.protocol import describe_tools, parse_action
 from rollflow.envs.types import Message, ToolCall, ToolSpec
 
-# Parameters the run decides: accepted and ignored (named in the reply's header).
-IGNORED_PARAMETERS = frozenset({
-    "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
-    "logprobs", "top_logprobs", "user", "metadata", "store", "parallel_tool_calls",
-    "service_tier", "reasoning_effort", "stream_options", "prediction", "modalities",
-    "safety_identifier", "prompt_cache_key", "verbosity", "web_search_options",
-})  # fmt: skip
+# The parameters the endpoint reads; any other (temperature, top_p, seed, logprobs, user,
+# parallel_tool_calls, a server's extra_body...) is accepted and ignored, named in the
+# reply's x-rollflow-ignored header: the run decides how to sample.
 KNOWN_PARAMETERS = frozenset({
     "model", "messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens",
     "stream", "n", "stop", "response_format", "functions", "function_call",

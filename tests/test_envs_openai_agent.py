@@ -21,6 +21,7 @@ import pytest
 from rollflow.envs.agent import PolicyAction
 from rollflow.envs.episode import ActionTokens, EpisodeRollout
 from rollflow.envs.handle import EnvironmentHandle, EpisodeLimits
+from rollflow.envs.openai_agent import episode_score
 from rollflow.envs.openai_agent_endpoint import AgentEpisode, SharedEndpoint
 from rollflow.envs.openai_agent_messages import RequestError, parse_request, reply_for, transcript_messages
 from rollflow.envs.loop import EpisodeTrace
@@ -113,8 +114,10 @@ async def asks_what_is_refused(task: dict[str, Any], client: openai.AsyncOpenAI,
     finally:
         await stranger.close()
     models = await client.models.list()
-    answer = await client.chat.completions.create(model=model, messages=opening(task), temperature=0.0, seed=3)
-    SEEN.setdefault(task["id"], []).extend([refused, [m.id for m in models.data], answer])
+    raw = await client.chat.completions.with_raw_response.create(
+        model=model, messages=opening(task), temperature=0.0, seed=3, max_tokens=4096)
+    answer = raw.parse()
+    SEEN.setdefault(task["id"], []).extend([refused, [m.id for m in models.data], answer, dict(raw.headers)])
     return answer.choices[0].message.content or ""
 
 
@@ -327,17 +330,37 @@ def test_an_agent_that_raises_is_its_episodes_error_with_a_traceback() -> None:
     assert rollout.turns == 1  # what it sampled before is still on the record
 
 
+def test_a_failing_policy_is_the_episodes_error_whatever_the_agent_does() -> None:
+    def script(messages: Sequence[Message], turn: int) -> str:
+        raise RuntimeError("the generator died")
+
+    rollout = play_one(agent_handle("two_calls"), ScriptedPolicy(script))
+    assert rollout.error == "RuntimeError: the generator died (in PolicySession.act)"  # not the agent's 500
+    assert rollout.messages == tuple(opening({"question": "How many crates are at depot 0?"}))
+
+
+def test_a_reward_dict_is_a_total_a_threshold_and_components() -> None:
+    score = episode_score({"reward": 0.85, "threshold": 0.8, "correct": 1, "lookups": 0.5}, "r")
+    assert (score.reward, score.threshold, dict(score.components)) == (0.85, 0.8, {"correct": 1.0, "lookups": 0.5})
+    assert episode_score(0.5, "r").reward == 0.5 and episode_score({"score": 1}, "r").reward == 1.0
+    with pytest.raises(ValueError, match="neither"):
+        episode_score({"correct": 1.0}, "r")
+    with pytest.raises(ValueError, match="finite number"):
+        episode_score({"reward": float("nan")}, "r")
+
+
 def test_refused_requests_are_clear_and_the_episode_goes_on() -> None:
     policy = ScriptedPolicy(lambda messages, turn: "fine")
     policy.settings = SamplingSettings(max_completion_tokens=16)  # what a run's policy carries
     rollout = play_one(agent_handle("asks_what_is_refused"), policy)
     assert rollout.error is None and rollout.terminated and rollout.env_metrics["agent_calls"] == 1
-    refused, models, answer = SEEN["train-0"]
+    refused, models, answer, headers = SEEN["train-0"]
     assert [status for status, _ in refused] == [400, 400, 400, 400, 400, 401]
     for (_, message), named in zip(refused, ["stream", "n=2", "tool_choice", "stop", "max_tokens=1"], strict=False):
         assert named in message
     assert "unknown API key" in refused[-1][1] and models == ["rollflow-policy"]
     assert answer.choices[0].message.content == "fine"
+    assert headers["x-rollflow-ignored"] == "seed,temperature" and headers["x-rollflow-max-tokens"] == "16"
 
 
 def test_a_call_past_the_budget_truncates_the_episode() -> None:
