@@ -25,7 +25,7 @@ from rollflow.envs.handle import EpisodeLimits
 from rollflow.envs.mcp import POOL, McpServer, mcp_tools, open_mcp_tools, with_meta
 from rollflow.envs.mcp_tool_use_game.tasks import tasks
 from rollflow.envs.protocol import make_tool_call, render_tool_calls
-from rollflow.envs.runner import load_environment_handle
+from rollflow.envs.runner import EnvironmentLoadError, load_environment_handle
 from rollflow.envs.scripted import ScriptedPolicy
 from rollflow.envs.tools import count_tool_messages, run_tool_calls
 from rollflow.ops.preflight import check_environment
@@ -266,3 +266,20 @@ def test_two_steps_of_rollflow_train_on_an_mcp_server(
     assert rows == [(0, 4, 4, 4), (1, 4, 4, 4)]  # 2 tasks x 2 episodes a step, none an error, all scored
     _, steps = run_query(con, "SELECT count(*) FROM steps")
     assert steps == [(2,)]
+
+
+@pytest.mark.parametrize(
+    ("servers", "words"),
+    [
+        ([{"command": []}], r"servers\[0\]\.command must be a non-empty list of strings"),
+        ([{"command": ["x"], "url": "http://h/mcp"}], "exactly one of command or url"),
+        ([{"url": "ftp://h/mcp"}], "must start with http:// or https://"),
+        ([{"command": ["x"], "timeout": 3}], r"servers\[0\] has unknown keys \['timeout'\]"),
+        ([{"command": ["x"], "max_concurrent_calls": 0}], "max_concurrent_calls must be an integer >= 1"),
+        ([], "servers must be a non-empty list"),
+    ],
+)
+def test_a_bad_server_table_is_refused_before_anything_starts(servers: object, words: str) -> None:
+    with pytest.raises(EnvironmentLoadError, match=words):
+        load_environment_handle(SPEC, {**KWARGS, "servers": servers})
+    assert POOL.pids() == []

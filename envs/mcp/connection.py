@@ -286,13 +286,15 @@ class McpPool:
 
     def close_all(self) -> None:
         """Stop every server this process started (at exit; also for tests)."""
-        if self._loop is None:
-            return
+        if self._loop is not None:
+            self.run(self._close_everything())
+
+    async def _close_everything(self) -> None:
+        """In the pool's loop, which alone changes the connection tables."""
         connections = [*self._shared.values(), *self._own]
         self._shared.clear()
         self._own.clear()
-        if connections:
-            self.run(_close_each(connections))
+        await asyncio.gather(*(connection.close() for connection in connections), return_exceptions=True)
 
     def pids(self) -> list[int]:
         """The pids of the stdio servers open now (tests check they are gone after)."""
@@ -309,10 +311,6 @@ class McpPool:
 
 
 POOL = McpPool()
-
-
-async def _close_each(connections: list[Connection]) -> None:
-    await asyncio.gather(*(connection.close() for connection in connections), return_exceptions=True)
 
 
 async def _all_tools(session: ClientSession) -> list[types.Tool]:

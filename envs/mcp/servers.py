@@ -60,10 +60,9 @@ class McpServer:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise McpConfigError(f"MCP server {self.label}: {key} must be a positive number, got {value!r}")
-        if isinstance(self.max_concurrent_calls, bool) or not isinstance(self.max_concurrent_calls, int) or self.max_concurrent_calls < 1:
-            raise McpConfigError(
-                f"MCP server {self.label}: max_concurrent_calls must be an integer >= 1, got {self.max_concurrent_calls!r}"
-            )
+        bound = self.max_concurrent_calls
+        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 1:
+            raise McpConfigError(f"MCP server {self.label}: max_concurrent_calls must be an integer >= 1, got {bound!r}")
 
     @property
     def label(self) -> str:
@@ -82,11 +81,14 @@ def server_from_config(table: object, where: str = "servers[0]") -> McpServer:
     if isinstance(table, McpServer):
         return table
     if not isinstance(table, Mapping):
-        raise McpConfigError(f"{where} must be a table such as {{ command = [...] }} or {{ url = \"...\" }}, got {table!r:.100}")
+        raise McpConfigError(
+            f"{where} must be a table such as {{ command = [...] }} or {{ url = \"...\" }}, got {table!r:.100}"
+        )
     unknown = sorted(set(table) - set(_KEYS))
     if unknown:
         raise McpConfigError(f"{where} has unknown keys {unknown}; known: {', '.join(_KEYS)}")
-    fields: dict[str, Any] = {key: table[key] for key in ("name", "cwd", "url", *_NUMBERS, "max_concurrent_calls", "keeps_state") if key in table}
+    plain = ("name", "cwd", "url", *_NUMBERS, "max_concurrent_calls", "keeps_state")
+    fields: dict[str, Any] = {key: table[key] for key in plain if key in table}
     command, args = _command(table, where)
     if command is not None:
         fields.update(command=command, args=args)
@@ -116,7 +118,9 @@ def _command(table: Mapping[str, Any], where: str) -> tuple[str | None, tuple[st
         return command, tuple(args)
     if isinstance(command, list | tuple) and command and all(isinstance(part, str) and part for part in command):
         return command[0], (*command[1:], *args)
-    raise McpConfigError(f"{where}.command must be a non-empty list of strings (the program, then its arguments), got {command!r:.100}")
+    raise McpConfigError(
+        f"{where}.command must be a non-empty list of strings (the program, then its arguments), got {command!r:.100}"
+    )
 
 
 def _pairs(table: object, where: str) -> tuple[tuple[str, str], ...]:
