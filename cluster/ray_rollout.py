@@ -56,7 +56,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -97,6 +97,7 @@ class VLLMPolicySpec:
     settings: SamplingSettings
     stop_token_ids: tuple[int, ...]
     tokenizer: ModelRef
+    api_key: str | None = field(default=None, repr=False)  # the servers' (VLLMServerSpec.api_key)
 
     @staticmethod
     def of(config: RunConfig, policy: object) -> VLLMPolicySpec:
@@ -113,7 +114,7 @@ class VLLMPolicySpec:
             base_urls=tuple(policy.base_urls), served_model=policy.served_model, adapter=policy.adapter_name,
             version=policy.version, settings=policy.settings,
             stop_token_ids=tuple(sorted(policy.codec.stop_token_ids)),
-            tokenizer=ModelRef(path=base.path, gguf_file=base.gguf_file),
+            tokenizer=ModelRef(path=base.path, gguf_file=base.gguf_file), api_key=policy.api_key,
         )  # fmt: skip
 
     def policy(self) -> VLLMPolicy:
@@ -121,7 +122,7 @@ class VLLMPolicySpec:
 
         policy = VLLMPolicy(
             self.base_urls, _tokenizer(self.tokenizer), self.settings, served_model=self.served_model,
-            version=self.version, stop_token_ids=self.stop_token_ids,
+            version=self.version, stop_token_ids=self.stop_token_ids, api_key=self.api_key,
         )  # fmt: skip
         policy.adapter_name = self.adapter
         return policy

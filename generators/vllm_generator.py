@@ -44,7 +44,7 @@ from rollflow.policy.sampling import SamplingSettings
 from rollflow.policy.vllm_admin import discover_served_model
 from rollflow.policy.vllm_backend import VLLMPolicy, adapter_name
 from rollflow.policy.vllm_server import VLLMServer
-from rollflow.policy.vllm_spec import VLLMServerSpec, lora_rank_limit
+from rollflow.policy.vllm_spec import VLLMServerSpec, lora_rank_limit, run_api_key
 from rollflow.policy.vllm_weights import merge_adapter, untied_serving_folder
 from rollflow.storage.runfolder import RunFolder
 
@@ -290,6 +290,8 @@ def server_spec(config: RunConfig, *, versions_in_flight: int, cpus: Sequence[in
         kvcache_space_gib=config.rollout.vllm_kvcache_space_gib,
         python=config.rollout.vllm_python,
         cpus=tuple(cpus),
+        api_key=run_api_key() if config.cluster.serves_generators else None,  # on nodes' addresses
+        reloads_in_place=serves_in_place(config),
     )
 
 
@@ -372,7 +374,7 @@ def managed_policy(
     policy = VLLMPolicy(
         [server.base_url for server in servers], tokenizer, settings, served_model=spec.served_model_name,
         stop_token_ids=stop_token_ids(Path(spec.model_dir)),
-        max_lora_rank=spec.max_lora_rank if spec.enable_lora else None,
+        max_lora_rank=spec.max_lora_rank if spec.enable_lora else None, api_key=spec.api_key,
     )  # fmt: skip
     policy.connect(check_logprobs_mode=False)  # our flags: processed logprobs
     return policy

@@ -89,6 +89,7 @@ from rollflow.policy.vllm_admin import (
     adapter_rank,
     admin_post,
     api_root,
+    auth_headers,
     load_lora,
     reset_prefix_cache,
     served_models,
@@ -136,6 +137,7 @@ class VLLMPolicy(TokenPolicy):
         version: int = 0,
         stop_token_ids: Sequence[int] = (),
         max_lora_rank: int | None = None,
+        api_key: str | None = None,
     ) -> None:
         if not base_urls:
             raise VLLMPolicyError("a VLLMPolicy needs at least one base_url")
@@ -146,11 +148,17 @@ class VLLMPolicy(TokenPolicy):
         self.adapter_name: str | None = None
         self._loaded: dict[str, Path] = {}  # adapter name -> folder, on every server (views share it)
         self.max_lora_rank = max_lora_rank  # known for managed servers; None: ask the server
+        self.api_key = api_key  # the managed servers' key (VLLMServerSpec.api_key), sent with every request
         self.stats = VLLMStats()
         # Episodes are dealt to the servers round robin from one count, shared with every
         # pinned view (an async run's groups): each replica gets its share however episodes
         # are grouped. next() on it is atomic, so threads can share it.
         self._sessions_opened = itertools.count()
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """What every request to the servers carries: the key, where they have one."""
+        return auth_headers(self.api_key)
 
     @property
     def request_model(self) -> str:
@@ -171,7 +179,7 @@ class VLLMPolicy(TokenPolicy):
         the server returns processed logprobs (see the module docstring).
         """
         for url in self.base_urls:
-            listed = served_models(url)
+            listed = served_models(url, api_key=self.api_key)
             if self.served_model not in listed:
                 raise VLLMPolicyError(f"{url} does not serve {self.served_model!r}; it serves {sorted(listed)}")
             limit = listed[self.served_model]
@@ -185,7 +193,7 @@ class VLLMPolicy(TokenPolicy):
 
     def _check_processed_logprobs(self, url: str) -> None:
         prompt = self.codec.render_prompt_ids(_PROBE_MESSAGES, ())
-        gaps = [top2_gap(url, self.served_model, prompt, t) for t in (1.0, _PROBE_TEMPERATURE)]
+        gaps = [top2_gap(url, self.served_model, prompt, t, self.auth_headers) for t in (1.0, _PROBE_TEMPERATURE)]
         expected = gaps[0] / _PROBE_TEMPERATURE
         if abs(gaps[1] - expected) > 1e-3 * max(1.0, expected):
             raise VLLMPolicyError(
@@ -225,7 +233,7 @@ class VLLMPolicy(TokenPolicy):
         adapter = Path(adapter_dir).resolve()
         if only is not None:
             for url in only:
-                load_lora(api_root(url), name, adapter)
+                load_lora(api_root(url), name, adapter, api_key=self.api_key)
             return
         if self._loaded.get(name) == adapter:
             return
@@ -237,7 +245,7 @@ class VLLMPolicy(TokenPolicy):
         if name in self._loaded:  # this policy loaded the name from another folder
             self.remove_adapter(name)
         for url in self.base_urls:
-            load_lora(url, name, adapter)
+            load_lora(url, name, adapter, api_key=self.api_key)
         self._loaded[name] = adapter
 
     def held_adapters(self) -> dict[str, Path]:
@@ -255,15 +263,15 @@ class VLLMPolicy(TokenPolicy):
     def remove_adapter(self, name: str) -> None:
         """Unload adapter ``name`` (no request may still name it)."""
         for url in self.base_urls:
-            unload_lora(url, name)
+            unload_lora(url, name, api_key=self.api_key)
         self._loaded.pop(name, None)
 
     def reload_weights(self, model_dir: str | Path, version: int, *, only: Sequence[str] | None = None) -> float:
         """Swap the servers' full weights for ``model_dir``'s in place; returns the seconds taken.
 
         ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}``
-        (vLLM's development endpoints, ``VLLM_SERVER_DEV_MODE=1``; managed servers run with
-        it, on loopback only), then ``POST /reset_prefix_cache``: cached prefixes hold the
+        (vLLM's development endpoints, ``VLLM_SERVER_DEV_MODE=1``; managed servers that
+        reload in place run with it), then ``POST /reset_prefix_cache``: cached prefixes hold the
         old weights' keys and values, and a hit would sample the new policy from them.
         Requests already running finish on whichever weights each forward pass meets: the
         caller pauses new requests first when that matters. ``only``: these servers alone (a
@@ -280,8 +288,9 @@ class VLLMPolicy(TokenPolicy):
         for url in self.base_urls if only is None else tuple(api_root(u) for u in only):
             root = url.removesuffix("/v1")
             body = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
-            admin_post(f"{root}/collective_rpc", body, what=f"reloading weights from {folder}", hint=DEV_HINT)
-            reset_prefix_cache(root)
+            admin_post(f"{root}/collective_rpc", body, what=f"reloading weights from {folder}", hint=DEV_HINT,
+                       api_key=self.api_key)  # fmt: skip
+            reset_prefix_cache(root, api_key=self.api_key)
         self.version = version
         return time.perf_counter() - started
 
@@ -357,5 +366,6 @@ class VLLMSession(TokenSession[VLLMPolicy]):
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self._policy.settings.generation_timeout_s)
+            settings = self._policy.settings
+            self._client = httpx.AsyncClient(timeout=settings.generation_timeout_s, headers=self._policy.auth_headers)
         return self._client

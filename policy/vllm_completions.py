@@ -9,7 +9,7 @@ temperature-scaled distribution it samples from.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,12 +74,14 @@ def parse_completion(url: str, response: httpx.Response, temperature: float) -> 
     return Completion(token_ids, logprobs, finish)
 
 
-def top2_gap(url: str, model: str, prompt: Sequence[int], temperature: float) -> float:
+def top2_gap(
+    url: str, model: str, prompt: Sequence[int], temperature: float, headers: Mapping[str, str] | None = None
+) -> float:
     """The logprob gap between the two likeliest first tokens at ``temperature``."""
     settings = SamplingSettings(temperature=temperature)
     body = completion_body(model, prompt, 1, 0, settings) | {"logprobs": 2}
     try:
-        response = httpx.post(f"{url}/completions", json=body, timeout=ADMIN_TIMEOUT_S)
+        response = httpx.post(f"{url}/completions", json=body, timeout=ADMIN_TIMEOUT_S, headers=headers)
         top = response.json()["choices"][0]["logprobs"]["top_logprobs"][0]
         first, second = sorted((float(v) for v in top.values()), reverse=True)[:2]
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as error:

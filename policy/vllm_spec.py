@@ -53,13 +53,26 @@ the server's RSS is about 3 GB plus this), ``HF_HUB_OFFLINE=1``, with LoRA
 already set, ``VLLM_CPU_OMP_THREADS_BIND`` = the spec's ``cpus``, else every CPU this
 process may use (vLLM's default binds its worker to one core), and the OpenMP variables
 that follow from it.
+
+Who may call it. A server on loopback is this machine's business, as it always was. One
+that listens on another address (a replica on a cluster node, ``host``) must have an
+``api_key`` (refused otherwise): a random key of the run's process (``run_api_key``), in
+``VLLM_API_KEY``, which vLLM reads like ``--api-key`` but which stays out of the command
+line (``ps``, our error messages and vLLM's log of its arguments show that). Every client
+of a managed server sends it (``VLLMPolicy.auth_headers``). vLLM checks it on ``/v1/*``
+only (docs/cluster.md lists what stays open). ``VLLM_SERVER_DEV_MODE=1`` (``/collective_rpc``,
+``/reset_prefix_cache``, ``/sleep``, none of them under the key) is set only where weights
+are reloaded in place (``reloads_in_place``) or the server is on loopback.
 """
 
 from __future__ import annotations
 
+import functools
+import ipaddress
 import os
+import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollflow.policy.vllm_cpu import cpu_list, worker_openmp_environment
@@ -101,8 +114,10 @@ class VLLMServerSpec:
     python: str | None = None  # None: $ROLLFLOW_VLLM_PYTHON, then the repo's .venv-vllm
     cpus: tuple[int, ...] = ()  # the cores its threads are bound to; empty: every core this process may use
     # The address it listens on: loopback, or a cluster node's own address for a replica that
-    # other machines reach (its admin endpoints too: keep such a network closed to others)
+    # other machines reach (then with an api_key; docs/cluster.md says what stays open)
     host: str = "127.0.0.1"
+    api_key: str | None = field(default=None, repr=False)  # required off loopback (run_api_key)
+    reloads_in_place: bool = False  # full weights through /collective_rpc: vLLM's dev endpoints on
 
     def __post_init__(self) -> None:
         if not (Path(self.model_dir) / "config.json").is_file():
@@ -114,6 +129,11 @@ class VLLMServerSpec:
             )
         if self.enable_lora and self.max_lora_rank not in LORA_RANKS:
             raise VLLMServerError(f"max_lora_rank must be one of {LORA_RANKS}; got {self.max_lora_rank}")
+        if not self.api_key and not is_loopback(self.host):
+            raise VLLMServerError(
+                f"a vLLM server that listens on {self.host} (not loopback) needs an api_key: other "
+                "machines reach it (rollflow.policy.vllm_spec.run_api_key)"
+            )
 
     def command(self, python: Path, port: int) -> list[str]:
         args = [
@@ -147,13 +167,35 @@ class VLLMServerSpec:
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
             env.update(worker_openmp_environment(env["VLLM_CPU_OMP_THREADS_BIND"], env))
+        env.pop("VLLM_API_KEY", None)  # the user's, for another server, would lock our clients out
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key  # as --api-key, out of sight (module docstring)
         # /collective_rpc reload_weights and /reset_prefix_cache: full-weight sync in place
-        # (VLLMPolicy.reload_weights). The server listens on loopback unless ``host`` says
-        # otherwise (a replica on a cluster node).
-        env.setdefault("VLLM_SERVER_DEV_MODE", "1")
+        # (VLLMPolicy.reload_weights); on loopback also the benchmark's cache reset. Not
+        # covered by the api key, so not on a node's address without need.
+        env.pop("VLLM_SERVER_DEV_MODE", None)
+        if self.reloads_in_place or is_loopback(self.host):
+            env["VLLM_SERVER_DEV_MODE"] = "1"
         if self.enable_lora:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         return env
+
+
+def is_loopback(host: str) -> bool:
+    """``127.x.y.z``, ``::1`` or ``localhost``: only this machine reaches a server there."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@functools.cache
+def run_api_key() -> str:
+    """A random key, one per rollflow process (a run, or a resume of one, starts its servers
+    afresh): every managed server of the run that other machines reach requires it."""
+    return secrets.token_urlsafe(32)
 
 
 def lora_rank_limit(rank: int) -> int:

@@ -114,10 +114,10 @@ def test_a_replica_actor_binds_its_share_of_its_nodes_cores(tiny_model_dir: Path
 
     monkeypatch.setattr(ray_replicas.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     python = sys.executable  # never started: any Python stands in for vLLM's (make test-fast builds none)
-    spec = VLLMServerSpec(str(tiny_model_dir), python=python)
+    spec = VLLMServerSpec(str(tiny_model_dir), python=python, api_key="k")  # a node's address needs one
     assert ray_replicas.ReplicaHost(spec, None, 1.0, (1, 2)).server.spec.cpus == (1, 3)
     assert ray_replicas.ReplicaHost(spec, None, 1.0).server.spec.cpus == (), "alone on its node: every core"
-    given = VLLMServerSpec(str(tiny_model_dir), cpus=(4, 5, 6, 7), python=python)  # a local cluster's: the split's cores
+    given = VLLMServerSpec(str(tiny_model_dir), cpus=(4, 5, 6, 7), python=python, api_key="k")  # a local cluster's: the split's cores
     assert ray_replicas.ReplicaHost(given, None, 1.0, (0, 2)).server.spec.cpus == (4, 6)
 
 

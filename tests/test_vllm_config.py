@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rollflow.config.parsing import ConfigError
-from rollflow.config.run import config_to_toml, parse_config
+from rollflow.config.run import RunConfig, config_to_toml, parse_config
 from rollflow.flows.runs import open_run
 from rollflow.policy.models import build_tiny_model
 from rollflow.policy.procs import is_alive, read_proc
@@ -263,3 +264,78 @@ def test_a_child_the_launched_server_forks_holds_none_of_its_listening_sockets_a
     assert (int(death), kept) == (int(signal.SIGKILL), "False")
     _, death, kept = (out / "thread").read_text().split()
     assert (int(death), kept) == (0, "False")
+
+
+# ---------------------------------------------------------------- servers other machines reach (review F9)
+
+NODE_ADDRESS = "10.1.2.3"  # a cluster node's own address (ray.util.get_node_ip_address())
+
+
+def _placed_config(model_dir: Path, *, use_lora: bool) -> RunConfig:
+    """Two replicas placed on a local cluster's nodes: actors that serve on their node's address
+    (LoRA versions as adapters, else full weights in place)."""
+    return parse_config({
+        "model": {"path": str(model_dir)},
+        "cluster": {"mode": "local", "num_worker_nodes": 1, "generator_nodes": ["head", "worker-1"]},
+        "rollout": {"backend": "vllm", "num_generator_replicas": 2, "lora_serving": "adapter"},
+        "train": {"use_lora": use_lora},
+    })  # fmt: skip
+
+
+def test_a_server_off_loopback_refuses_to_start_without_a_key_and_gets_it_outside_its_command(
+    tiny_model_dir: Path,
+) -> None:
+    """Before: a replica listened on its node's address with no key at all."""
+    local = VLLMServerSpec(str(tiny_model_dir), enable_lora=True)
+    with pytest.raises(VLLMServerError, match=rf"listens on {NODE_ADDRESS} .*api_key"):
+        dataclasses.replace(local, host=NODE_ADDRESS)
+    key = "k" * 43
+    keyed = dataclasses.replace(local, host=NODE_ADDRESS, api_key=key)
+    assert keyed.environment({})["VLLM_API_KEY"] == key
+    # not on the command line: error messages quote it, `ps` shows it, vLLM logs its arguments
+    assert key not in " ".join(keyed.command(Path("/py"), 1234)) and key not in repr(keyed)
+    # a key in the user's shell would lock rollflow's own clients out of a keyless server
+    assert "VLLM_API_KEY" not in local.environment({"VLLM_API_KEY": "the user's"})
+
+
+def test_dev_endpoints_are_on_only_where_weights_are_reloaded_in_place_or_on_loopback(tiny_model_dir: Path) -> None:
+    """Before: every server ran VLLM_SERVER_DEV_MODE=1 (/collective_rpc, /sleep, ...), a
+    cluster node's too, though only full-weight sync in place uses it."""
+    on_node = VLLMServerSpec(str(tiny_model_dir), enable_lora=True, host=NODE_ADDRESS, api_key="k")
+    assert "VLLM_SERVER_DEV_MODE" not in on_node.environment({"VLLM_SERVER_DEV_MODE": "1"})
+    in_place = dataclasses.replace(on_node, enable_lora=False, reloads_in_place=True)
+    assert in_place.environment({})["VLLM_SERVER_DEV_MODE"] == "1"
+    loopback = VLLMServerSpec(str(tiny_model_dir), enable_lora=True)
+    assert loopback.environment({})["VLLM_SERVER_DEV_MODE"] == "1"  # reachable from this machine only
+
+
+def test_replicas_placed_on_a_cluster_share_one_key_per_run_and_clients_of_them_send_it(tiny_model_dir: Path) -> None:
+    from rollflow.cluster.ray_replicas import ReplicaHost
+    from rollflow.cluster.ray_rollout import VLLMPolicySpec
+    from rollflow.generators.vllm_generator import server_specs
+
+    lora = server_specs(_placed_config(tiny_model_dir, use_lora=True), versions_in_flight=1)
+    full = server_specs(_placed_config(tiny_model_dir, use_lora=False), versions_in_flight=1)
+    keys = {spec.api_key for spec in (*lora, *full)}
+    assert len(keys) == 1 and None not in keys, "one key for the run's servers: equal specs still share a generator"
+    assert [spec.reloads_in_place for spec in (lora[0], full[0])] == [False, True]
+    local = server_specs(parse_config({"model": {"path": str(tiny_model_dir)}, "rollout": {"backend": "vllm"}}),
+                         versions_in_flight=1)  # fmt: skip
+    assert local[0].api_key is None and local[0].host == "127.0.0.1"
+    on_node = ReplicaHost(lora[0], None, 60.0).server.spec  # the actor's server, on its node's address
+    assert on_node.api_key == lora[0].api_key and on_node.environment({})["VLLM_API_KEY"] == on_node.api_key
+    # the driver's policy and the Ray workers' copies of it send the key
+    from rollflow.policy.vllm_backend import VLLMPolicy
+
+    policy = VLLMPolicy([f"http://{NODE_ADDRESS}:8000/v1"], load_tokenizer_of(tiny_model_dir), served_model="policy",
+                        api_key=on_node.api_key)  # fmt: skip
+    assert policy.auth_headers == {"Authorization": f"Bearer {on_node.api_key}"}
+    worker = VLLMPolicySpec.of(_placed_config(tiny_model_dir, use_lora=True), policy).policy()
+    assert worker.auth_headers == policy.auth_headers
+    assert on_node.api_key not in repr(VLLMPolicySpec.of(_placed_config(tiny_model_dir, use_lora=True), policy))
+
+
+def load_tokenizer_of(model_dir: Path):  # noqa: ANN201 - a PreTrainedTokenizerBase
+    from rollflow.policy.models import ModelRef, load_tokenizer
+
+    return load_tokenizer(ModelRef(path=str(model_dir)))

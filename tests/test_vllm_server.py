@@ -355,3 +355,49 @@ def test_a_real_vllm_server_serves_the_untied_copy_of_a_sharded_tied_model(tmp_p
     with torch.no_grad():
         expected_V = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1], dim=-1)
     assert abs(logprobs["token_logprobs"][0] - float(expected_V[token])) < 1e-4
+
+
+# ---------------------------------------------------------------- review F9: a server with a key
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not DEFAULT_PYTHON.is_file(), reason="needs the vLLM Python (make vllm-setup)")
+def test_a_real_server_with_a_key_refuses_callers_without_it_and_rollflows_clients_send_it(
+    tmp_path: Path, own_tmpdir: Path
+) -> None:
+    """A keyed LoRA server (what a replica on a cluster node runs, here on loopback): the
+    generator's policy connects, probes, loads an adapter and samples through the key; a
+    caller without it is refused on /v1. The last lines pin what docs/cluster.md says vLLM
+    0.32's key leaves open."""
+    import httpx
+    from test_vllm_backend import LORA_RANK, _act_all, _adapter
+    from tiny_run import build_vllm_tiny_model
+
+    from rollflow.generators.vllm_generator import managed_policy
+    from rollflow.policy.models import ModelRef, load_tokenizer
+    from rollflow.policy.sampling import SamplingSettings
+    from rollflow.policy.vllm_admin import VLLMPolicyError
+    from rollflow.policy.vllm_backend import VLLMPolicy
+    from rollflow.policy.vllm_spec import run_api_key
+
+    model = build_vllm_tiny_model(tmp_path / "model")
+    adapter = _adapter(model, tmp_path / "adapter", seed=3)
+    tokenizer = load_tokenizer(ModelRef(path=str(model)))
+    spec = VLLMServerSpec(str(model), max_model_len=512, kvcache_space_gib=1, enable_lora=True,
+                          max_lora_rank=LORA_RANK, api_key=run_api_key())  # fmt: skip
+    # the first request compiles the sampler's kernels (a fresh TMPDIR): minutes on a busy machine
+    settings = SamplingSettings(max_model_length=512, max_completion_tokens=8, generation_timeout_s=600.0, seed=7)
+    with VLLMServer(spec, startup_timeout_s=600.0) as server:
+        assert httpx.get(f"{server.base_url}/models", timeout=30).status_code == 401
+        with pytest.raises(VLLMPolicyError, match="HTTP 401"):
+            VLLMPolicy([server.base_url], tokenizer, settings, served_model="policy").connect(check_logprobs_mode=False)
+        policy = managed_policy(server, tokenizer, settings)  # connects with the spec's key
+        policy.load_adapter(adapter, 1, "keyed-v1")  # /v1/load_lora_adapter
+        (action,) = _act_all(policy, [[{"role": "user", "content": "Name a colour."}]])
+        assert action.token_ids and {by.model for by in policy.stats.sampled_by} == {"keyed-v1"}
+        policy.unload_adapter()
+        policy.connect(check_logprobs_mode=True)  # the logprobs probe's completions
+        root = server.base_url.removesuffix("/v1")
+        body = {"model": "policy", "prompt": "Hello", "max_tokens": 2}
+        assert httpx.post(f"{root}/invocations", json=body, timeout=60).status_code == 200  # SageMaker's route
+        assert httpx.post(f"{root}/tokenize", json={"model": "policy", "prompt": "hi"}, timeout=30).status_code == 200
