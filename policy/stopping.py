@@ -8,14 +8,26 @@ only: the rollout, decoding in another thread, went on for another 12-14 s. Rais
 (the rollout decodes in ``asyncio.to_thread``) keeps going, and the interpreter waits for
 such threads before it runs ``atexit``.
 
-So the handler, the same for both signals, also sets a flag that the long loops read: the
-decoding loop checks it every step and between prefill slices (a forward pass runs to its
-end), the trainer before every micro-batch, the HTTP clients before every request. They
-raise ``StopRequested``, a ``BaseException`` like ``KeyboardInterrupt``: the handlers that
-turn failures into data (an episode's ``error``) let it through, so a stopped episode is
-never recorded as a failed one and the stage writes nothing for the work it abandons. The
-run resumes as after any crash (``rollflow resume``). The exit status says which signal it
-was, as a shell does: 143 for SIGTERM, 130 for Ctrl-C.
+So the handler, the same for both signals, says at once on stderr that the process is
+stopping (one line: the work under way may take a moment to unwind) and also sets a flag
+that the long loops read: the decoding loop checks it every step and between prefill slices
+(a forward pass runs to its end), the trainer before every micro-batch and optimizer step,
+the HTTP clients before every request. They raise ``StopRequested``, a ``BaseException``
+like ``KeyboardInterrupt``: the handlers that turn failures into data (an episode's
+``error``) let it through, so a stopped episode is never recorded as a failed one and the
+stage writes nothing for the work it abandons. The run resumes as after any crash
+(``rollflow resume``). The exit status says which signal it was, as a shell does: 143 for
+SIGTERM, 130 for Ctrl-C.
+
+Python runs a signal handler in the main thread between two bytecodes only, so one long
+call into C++ delays it: a backward pass is one such call (35 s of a 45 s one, measured),
+and a stop during the update used to wait for the micro-batch's whole backward.
+``stop_points_in_backward`` gives the backward a Python hook per transformer layer, where
+the handler runs and the flag is read.
+
+The handler is installed whatever the process inherited: a background job of a
+non-interactive shell starts with SIGINT ignored (Python then installs no
+``KeyboardInterrupt``), and a run started so must still stop on it.
 
 A terminal's Ctrl-C reaches every process of the foreground process group; the servers a
 run starts are kept out of it (their own sessions: policy/vllm_server.py,
@@ -24,11 +36,16 @@ flows/prefect_server.py), so they are stopped by the run, in order, not by the k
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import signal
 import threading
-from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
+
+if TYPE_CHECKING:
+    import torch
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -91,8 +108,56 @@ def stops_through(fn: Callable[_P, _R]) -> Callable[_P, _R]:
 
 
 def _stop(signum: int, frame: object) -> None:
+    if not _STOP.is_set():  # a second Ctrl-C unwinds again but says nothing new
+        _say_stopping(signum)
     request_stop(signum)
     raise SystemExit(128 + signum)
+
+
+def _say_stopping(signum: int) -> None:
+    """One line on stderr, at once: the unwinding (a stage's cleanup, the servers' stop) can
+    take seconds, and a run that says nothing looks like one that ignored the signal.
+
+    ``os.write``, not ``print``: the handler may interrupt the main thread inside a write to
+    ``sys.stderr``, whose buffer refuses a reentrant call.
+    """
+    how = _SIGNAL_NAMES.get(signum, f"signal {signum}")
+    line = f"rollflow: stopping on {how}: the work under way is abandoned, nothing more is written\n"
+    try:
+        os.write(2, line.encode())
+    except OSError:  # stderr closed: the stop goes on, unannounced
+        pass
+
+
+@contextlib.contextmanager
+def stop_points_in_backward(model: torch.nn.Module) -> Iterator[None]:
+    """For the body: every transformer layer's output (under autograd) gets a gradient hook
+    that reads the stop flag, so that a stop takes effect within one layer's backward.
+
+    The hook's being Python is the point: the main thread then runs bytecode inside the
+    backward, so a pending signal's handler runs there and its ``SystemExit`` unwinds the
+    backward (autograd re-raises it) rather than waiting for the whole pass. A model with no
+    transformers layer gets the hook on its own output (a stop point per backward).
+    """
+    import torch
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    def check(grad: torch.Tensor) -> None:
+        raise_if_stop_requested()
+
+    def hook_output(module: torch.nn.Module, inputs: object, output: object) -> None:
+        if not isinstance(output, torch.Tensor):  # a layer's (hidden, ...) or a model's output record
+            output = next(iter(output.values() if isinstance(output, Mapping) else output), None)
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(check)
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)] or [model]
+    handles = [layer.register_forward_hook(hook_output) for layer in layers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def exit_on_sigterm() -> None:
@@ -105,7 +170,8 @@ def exit_on_sigterm() -> None:
 
 
 def exit_on_stop_signals() -> None:
-    """``exit_on_sigterm`` for SIGINT too: Ctrl-C stops a run as ``kill`` does (status 130)."""
+    """``exit_on_sigterm`` for SIGINT too: Ctrl-C stops a run as ``kill`` does (status 130),
+    also where SIGINT was inherited ignored (a background job's)."""
     if threading.current_thread() is threading.main_thread():
         for signum in STOP_SIGNALS:
             signal.signal(signum, _stop)

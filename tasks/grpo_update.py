@@ -48,7 +48,7 @@ from transformers import PreTrainedModel
 
 from rollflow.config.run import RunConfig
 from rollflow.policy.loss import BatchTotals, LossSettings, LossStats, grpo_loss
-from rollflow.policy.stopping import raise_if_stop_requested
+from rollflow.policy.stopping import raise_if_stop_requested, stop_points_in_backward
 from rollflow.storage.records import SampleRecord
 from rollflow.tasks.shared_prefix import (
     SharedPrefix,
@@ -257,14 +257,15 @@ def grpo_update(
     if settings.loss.off_policy_correction != "none" and len(minibatches) > 1:
         prox = proximal_logprobs(model, [c for c, _ in minibatches], use_reference, settings)
     losses, grad_norms, stats, num_microbatches = [], [], LossStats(), 0
-    for chunk, totals in minibatches:
-        loss, grad_norm, chunk_stats, count = _optimizer_step(
-            model, ref_logprobs_fn if use_reference else None, optimizer, chunk, totals, settings, prox
-        )
-        losses.append(loss)
-        grad_norms.append(grad_norm)
-        stats = stats + chunk_stats
-        num_microbatches += count
+    with stop_points_in_backward(model):  # a stop lands within a layer's backward, not after the pass
+        for chunk, totals in minibatches:
+            loss, grad_norm, chunk_stats, count = _optimizer_step(
+                model, ref_logprobs_fn if use_reference else None, optimizer, chunk, totals, settings, prox
+            )
+            losses.append(loss)
+            grad_norms.append(grad_norm)
+            stats = stats + chunk_stats
+            num_microbatches += count
     model.eval()
     corrected = settings.loss.off_policy_correction != "none" and stats.action_tokens > 0
     return UpdateStats(
@@ -306,6 +307,7 @@ def proximal_logprobs(
     with torch.no_grad():
         for chunk in chunks:
             for batch in _trained_batches(chunk, keep_all, settings):
+                raise_if_stop_requested()
                 t = _microbatch_tensors(batch, settings.pad_token_id, model.device)
                 wanted_BT = t["loss_mask"][:, 1:] > 0
                 with forward_autocast(model, settings.autocast_dtype):
@@ -351,7 +353,7 @@ def _optimizer_step(
     # on, as with a zero gradient).
     batches = _trained_batches(samples, ref_logprobs_fn is not None, settings)
     for batch in batches:
-        raise_if_stop_requested()  # SIGTERM: abandon the step; nothing of it is written
+        raise_if_stop_requested()  # a stop: abandon the update; nothing of it is written
         t = _microbatch_tensors(batch, settings.pad_token_id, model.device)
         wanted_BT = t["loss_mask"][:, 1:] > 0  # action tokens: the only logprobs the loss reads
         attention = _attention(batch, t, settings)  # None: right padding under causal attention needs no mask
@@ -373,6 +375,7 @@ def _optimizer_step(
         )
         for group in optimizer.param_groups:
             group["lr"] = learning_rate
+    raise_if_stop_requested()  # between optimizer steps too: an update is abandoned whole, never saved part-done
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss_total, float(grad_norm), stats, len(batches)

@@ -6,7 +6,9 @@ that checkpoint (LoRA adapter or full weights) with its optimizer and RNG state,
 version 0 from the base model with a fresh LoRA seeded by ``[train].seed``; applies
 ``[train].objective``'s advantages (``rollflow.tasks.objectives``; the loss and the update do
 not know which objective ran); runs ``grpo_update`` (``tasks/grpo_update.py``, the
-algorithm); commits the checkpoint folder and then ``train.json``.
+algorithm); commits the checkpoint folder and then ``train.json``. A stop (Ctrl-C, SIGTERM)
+before the commit abandons the update whole: no checkpoint, and a resume redoes the step's
+update (``rollflow.policy.stopping``).
 
 The KL reference is always policy version 0, where the run started: with a fresh LoRA the
 same model with the adapter switched off; from a starting adapter (``[model].adapter``, an
@@ -24,6 +26,7 @@ about 0.1 that the ratio's clip absorbs in lockstep (no off-policy correction th
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -45,6 +48,7 @@ from rollflow.generators.checkpoints import (
 )
 from rollflow.generators.models import base_model_ref, load_policy_for_training, torch_device, training_dtype
 from rollflow.policy.procs import fault_point
+from rollflow.policy.stopping import raise_if_stop_requested
 from rollflow.storage.records import TrainResult
 from rollflow.storage.schemas import table_to_sample_records
 from rollflow.storage.stage_outputs import locate_output, read_output
@@ -149,10 +153,13 @@ def train_stage(
     timings["read_s"] = _lap(clock)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     fault_point("train_update")  # tests: a kill in the train stage, the policy loaded, nothing written
+    version = (start.policy_version if start else 0) + 1
+    print(f"  train step {step}: update on {len(records)} samples into policy version {version}",
+          file=sys.stderr, flush=True)  # minutes on a slow day: the log says where the run is
     stats = grpo_update(model, reference, optimizer, records, UpdateSettings.from_config(config, pad_id))
     timings["update_s"] = stats.seconds
-    version = (start.policy_version if start else 0) + 1
     result = _train_result(folder.run_id, step, version, config, stats, timings, node)
+    raise_if_stop_requested()  # a stop that came as the update ended: commit nothing, resume redoes it
     save_checkpoint(folder, model, tokenizer, optimizer, result, config.train.use_lora)
     folder.write_train_result(result)
     if prune:

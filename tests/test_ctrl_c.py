@@ -5,18 +5,28 @@ It must stop the run as ``kill`` (SIGTERM) does: exit status 130, one line on ho
 no traceback, and nothing the run started left running (its Prefect server included, which
 used to get the SIGINT too and die under the engine, leaving it to retry for minutes). The
 time from the signal to the exit is printed, not asserted (`pytest -s` shows it).
+
+A stop during the update (issue 59, item 14) takes effect within seconds, also mid-backward
+and also in a run started as a background job (SIGINT ignored), says so at once, and commits
+no checkpoint for the step.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from kill_matrix import PREFECT_SERVER, RunProcess, _cmdline
+
+STOP_LINE = "rollflow: stopping"  # the handler's line, at once on stderr
 
 
 def _prefect_servers(run: RunProcess) -> list[int]:
@@ -134,3 +144,130 @@ def test_a_stage_error_after_ctrl_c_is_the_stop_not_a_failed_stage(tmp_path: Pat
         assert type(stopped.value.__cause__) is type(failed.value)
     finally:
         clear_stop()
+
+
+# ---------------------------------------------------------------- a stop during the update (issue 59, item 14)
+
+_IGNORING_SIGINT = (  # what a non-interactive shell's background job inherits: SIGINT ignored
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+
+
+def _stop_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith(STOP_LINE)]
+
+
+def _long_backward_update(signum: int) -> None:
+    """The child of the test below: two-thirds of a GRPO update's time is its backward, one
+    C++ call in which Python's signal handler cannot run; ``signum`` arrives early in it."""
+    import threading
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from update_exactness import grouped_samples
+
+    from rollflow.policy.stopping import exit_on_stop_signals
+    from rollflow.tasks.grpo_update import UpdateSettings, grpo_update, make_optimizer
+
+    exit_on_stop_signals()  # as `rollflow train` does, whatever SIGINT's inherited disposition
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=256, num_hidden_layers=12,
+                         num_attention_heads=4, num_key_value_heads=4)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    samples = grouped_samples(config.vocab_size, groups=2, per_group=4, prompt=150)
+    times: dict[str, float] = {}
+
+    def signal_soon() -> None:  # from another thread, as the kernel delivers it: the main one is in backward
+        time.sleep(0.05)
+        times["signal"] = time.monotonic()
+        os.kill(os.getpid(), signum)
+
+    def backward_starts(grad: torch.Tensor) -> None:
+        if "signal" not in times:
+            times["forward"] = time.monotonic() - times["start"]
+            threading.Thread(target=signal_soon, daemon=True).start()
+
+    def on_logits(module: torch.nn.Module, inputs: object, logits: torch.Tensor) -> None:
+        logits.register_hook(backward_starts)  # the first grad the backward computes
+
+    model.lm_head.register_forward_hook(on_logits)
+    times["start"] = time.monotonic()
+    try:
+        grpo_update(model, None, make_optimizer(model, 1e-4), samples, UpdateSettings(max_tokens_per_microbatch=10**6))
+    finally:
+        print(f"forward {times.get('forward', -1):.3f} stop {time.monotonic() - times.get('signal', 0):.3f}", flush=True)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.slow  # ~10 s each
+def test_a_stop_mid_backward_takes_effect_within_a_layer_and_says_so_at_once(signum: int) -> None:
+    """Before: the signal waited for the whole backward (35 s of a 45 s one, measured), and
+    nothing was printed until the run's end. The forward is about a third of the update: the
+    stop must come well within it, a few layers' backward, not the rest of the backward."""
+    tests = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])}
+    child = f"import test_ctrl_c; test_ctrl_c._long_backward_update({int(signum)})"
+    done = subprocess.run([sys.executable, "-c", _IGNORING_SIGINT, "-c", child], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 128 + signum, done.stderr[-3000:]
+    forward_s, stop_s = (float(x) for x in done.stdout.split()[1::2])
+    print(f"\n{signal.Signals(signum).name}: forward {forward_s:.2f} s, stop {stop_s:.2f} s after the signal")
+    assert 0 <= stop_s < forward_s / 2, done.stdout
+    assert len(_stop_lines(done.stderr)) == 1, done.stderr[-3000:]
+
+
+def _long_update_config(tiny_config_path: Path) -> Path:
+    """configs/tiny.toml, one step whose update is many small optimizer steps: 16 episodes,
+    one per micro-batch, one optimizer step each, with a KL reference pass; no validation."""
+    from rollflow.config.run import config_to_toml, load_config
+
+    config = load_config(tiny_config_path)
+    config = replace(
+        config,
+        rollout=replace(config.rollout, batch_size=4, episodes_per_task=4),
+        train=replace(config.train, num_steps=1, max_tokens_per_microbatch=1, minibatches=16, kl_coef=0.1),
+        validation=replace(config.validation, validation_interval=0),
+        tracking=replace(config.tracking, enabled=False),
+    )
+    tiny_config_path.write_text(config_to_toml(config))
+    return tiny_config_path
+
+
+def _stop_in_the_update(run: RunProcess, signum: int) -> tuple[int, float]:
+    """Send ``signum`` to the run alone once its log says the update started; (status,
+    seconds from the signal to the exit)."""
+    run.wait_until(lambda: "train step 0: update on " in run.log.read_text(), "the update")
+    signalled = time.monotonic()
+    os.kill(run.child.pid, signum)
+    status = run.finish()
+    return status, time.monotonic() - signalled
+
+
+@pytest.mark.slow  # ~100 s: a run to its update, a resume to its update, a resume to the end
+def test_a_stop_during_the_update_of_a_background_run_ends_it_in_seconds_and_resume_completes(
+    tiny_config_path: Path, tmp_path: Path, shared_prefect_url: str
+) -> None:
+    """Started as a background job is (SIGINT ignored), stopped in the update by Ctrl-C, its
+    resume by SIGTERM: each exits with the signal's status, says it stops in one line and
+    commits no checkpoint; the next resume trains the step. Before: no line until the end."""
+    config = _long_update_config(tiny_config_path)
+    run_dir = tmp_path / "run"
+    for attempt, signum in enumerate((signal.SIGINT, signal.SIGTERM)):
+        argv = ["train", str(config), "--run-dir", str(run_dir)] if attempt == 0 else ["resume", str(run_dir)]
+        log = tmp_path / f"stderr-{attempt}.txt"
+        command = [sys.executable, "-c", _IGNORING_SIGINT, "-m", "rollflow.flows.cli"]
+        run = RunProcess(argv, log, command=command, prefect_url=shared_prefect_url)
+        status, took = _stop_in_the_update(run, signum)
+        text = log.read_text()
+        print(f"\n{signal.Signals(signum).name} in the update: exit {status} after {took:.1f} s")
+        assert status == 128 + signum, text[-3000:]
+        assert took < 60, text[-3000:]  # seconds (on a loaded machine), not the rest of the update
+        assert len(_stop_lines(text)) == 1, text[-3000:]
+        assert "Traceback" not in text, text[-3000:]
+        assert not (run_dir / "checkpoints" / "step=000000").exists()  # the update is redone on resume
+    run = RunProcess(["resume", str(run_dir)], tmp_path / "stderr-final.txt", prefect_url=shared_prefect_url)
+    assert run.finish() == 0, run.tail()
+    assert (run_dir / "checkpoints" / "step=000000").is_dir()
+    trained = json.loads((run_dir / "steps" / "step=000000" / "train.json").read_text())
+    print(f"the whole update, resumed: {trained['timings']['update_s']:.1f} s")
