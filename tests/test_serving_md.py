@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -159,10 +160,58 @@ def test_eval_sends_the_tools_in_the_system_prompt_when_asked() -> None:
     spec = {"type": "function", "function": {"name": "add", "description": "adds", "parameters": {"type": "object"}}}
     body = policy.request_body([{"role": "system", "content": "Play."}, {"role": "user", "content": "hi"}], [spec], 0)
     assert "tools" not in body and body["messages"][0]["content"].startswith("Play.")
-    assert '"add"' in body["messages"][0]["content"]
+    assert "- add: adds" in body["messages"][0]["content"]
     plain = openai_generator(eval_config(RunConfig(), replace(overrides, tools_in_system_prompt=False))).policy
     assert isinstance(plain, OpenAIChatPolicy)
     assert plain.request_body([{"role": "user", "content": "hi"}], [spec], 0)["tools"] == [spec]
+
+
+REFUSED_TOOLS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+
+
+def _failure(command: Callable[[], int], capsys: pytest.CaptureFixture[str]) -> str:
+    """What a failed ``rollflow`` command said: its one line (exit 1), or the step's error
+    where it escaped as an exception (how `rollflow eval` ended when this test was written)."""
+    from rollflow.tasks.step_health import StepFailedError
+
+    try:
+        assert command() == 1
+    except StepFailedError as failed:
+        return str(failed)
+    return capsys.readouterr().err
+
+
+def test_rollflow_eval_against_a_server_that_refuses_tools_plays_with_the_flag(
+    tmp_path: Path, prefect_harness: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The newcomer's F2 through the command: a server that answers `tools=` as a plain vLLM
+    server does (HTTP 400) failed every episode; with --tools-in-system-prompt the tools
+    travel in the system message and every episode is played."""
+    from json_server import json_server
+
+    bodies: list[dict[str, object]] = []
+
+    def answer(path: str, headers: object, body: dict[str, object]) -> tuple[int, object, float]:
+        bodies.append(body)
+        if "tools" in body:
+            return 400, {"object": "error", "message": REFUSED_TOOLS, "type": "BadRequestError", "code": 400}, 0.0
+        choice = {"index": 0, "message": {"role": "assistant", "content": "17"}, "finish_reason": "stop"}
+        return 200, {"id": "c", "object": "chat.completion", "choices": [choice],
+                     "usage": {"prompt_tokens": 30, "completion_tokens": 2, "total_tokens": 32}}, 0.0  # fmt: skip
+
+    from rollflow.flows.cli import main
+
+    config = tmp_path / "served.toml"
+    config.write_text("[tracking]\nenabled = false\n[validation]\nnum_tasks = 2\n")
+    with json_server(answer) as url:
+        served = ["eval", "--config", str(config), "--base-url", f"{url}/v1", "--api-model", "policy"]
+        assert "HTTP 400" in _failure(lambda: main([*served, "--run-dir", str(tmp_path / "plain")]), capsys)
+        bodies.clear()
+        assert main([*served, "--tools-in-system-prompt", "--run-dir", str(tmp_path / "in-system")]) == 0
+    assert len(bodies) == 2 and not any("tools" in body for body in bodies)
+    system = bodies[0]["messages"][0]  # type: ignore[index]
+    assert system["role"] == "system" and "- lookup: " in system["content"] and "<tool_call>" in system["content"]
+    assert "episodes" in capsys.readouterr().out  # the report
 
 
 def test_tools_in_the_system_prompt_without_a_server_is_refused() -> None:
@@ -248,6 +297,10 @@ def test_the_served_export_answers_the_eval_and_chat_lines_of_its_serving_md(
     port = _free_port()
     url = f"http://127.0.0.1:{port}/v1"
     rollflow = str(Path(sys.executable).with_name("rollflow"))
+    # The eval's Prefect starts a temporary server; on a loaded machine its default 20 s
+    # wait is too short (the Makefile sets this for the suite; the test must not rely on it)
+    client_env = {**os.environ}
+    client_env.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     log = tmp_path / "server.log"
     with log.open("wb") as sink:
         process = subprocess.Popen(_with_flag(server.argv, "--port", str(port)), env={**os.environ, **server.environment},
@@ -259,14 +312,14 @@ def test_the_served_export_answers_the_eval_and_chat_lines_of_its_serving_md(
         eval_run = tmp_path / "eval"
         evaluated = subprocess.run(
             [rollflow, *_with_flag(evaluate.argv[1:], "--base-url", url), "--run-dir", str(eval_run)],
-            capture_output=True, text=True, timeout=900,
+            capture_output=True, text=True, timeout=900, env=client_env,
         )  # fmt: skip
         assert evaluated.returncode == 0, evaluated.stdout[-3000:] + evaluated.stderr[-3000:]
         errors = _episode_errors(eval_run)
         assert errors == [None, None], errors  # configs/tiny.toml: 2 validation tasks, 1 episode each
         chatted = subprocess.run(
             [rollflow, *_with_flag(chat.argv[1:], "--base-url", url)],
-            input="What is 2 + 3?\n/exit\n", capture_output=True, text=True, timeout=300,
+            input="What is 2 + 3?\n/exit\n", capture_output=True, text=True, timeout=300, env=client_env,
         )  # fmt: skip
         assert chatted.returncode == 0, chatted.stdout[-3000:] + chatted.stderr[-3000:]
         assert f"chatting with policy at {url}" in chatted.stdout
