@@ -212,6 +212,7 @@ def test_rollflow_eval_against_a_server_that_refuses_tools_plays_with_the_flag(
     system = bodies[0]["messages"][0]  # type: ignore[index]
     assert system["role"] == "system" and "- lookup: " in system["content"] and "<tool_call>" in system["content"]
     assert "episodes" in capsys.readouterr().out  # the report
+    assert _episode_errors(tmp_path / "in-system") == [None, None]
 
 
 def test_tools_in_the_system_prompt_without_a_server_is_refused() -> None:
