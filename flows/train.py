@@ -102,13 +102,24 @@ def run_training(handle: RunHandle) -> None:
     if handle.next_step() == last:  # trained: at most the last validation is left
         validated = finished_output(handle.folder.step_paths(last, "validation").metrics_json) is not None
         if validation_due(config, last) and not validated:  # else no generator opened
-            with open_generator(config, handle.folder, versions_in_flight=1) as generator:
-                validate(config, handle.root, last, generator, report=handle.report)
+            run_last_validation(handle)
         return
     if config.rollout.max_steps_off_policy is not None:
         run_async_training(handle)
     else:
         run_lockstep_training(handle)
+
+
+def run_last_validation(handle: RunHandle) -> None:
+    """The last validation of a run whose steps are all trained, sampled as its steps' were:
+    on the run's cluster, by the replicas ``[cluster]`` places (not a server of the driver's),
+    its chunks fanned out over the nodes where a lockstep run's are."""
+    config = handle.config
+    lockstep = config.rollout.max_steps_off_policy is None
+    with run_cluster(config) as (fan_out, _), open_generator(
+        config, handle.folder, versions_in_flight=1, host=replica_host(config)
+    ) as generator:
+        validate(config, handle.root, config.train.num_steps, generator, fan_out if lockstep else None, handle.report)
 
 
 def run_lockstep_training(handle: RunHandle) -> None:

@@ -99,6 +99,51 @@ def test_rerunning_a_finished_run_changes_nothing(uninterrupted: Path) -> None:
     assert [s for s, _ in tracker.metric_history("optim/loss")] == [0, 1]
 
 
+def test_a_resume_left_with_only_the_last_validation_opens_the_run_cluster_and_its_replica_placement(
+    uninterrupted: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review F10: before, that pass opened the generator without ``run_cluster`` or
+    ``host=replica_host``: a run whose replicas are placed on cluster nodes started a local
+    server on the driver for it. Spies call the real ones (no cluster here: mode "none")."""
+    import shutil
+    from contextlib import contextmanager
+
+    import rollflow.flows.train as train
+    from rollflow.cluster.ray_replicas import replica_host
+    from rollflow.storage.stage_outputs import finished_output
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(uninterrupted, run_dir)
+    validation = RunFolder(run_dir).step_paths(2, "validation")
+    shutil.rmtree(validation.metrics_json.parent)  # the last validation, all of it
+    opened: list[tuple[str, object]] = []
+    real_cluster, real_generator = train.run_cluster, train.open_generator
+
+    @contextmanager
+    def cluster_spy(config: object):  # noqa: ANN202 - the real one's
+        with real_cluster(config) as cluster:  # type: ignore[arg-type]
+            opened.append(("cluster", config))
+            yield cluster
+        opened.append(("cluster closed", config))
+
+    def generator_spy(config: object, folder: object, **kwargs: object):  # noqa: ANN202 - the real one's
+        opened.append(("generator", kwargs))
+        return real_generator(config, folder, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(train, "run_cluster", cluster_spy)
+    monkeypatch.setattr(train, "open_generator", generator_spy)
+    handle = open_run(None, str(run_dir))
+    try:
+        assert handle.next_step() == 2
+        train.run_training(handle)
+    finally:
+        handle.close()
+    config = handle.config
+    placed = {"versions_in_flight": 1, "host": replica_host(config)}
+    assert opened == [("cluster", config), ("generator", placed), ("cluster closed", config)]
+    assert finished_output(validation.metrics_json) is not None
+
+
 def stage_step(args: tuple) -> int:
     """The step a stage call works on: its ``step`` argument or paths, else its output path's step."""
     steps = [a.step if isinstance(a, StepPaths) else a for a in args
