@@ -10,8 +10,9 @@ each prefix runs once, and the rows' suffixes attend to its keys and values:
    attention needs none). The cache then holds every layer's keys and values (G, kv heads,
    P, head dim) **with their graph**: nothing is detached, since the LoRA (or full) weights
    change the prefix's keys and values and the suffixes' loss must reach them.
-2. **Suffix pass**: each row's tokens after its prefix (B, S), at positions ``L_b + s`` (RoPE
-   sees the true positions), with a cache that holds its prefix's keys and values picked out
+2. **Suffix pass**: each row's tokens after its prefix (B, S), from column 0 (S: the longest
+   suffix, up to the last position any row needs), at positions ``L_b + s`` (RoPE sees the
+   true positions), with a cache that holds its prefix's keys and values picked out
    per row (``index_select``, whose backward sums the rows' gradients back into the prefix)
    and a 4D mask: row b sees its prefix's first ``L_b`` keys (not the padding past them) and
    the suffix causally. The model's own cache update concatenates the suffix's keys after
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -72,7 +73,10 @@ class SharedPrefix:
         return [self.prefix_len_G[g] for g in self.group_B]
 
     def cost(self, lengths_B: Sequence[int]) -> int:
-        """Token positions the two passes run: G x longest prefix + B x longest suffix."""
+        """At most the token positions the two passes run for rows of ``lengths_B``: the
+        prefix pass is (G, longest prefix), the suffix pass (B, S) with S at most the longest
+        suffix ``n_b - L_b`` (``shared_prefix_logits``: each row's suffix starts at column 0).
+        The packer's budget (``max_tokens_per_microbatch``, a memory bound) holds this."""
         suffix = max(n - p for n, p in zip(lengths_B, self.prefix_len_B, strict=True))
         return len(self.prefix_len_G) * max(self.prefix_len_G) + len(lengths_B) * suffix
 
@@ -118,34 +122,57 @@ def pack_by_prefix(
 ) -> list[list[Item]]:
     """Micro-batches that keep each key's items together, within ``max_tokens`` positions.
 
-    A micro-batch's size is ``SharedPrefix.cost`` (the positions both passes run), computed
-    with each group's prefix over all its items: a group split across micro-batches may
-    share a longer prefix within each part, which only shortens the suffixes. Groups go
-    longest suffix first, each group's items longest first, filled greedily; a group larger
-    than the budget is split, an item larger than it gets a micro-batch of its own.
+    A micro-batch's size is ``SharedPrefix.cost`` of the plan its forward will run
+    (``plan_prefixes`` of its own rows: the part of a split group may share a longer opening
+    than the whole group, which lengthens the prefix pass). Groups go longest suffix first,
+    each group's items longest first, filled greedily; a group larger than the budget is
+    split, an item larger than it gets a micro-batch of its own.
     """
     groups: dict[Hashable, list[Item]] = {}
     for item in items:
         groups.setdefault(key(item), []).append(item)
-    prefix = {k: prefix_length([ids(i) for i in g], [first_trained(mask(i)) for i in g]) for k, g in groups.items()}
-    ordered = sorted(groups, key=lambda k: max(len(ids(i)) for i in groups[k]) - prefix[k], reverse=True)
-
-    def cost(rows: Sequence[Item]) -> int:  # SharedPrefix.cost of these rows
-        present = {key(i) for i in rows}
-        suffix = max(len(ids(i)) - prefix[key(i)] for i in rows)
-        return len(present) * max(prefix[k] for k in present) + len(rows) * suffix
-
+    whole = {k: prefix_length([ids(i) for i in g], [first_trained(mask(i)) for i in g]) for k, g in groups.items()}
+    ordered = sorted(groups, key=lambda k: max(len(ids(i)) for i in groups[k]) - whole[k], reverse=True)
     batches: list[list[Item]] = []
-    current: list[Item] = []
+    current: _Packing[Item] = _Packing()
     for k in ordered:
         for item in sorted(groups[k], key=lambda i: len(ids(i)), reverse=True):
-            if current and cost([*current, item]) > max_tokens:
-                batches.append(current)
-                current = []
-            current.append(item)
-    if current:
-        batches.append(current)
+            grown = current.add(item, ids(item), first_trained(mask(item)), k)
+            if current.items and grown.cost() > max_tokens:
+                batches.append(list(current.items))
+                grown = _Packing[Item]().add(item, ids(item), first_trained(mask(item)), k)
+            current = grown
+    if current.items:
+        batches.append(list(current.items))
     return batches
+
+
+@dataclass(frozen=True)
+class _Packing(Generic[Item]):
+    """A micro-batch being packed: its items, their (length, key), and per key its first row
+    and the prefix length ``plan_prefixes`` would give the key's rows so far."""
+
+    items: tuple[Item, ...] = ()
+    rows: tuple[tuple[int, Hashable], ...] = ()
+    prefix: tuple[tuple[Hashable, Sequence[int], int], ...] = ()  # (key, first row, prefix length)
+
+    def add(self, item: Item, row: Sequence[int], first_trained_at: int, k: Hashable) -> _Packing[Item]:
+        """These items and ``item``: ``prefix_length`` of a key's rows, one row at a time."""
+        known = {key: (first, length) for key, first, length in self.prefix}
+        first, length = known.get(k, (row, len(row)))
+        known[k] = (first, max(0, min(length, _common_length(first, row), first_trained_at - 1)))
+        return _Packing((*self.items, item), (*self.rows, (len(row), k)),
+                        tuple((key, first, length) for key, (first, length) in known.items()))  # fmt: skip
+
+    def cost(self) -> int:
+        """``SharedPrefix.cost`` of these items' plan."""
+        length = {key: n for key, _, n in self.prefix}
+        suffix = max(n - length[k] for n, k in self.rows)
+        return len(length) * max(length.values()) + len(self.rows) * suffix
+
+
+def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    return next((t for t, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def gradient_checkpointed(model: PreTrainedModel) -> bool:
@@ -193,6 +220,15 @@ def _suffix_mask(
     raise ValueError(f"the shared-prefix forward needs sdpa or eager attention, not {implementation!r}")
 
 
+def _suffix_width(keep_BT: torch.Tensor, prefix_len_B: torch.Tensor) -> int:
+    """Columns the suffix pass needs: row b's up to its last kept position (causal attention:
+    no later position changes a kept logit), counted from its prefix's end; at least 1."""
+    width = keep_BT.shape[1]
+    last_kept_B = width - 1 - keep_BT.flip(1).int().argmax(1)
+    needed_B = torch.where(keep_BT.any(1), last_kept_B + 1 - prefix_len_B, 0)
+    return max(1, int(needed_B.max()))
+
+
 def shared_prefix_logits(
     model: PreTrainedModel, input_ids_BT: torch.Tensor, plan: SharedPrefix, keep_BT: torch.Tensor
 ) -> torch.Tensor:
@@ -220,10 +256,11 @@ def shared_prefix_logits(
     prefix_mask_GP = (torch.arange(prefix_width, device=device)[None, :] < prefix_len_G[:, None]).long()
     model(input_ids=prefix_ids_GP, attention_mask=prefix_mask_GP if plan.padding_mask else None, use_cache=True,
           logits_to_keep=torch.zeros_like(prefix_ids_GP, dtype=torch.bool), **{keyword: prefix_cache})
-    # 2. the suffixes at their true positions, attending to their prefix's keys and values
-    suffix_width = width - int(prefix_len_B.min())
+    # 2. the suffixes at their true positions, attending to their prefix's keys and values;
+    # each starts at column 0, so the pass is as wide as the longest suffix a kept position needs
+    suffix_width = _suffix_width(keep_BT, prefix_len_B)
     position_BS = prefix_len_B[:, None] + torch.arange(suffix_width, device=device)[None, :]  # (B, S)
-    inside_BS = position_BS < width  # a row with a longer prefix ends its suffix earlier
+    inside_BS = position_BS < width  # a row with a longer prefix can run past the padded width
     clamped_BS = position_BS.clamp(max=width - 1)
     suffix_ids_BS = input_ids_BT.gather(1, clamped_BS)  # past the row's end: never kept, never read
     keep_BS = keep_BT.gather(1, clamped_BS) & inside_BS

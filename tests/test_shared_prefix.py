@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import random
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from update_exactness import (
 )
 
 from rollflow.policy.loss import LossSettings
+from rollflow.storage.records import SampleRecord
 from rollflow.tasks.grpo_update import UpdateSettings, _microbatch_tensors, grpo_update
 from rollflow.tasks.trainer_logprobs import token_logprobs
 from rollflow.tasks.sft import completion_nll, pack_rows, sft_update
@@ -69,6 +71,74 @@ def test_packing_keeps_a_group_together_within_the_budget() -> None:
             assert len(batches) == 1
         if budget == 300:
             assert all(n == 1 for n in parts.values()), parts
+
+
+def _opening_and_tail(group: str, opening: list[int], tail: int, rng: random.Random) -> SampleRecord:
+    """A row of ``group``: its ``opening`` (context), then ``tail`` trained tokens."""
+    ids = opening + [rng.randrange(3, 100) for _ in range(tail)]
+    mask = [0] * len(opening) + [1] * tail
+    return SampleRecord(
+        run_id="run", step=0, sample_id=f"{group}{len(ids)}#{rng.random()}", episode_id=group, group_id=group,
+        input_ids=tuple(ids), loss_mask=tuple(mask), advantages=tuple(float(m) for m in mask),
+        sampler_logprobs=tuple(-4.6 * m for m in mask),
+    )
+
+
+def _prefixes_of_different_lengths() -> list[SampleRecord]:
+    """The review's layout (2026-12-07, F4): group a opens with 5 tokens (rows of 20 and 12),
+    group b with 60 (rows of 70 and 120)."""
+    rng = random.Random(1)
+    a, b = [rng.randrange(3, 100) for _ in range(5)], [rng.randrange(3, 100) for _ in range(60)]
+    return [_opening_and_tail("a", a, 15, rng), _opening_and_tail("a", a, 7, rng),
+            _opening_and_tail("b", b, 10, rng), _opening_and_tail("b", b, 60, rng)]  # fmt: skip
+
+
+def _positions_run(model: torch.nn.Module, samples: list[SampleRecord]) -> int:
+    """Token positions the shared-prefix forward of ``samples`` runs: its passes' inputs."""
+    t = _microbatch_tensors(samples, pad_token_id=2, device=model.device)
+    keep_BT = torch.zeros_like(t["input_ids"], dtype=torch.bool)
+    keep_BT[:, :-1] = t["loss_mask"][:, 1:] > 0
+    shapes: list[tuple[int, ...]] = []
+    embed = model.get_base_model().model.embed_tokens
+    hook = embed.register_forward_hook(lambda m, i, o: shapes.append(tuple(i[0].shape)))
+    try:
+        with torch.no_grad():
+            shared_prefix_logits(model, t["input_ids"], _plan(samples), keep_BT)
+    finally:
+        hook.remove()
+    return sum(rows * width for rows, width in shapes)
+
+
+def test_a_micro_batch_runs_no_more_positions_than_the_budget(tiny_model_dir: Path) -> None:
+    """``max_tokens_per_microbatch`` is a memory bound. Before: groups whose prefixes differ
+    in length were packed as G x P + B x longest suffix (362 under a budget of 400) and the
+    suffix pass ran B x (T - shortest prefix), 582 positions."""
+    model = tiny_policy(tiny_model_dir, use_lora=True)
+    samples = _prefixes_of_different_lengths()
+    for budget in (400, 250, 150):
+        batches = pack_by_prefix(samples, lambda s: s.input_ids, lambda s: s.loss_mask, lambda s: s.group_id, budget)
+        assert sorted(s.sample_id for b in batches for s in b) == sorted(s.sample_id for s in samples)
+        for batch in batches:
+            cost = _plan(batch).cost([len(s.input_ids) for s in batch])
+            assert _positions_run(model, batch) <= cost, (budget, [len(s.input_ids) for s in batch])
+            assert len(batch) == 1 or cost <= budget, (budget, [len(s.input_ids) for s in batch])
+
+
+def test_the_packers_cost_is_the_plans_even_for_a_group_split_in_parts() -> None:
+    """A part of a split group can share a longer opening than the whole group does (a
+    longer prefix pass): the packer costs each micro-batch as its own plan will run it."""
+    rng = random.Random(0)
+    for _ in range(30):
+        samples = []
+        for g in range(rng.randint(2, 4)):
+            opening = [rng.randrange(3, 100) for _ in range(rng.randint(0, 40))]
+            for _ in range(rng.randint(1, 4)):  # rows that share more than the group's opening
+                longer = opening + [rng.randrange(3, 6) for _ in range(rng.randint(0, 30))]
+                samples.append(_opening_and_tail(f"g{g}", longer, rng.randint(1, 40), rng))
+        budget = rng.randint(60, 400)
+        for batch in pack_by_prefix(samples, lambda s: s.input_ids, lambda s: s.loss_mask, lambda s: s.group_id, budget):
+            cost = _plan(batch).cost([len(s.input_ids) for s in batch])
+            assert len(batch) == 1 or cost <= budget, (budget, _plan(batch), [len(s.input_ids) for s in batch])
 
 
 # ---------------------------------------------------------------- exactness
@@ -120,8 +190,11 @@ def test_each_prefix_runs_once(tiny_model_dir: Path) -> None:
             shared_prefix_logits(model, t["input_ids"], plan, keep_BT)
     finally:
         hook.remove()
-    width, shortest_prefix = t["input_ids"].shape[1], min(plan.prefix_len_G)
-    assert shapes == [(2, max(plan.prefix_len_G)), (8, width - shortest_prefix)]
+    # the suffix pass: each row's suffix from column 0, up to its last kept position
+    last_kept_B = [max(i for i, kept in enumerate(row) if kept) for row in keep_BT.tolist()]
+    suffix = max(last + 1 - length for last, length in zip(last_kept_B, plan.prefix_len_B, strict=True))
+    assert suffix < t["input_ids"].shape[1] - min(plan.prefix_len_G)  # not the widest row past the shortest prefix
+    assert shapes == [(2, max(plan.prefix_len_G)), (8, suffix)]
 
 
 @pytest.mark.parametrize("kind", ["tiny", "bundled-shape"])
