@@ -34,8 +34,14 @@ value as JSON data (a value that is not JSON is given as its ``str``), ``None`` 
 rollflow cut the episode short. ``system_prompt``, when given, is added to the system
 message of every call (after the agent's own), for instructions the agent does not carry.
 
-Simplified, for now: tools are described in rollflow's text protocol (model-native
-tool-call formats come later); see ``openai_agent_messages`` for what a request may ask.
+Tools. ``tool_format`` (default ``"auto"``) picks how the model is asked for calls
+(``rollflow.envs.tool_formats``): ``"auto"`` reads the policy's chat template, and one
+that renders ``tools=`` in a known family's syntax (``"hermes"``: Qwen2.5/3,
+``"llama3_json"``: Llama 3.1+, ``"mistral"``) renders them and that family's parser reads
+the replies, so the trained policy serves behind vLLM's own tool parser; a template that
+ignores tools (SmolLM2, the bundled model), or a policy behind a server whose template is
+not known here, gets rollflow's protocol in the system prompt (``"rollflow"``). Naming a
+family forces it. See ``openai_agent_messages`` for what a request may ask.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ from rollflow.envs.handle import (
 from rollflow.envs.hooks import check_split
 from rollflow.envs.loop import Cleanup, EpisodeTrace, StageFailure, play_safely
 from rollflow.envs.openai_agent_endpoint import MODEL_NAME, AgentEpisode, SharedEndpoint
+from rollflow.envs.tool_formats import TOOL_FORMAT_CHOICES, chat_template_of, chosen_tool_format
 from rollflow.envs.types import Split, Task
 
 DEFAULT_AGENT_TIMEOUT_S = 600.0  # the run's default generation_timeout_s
@@ -85,6 +92,7 @@ class AgentEnvironment:
     system_prompt: str | None = None
     max_calls: int = 10
     agent_timeout_s: float | None = None
+    tool_format: str = "auto"  # one of TOOL_FORMAT_CHOICES
 
 
 def load_environment(
@@ -94,6 +102,7 @@ def load_environment(
     system_prompt: str | None = None,
     max_calls: int = 10,
     agent_timeout_s: float | None = None,
+    tool_format: str = "auto",
 ) -> AgentEnvironment:
     """The environment of the agent, task and reward functions named ``"module:function"``."""
     require_int("max_calls", max_calls, minimum=1)
@@ -101,13 +110,15 @@ def load_environment(
         raise ValueError(f"agent_timeout_s must be a positive number of seconds, got {agent_timeout_s!r}")
     if system_prompt is not None and not isinstance(system_prompt, str):
         raise TypeError(f"system_prompt must be text, got {type(system_prompt).__name__}")
+    if tool_format not in TOOL_FORMAT_CHOICES:
+        raise ValueError(f"tool_format={tool_format!r} is not one of {', '.join(TOOL_FORMAT_CHOICES)}")
     if importlib.util.find_spec("openai") is None:
         raise ModuleNotFoundError("an agent environment hands its agent an openai client: pip install openai")
     names = {"agent": agent, "tasks": tasks, "reward": reward}
     functions = {role: _resolve(role, spec, arity) for (role, spec), arity in zip(names.items(), (3, 1, 3), strict=True)}
     return AgentEnvironment(
         agent=functions["agent"], tasks=functions["tasks"], reward=functions["reward"], names=names,
-        system_prompt=system_prompt, max_calls=max_calls, agent_timeout_s=agent_timeout_s,
+        system_prompt=system_prompt, max_calls=max_calls, agent_timeout_s=agent_timeout_s, tool_format=tool_format,
     )  # fmt: skip
 
 
@@ -146,16 +157,16 @@ class AgentEnvironmentHandle:
     ) -> EpisodeRollout:
         trace.stage = "EpisodeLimits"
         budget = limits.turn_budget(self.env.max_calls)
-        trace.stage = "Policy.open_session"
-        session = policy.open_session(())  # the tools of each call go in its system prompt
-        cleanup.add("PolicySession.close", session.close)
+        trace.stage = "tool_format"
+        tool_format = chosen_tool_format(self.env.tool_format, chat_template_of(policy))
         settings = getattr(policy, "settings", None)
         trace.stage = "capture endpoint"
         async with self._endpoint.lease() as endpoint:
             episode = AgentEpisode(
-                session, trace, budget=budget, system_prompt=self.env.system_prompt,
-                run_max_tokens=getattr(settings, "max_completion_tokens", None),
+                policy.open_session, trace, budget=budget, system_prompt=self.env.system_prompt,
+                run_max_tokens=getattr(settings, "max_completion_tokens", None), tool_format=tool_format,
             )  # fmt: skip
+            cleanup.add("PolicySession.close", episode.close_session)
             endpoint.register(episode)
             timeout_s = self.env.agent_timeout_s or getattr(settings, "generation_timeout_s", None)
             trace.stage = self.env.names["agent"]

@@ -7,13 +7,20 @@ It runs in that loop (uvicorn over starlette, without its signal handlers: Ctrl-
 the run's), next to the episodes and their agents.
 
 Each episode registers an ``AgentEpisode`` under a random API key; the key attributes a
-call to its episode and an unknown key is refused (401). An episode owns one
+call to its episode and an unknown key is refused (401). An episode owns a
 ``PolicySession``: every call is ``session.act(messages)``, which renders only what is new
 since the last call, so a call whose history extends the previous call's prompt and reply
 continues one training sample, and one that rewrote history comes back with ``reset`` (a
 new sample of the same episode, counted in ``agent_resets``). For that the reply's raw
 sampled text is put back in place of the reply the agent echoes (``reply_key``). Calls of
 one episode are served one at a time (a session is sequential).
+
+Tools, by the episode's ``ToolFormat`` (``rollflow.envs.tool_formats``). rollflow's
+protocol: one session with no tool specs, each call's tools described in its system
+prompt. A native format: the session is opened with the call's tools for the chat template
+to render (``template_tools``), and echoed replies reach it as the format's ``echo`` says
+(``for_template``). A call whose tools differ from the session's gets a new session, and
+its action counts as a reset: the template put the tools at the top of the prompt.
 
 An episode's calls end it early in two ways, both truncations like the native loop's, not
 errors: a call past the call budget (``max_turns``) and a spent context budget
@@ -25,10 +32,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,12 +46,15 @@ from rollflow.envs.loop import EpisodeTrace
 from rollflow.envs.openai_agent_messages import (
     ChatRequest,
     RequestError,
+    for_template,
     parse_request,
     reply_for,
     reply_key,
     with_system_text,
 )
-from rollflow.envs.types import Message, TruncationCause
+from rollflow.envs.tool_formats import ROLLFLOW, ToolFormat
+from rollflow.envs.types import Message, ToolSpec, TruncationCause
+from rollflow.policy.codec import template_tools
 
 MODEL_NAME = "rollflow-policy"
 ENDED = "this episode has ended"
@@ -64,15 +75,22 @@ def error_answer(status: int, message: str, param: str | None = None) -> Answer:
 
 
 class AgentEpisode:
-    """One episode's calls: its session, its record (``trace``) and its endings."""
+    """One episode's calls: its session, its record (``trace``) and its endings.
+
+    ``open_session`` is the policy's: the episode opens its session at its first call and
+    again when a native format's tools change; ``close_session`` closes the last one.
+    """
 
     def __init__(
-        self, session: PolicySession, trace: EpisodeTrace, *, budget: int,
-        run_max_tokens: int | None, system_prompt: str | None,
+        self, open_session: Callable[[Sequence[ToolSpec]], PolicySession], trace: EpisodeTrace, *,
+        budget: int, run_max_tokens: int | None, system_prompt: str | None, tool_format: ToolFormat = ROLLFLOW,
     ) -> None:  # fmt: skip
         self.key = "rf-" + secrets.token_hex(16)
-        self.session, self.trace, self.budget = session, trace, budget
+        self.trace, self.budget, self.tool_format = trace, budget, tool_format
         self.run_max_tokens, self.system_prompt = run_max_tokens, system_prompt
+        self._open_session = open_session
+        self._session: PolicySession | None = None
+        self._session_tools: tuple[ToolSpec, ...] = ()
         self.calls = self.resets = self.parse_failures = self.in_flight = 0
         self.last_activity = time.monotonic()
         self.cut: TruncationCause | None = None  # rollflow ended it early (budget, context)
@@ -85,6 +103,11 @@ class AgentEpisode:
     def idle_s(self) -> float:
         """Seconds the agent has spent outside the endpoint (0 while a call runs)."""
         return 0.0 if self.in_flight else time.monotonic() - self.last_activity
+
+    async def close_session(self) -> None:
+        if self._session is not None:
+            session, self._session = self._session, None
+            await session.close()
 
     def metrics(self) -> dict[str, float]:
         return {"agent_calls": float(self.calls), "agent_resets": float(self.resets),
@@ -107,23 +130,44 @@ class AgentEpisode:
     async def _complete(self, body: object) -> Answer:
         if self.closed:  # it ended while this call waited for the one before it
             raise RequestError(f"{ENDED}: its agent returned; calls after that are not recorded", status=410)
-        request = parse_request(body, self.run_max_tokens)
+        request = parse_request(body, self.run_max_tokens, self.tool_format)
         if self.error is not None or self.cut is not None:
             raise RequestError(f"{ENDED} ({self.error or self.cut}); no further calls are served")
         if self.calls >= self.budget:
             self.cut = TruncationCause.MAX_TURNS
             raise RequestError(f"{ENDED}: its call budget of {self.budget} calls is spent (max_calls / max_turns)")
-        transcript = [self._raw_reply(m) for m in with_system_text(request.messages, self.system_prompt or "")]
+        sent = with_system_text(request.messages, self.system_prompt or "")
+        transcript = [self._raw_reply(m) for m in sent]
         self.calls += 1
         self.trace.messages = transcript  # what an error record shows if the policy fails
         self.trace.stage = "PolicySession.act"
         try:
-            action = await self.session.act(with_system_text(transcript, request.tools_text))
+            action = await self._act(sent, transcript, request)
             self.trace.record_action(action)
         except Exception as exc:  # the policy failed: the episode's error, the agent is told
             self.error = describe_error(exc, "PolicySession.act")
             return error_answer(500, f"the policy failed: {self.error}")
         return self._answer(action, transcript, request)
+
+    async def _act(self, sent: list[Message], transcript: list[Message], request: ChatRequest) -> PolicyAction:
+        """Sample this call's action with the episode's tool format (the module note)."""
+        if not self.tool_format.in_template:
+            session, replaced = await self._session_for(())
+            return await session.act(with_system_text(transcript, request.tools_text))
+        messages = [for_template(raw, self.tool_format) if raw is not m else m
+                    for m, raw in zip(sent, transcript, strict=True)]  # fmt: skip
+        session, replaced = await self._session_for(template_tools(request.tools))
+        action = await session.act(messages)
+        return dataclasses.replace(action, reset=True) if replaced else action
+
+    async def _session_for(self, tools: tuple[ToolSpec, ...]) -> tuple[PolicySession, bool]:
+        """The session for ``tools``, and whether it replaced one opened for other tools."""
+        if self._session is not None and self._session_tools == tools:
+            return self._session, False
+        replaced = self._session is not None
+        await self.close_session()
+        self._session, self._session_tools = self._open_session(tools), tools
+        return self._session, replaced
 
     def _answer(self, action: PolicyAction, transcript: list[Message], request: ChatRequest) -> Answer:
         """Record a sampled action on the episode and turn it into the agent's reply."""
@@ -135,15 +179,15 @@ class AgentEpisode:
             partial: list[Message] = [{"role": "assistant", "content": action.text}] if action.text else []
             self.trace.messages = [*transcript, *partial]
             raise RequestError(f"{ENDED}: the context budget is spent (max_model_length)", param="messages")
-        reply = reply_for(action.text, cut_by_length=action.finish_reason == "length",
-                          call_number=self.calls - 1, reads_tools=bool(request.tools_text))  # fmt: skip
+        reply = reply_for(action.text, cut_by_length=action.finish_reason == "length", call_number=self.calls - 1,
+                          reads_tools=request.reads_calls, tool_format=self.tool_format)  # fmt: skip
         self._raw_replies[reply_key(reply.message)] = reply.transcript_message
         self.trace.messages = [*transcript, reply.transcript_message]
         self.parse_failures += reply.parse_error is not None
         self.trace.step_metadata.append({
             "call": self.calls - 1, "reset": action.reset, "finish_reason": reply.finish_reason,
             "tools": [c["function"]["name"] for c in reply.message.get("tool_calls") or []],
-            "parse_error": reply.parse_error,
+            "parse_error": reply.parse_error, "tool_format": self.tool_format.name,
         })  # fmt: skip
         return Answer(200, _completion(reply.message, reply.finish_reason, prompt_tokens, len(action.token_ids)),
                       _headers(request.ignored, self.run_max_tokens))  # fmt: skip

@@ -17,7 +17,7 @@ module is that translation, as plain functions:
 - ``transcript_messages``: the agent's messages as rollflow's ``Message`` dicts (text
   content, structured calls, tool results named after the call they answer, as the native
   environments write them).
-- ``reply_for``: a sampled action as an OpenAI assistant message. ``parse_action`` reads
+- ``reply_for``: a sampled action as an OpenAI assistant message. The tool format reads
   it: a well-formed call becomes ``tool_calls`` (finish reason ``"tool_calls"``), a
   malformed one stays plain content and its parse error is returned for the record (the
   agent sees what the model wrote).
@@ -25,8 +25,10 @@ module is that translation, as plain functions:
   put the raw sampled text back in its place: the history then re-renders to exactly the
   tokens that were sampled, and the next call continues the same training sample.
 
-Tools are described with rollflow's own protocol in the system prompt (``describe_tools``),
-whatever the model's template: model-native tool formats are not read yet.
+Which tool-call format the model is asked for is the episode's ``ToolFormat``
+(``rollflow.envs.tool_formats``): rollflow's protocol described in the system prompt
+(``describe_tools``, the default), or a family's own (Hermes, Llama 3 JSON, Mistral), whose
+tools the chat template renders and whose ``parse`` reads the reply.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from rollflow.envs.protocol import describe_tools, parse_action
+from rollflow.envs.protocol import describe_tools
+from rollflow.envs.tool_formats import ROLLFLOW, ToolFormat
 from rollflow.envs.types import Message, ToolCall, ToolSpec
 
 # The parameters the endpoint reads; any other (temperature, top_p, seed, logprobs, user,
@@ -63,12 +66,15 @@ class ChatRequest:
 
     messages: tuple[Message, ...]
     tools: tuple[ToolSpec, ...]
-    tools_text: str  # the protocol's description of ``tools``; "" with tool_choice "none"
+    tools_text: str  # the protocol's description of ``tools``; "" with tool_choice "none" or a native format
     ignored: tuple[str, ...]
+    reads_calls: bool = False  # tools were offered and tool_choice is not "none": the reply is parsed
 
 
-def parse_request(body: object, run_max_tokens: int | None) -> ChatRequest:
-    """``body`` checked; a ``RequestError`` names what the endpoint refuses."""
+def parse_request(body: object, run_max_tokens: int | None, tool_format: ToolFormat = ROLLFLOW) -> ChatRequest:
+    """``body`` checked; a ``RequestError`` names what the endpoint refuses. With a native
+    ``tool_format`` the tools are left to the chat template (no ``tools_text``); it renders
+    them with ``tool_choice`` "none" too (as vLLM does), only the reply is not parsed."""
     if not isinstance(body, Mapping):
         raise RequestError("the request body must be a JSON object")
     _refuse_unsupported(body, run_max_tokens)
@@ -77,16 +83,17 @@ def parse_request(body: object, run_max_tokens: int | None) -> ChatRequest:
     if choice not in (None, "auto", "none"):
         raise RequestError(
             f"tool_choice {choice!r} is not supported yet: only 'auto' and 'none' "
-            "(the model is asked for calls in rollflow's protocol; it cannot be forced to make one)",
+            "(the model is asked for calls in its tool-call format; it cannot be forced to make one)",
             param="tool_choice",
         )
     try:
-        tools_text = "" if choice == "none" else describe_tools(tools)
+        tools_text = "" if choice == "none" or tool_format.in_template else describe_tools(tools)
     except ValueError as exc:
         raise RequestError(str(exc), param="tools") from exc
     messages = transcript_messages(body.get("messages"))
     ignored = sorted(key for key in body if key not in KNOWN_PARAMETERS)
-    return ChatRequest(messages=messages, tools=tools, tools_text=tools_text, ignored=tuple(ignored))
+    return ChatRequest(messages=messages, tools=tools, tools_text=tools_text, ignored=tuple(ignored),
+                       reads_calls=bool(tools) and choice != "none")  # fmt: skip
 
 
 def _refuse_unsupported(body: Mapping[str, Any], run_max_tokens: int | None) -> None:
@@ -125,6 +132,9 @@ def _checked_tools(tools: object) -> tuple[ToolSpec, ...]:
     for index, tool in enumerate(tools):
         if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
             raise RequestError(f"tools[{index}] is not a function tool: {tool!r:.200}", param="tools")
+        function = tool.get("function")
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise RequestError(f"tools[{index}] has no function name: {tool!r:.200}", param="tools")
     return tuple(cast(ToolSpec, dict(tool)) for tool in tools)
 
 
@@ -215,22 +225,34 @@ class Reply:
     parse_error: str | None  # a malformed tool call: the protocol's reason
 
 
-def reply_for(text: str, *, cut_by_length: bool, call_number: int, reads_tools: bool) -> Reply:
-    """The reply for a sampled ``text``. With ``reads_tools`` (the call offered tools) the
-    protocol reads it; ids are ``call_<call number>_<index>``, unique in the episode."""
-    parsed = parse_action(text) if reads_tools else None
+def reply_for(
+    text: str, *, cut_by_length: bool, call_number: int, reads_tools: bool, tool_format: ToolFormat = ROLLFLOW
+) -> Reply:
+    """The reply for a sampled ``text``. With ``reads_tools`` (the call offered tools)
+    ``tool_format`` reads it; ids are its ``call_id`` (rollflow's and most:
+    ``call_<call number>_<index>``), unique in the episode."""
+    parsed = tool_format.parse(text) if reads_tools else None
     finish = "length" if cut_by_length else "stop"
     if parsed is None or parsed.kind != "tool_calls":
         message: dict[str, Any] = {"role": "assistant", "content": text}
         error = parsed.error if parsed is not None else None
         return Reply(message, finish, {"role": "assistant", "content": text}, error)
     calls: list[ToolCall] = [
-        {"id": f"call_{call_number}_{i}", "type": "function", "function": dict(call["function"])}  # type: ignore[typeddict-item]
+        {"id": tool_format.call_id(call_number, i), "type": "function", "function": dict(call["function"])}  # type: ignore[typeddict-item]
         for i, call in enumerate(parsed.tool_calls)
     ]
     message = {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}
     transcript: Message = {"role": "assistant", "content": text, "tool_calls": [dict(c) for c in calls]}  # type: ignore[typeddict-item]
     return Reply(message, "tool_calls", transcript, None)
+
+
+def for_template(raw_reply: Message, tool_format: ToolFormat) -> Message:
+    """An echoed reply (its raw sampled text and calls) as a native template should see it:
+    the raw text alone where the template prints content as it is (``echo`` "raw"), the
+    structured calls where it must print them itself (``"structured"``, Mistral)."""
+    if tool_format.echo == "structured" and raw_reply.get("tool_calls"):
+        return raw_reply
+    return {"role": "assistant", "content": raw_reply["content"]}
 
 
 def reply_key(message: Mapping[str, Any]) -> tuple[str, tuple[tuple[str, str, str], ...]]:

@@ -45,6 +45,14 @@ Simplifications, and why:
   (``ParsedAction.to_message``); a hand-written turn with structured calls only gets
   ``render_tool_calls`` of them after its content (as the SFT rows do). Content whose calls
   differ from its structured ones is refused: which of the two was meant is unknowable.
+
+The opt-in exception: tool specs wrapped as ``TemplateTool`` (``template_tools(specs)``)
+are given to the template as ``tools=``, for a model trained in its own family's format
+(``rollflow.envs.tool_formats``; the capture endpoint asks for it). Then nothing of the
+above applies: no protocol text, and messages reach the template as they are, structured
+``tool_calls`` included (their ``arguments`` as JSON objects, which templates print with
+``tojson``); the caller puts sampled text back in place of a reply it echoes. A template
+that does not print every tool's name is refused: it ignores ``tools=``.
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 from transformers import PreTrainedTokenizerBase
 
@@ -62,6 +70,19 @@ from rollflow.envs.types import Message, ToolCall, ToolSpec
 
 class ChatTemplateError(ValueError):
     """The tokenizer's chat template is missing or cannot render the conversation."""
+
+
+class TemplateTool(dict[str, Any]):
+    """A tool spec for the chat template to render itself (``tools=``); see the module note.
+
+    A marked dict, so that it reaches the codec through any session unchanged: a session
+    keeps its specs as given (``tuple(tool_specs)`` keeps the elements).
+    """
+
+
+def template_tools(specs: Iterable[ToolSpec]) -> tuple[ToolSpec, ...]:
+    """``specs`` marked for the template to render (the codec's opt-in path)."""
+    return tuple(cast(ToolSpec, TemplateTool(spec)) for spec in specs)
 
 
 @dataclass(frozen=True)
@@ -109,6 +130,11 @@ class ChatCodec:
         """
         if not messages:
             raise ChatTemplateError("cannot render an empty conversation")
+        in_template = [isinstance(spec, TemplateTool) for spec in tool_specs]
+        if any(in_template):
+            if not all(in_template):
+                raise ChatTemplateError("tool specs mix template-rendered (TemplateTool) and protocol ones")
+            return self._render_template_tools(messages, tool_specs)
         prepared = [_as_rendered(message, index) for index, message in enumerate(messages)]
         tools_text = describe_tools(tool_specs)
         if tools_text:
@@ -187,10 +213,24 @@ class ChatCodec:
             )
         )
 
-    def _apply_template(self, messages: Sequence[Message]) -> str:
+    def _render_template_tools(self, messages: Sequence[Message], tool_specs: Sequence[ToolSpec]) -> str:
+        """The opt-in path: the template renders the tools and every message as it is."""
+        prepared = [_with_object_arguments(message, index) for index, message in enumerate(messages)]
+        rendered = self._apply_template(prepared, tools=[dict(spec) for spec in tool_specs])
+        for spec in tool_specs:
+            name = spec["function"]["name"]
+            if name not in rendered:
+                raise ChatTemplateError(
+                    f"the chat template did not render tool {name!r} given as tools=: it does not "
+                    "know tools; use rollflow's protocol (tool_format 'rollflow')"
+                )
+        return rendered
+
+    def _apply_template(self, messages: Sequence[Message], tools: list[dict[str, object]] | None = None) -> str:
+        extra = {} if tools is None else {"tools": tools}
         try:
             rendered = self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=True
+                list(messages), tokenize=False, add_generation_prompt=True, **extra
             )
         except Exception as error:  # jinja raises many types; name the culprit once
             roles = [message.get("role") for message in messages]
@@ -224,6 +264,21 @@ def _as_rendered(message: Message, index: int) -> Message:
     except ValueError as error:
         raise ChatTemplateError(f"assistant message {index}: {error}") from error
     return cast(Message, {**without_calls, "content": "\n".join(p for p in (content, calls_text) if p)})
+
+
+def _with_object_arguments(message: Message, index: int) -> Message:
+    """``message`` with its calls' ``arguments`` as JSON objects, as templates print them."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    converted = []
+    for number, call in enumerate(calls):
+        try:
+            arguments = json.loads(call["function"]["arguments"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise ChatTemplateError(f"assistant message {index}: tool call {number} arguments are not JSON: {error}") from error
+        converted.append({**call, "function": {**call["function"], "arguments": arguments}})
+    return cast(Message, {**message, "tool_calls": converted})
 
 
 def _same_calls(carried: Sequence[ToolCall], structured: Sequence[ToolCall]) -> bool:

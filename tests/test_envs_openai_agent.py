@@ -417,7 +417,7 @@ def test_calls_after_the_agent_returned_are_refused_and_no_server_is_left() -> N
     async def scenario() -> tuple[int, str, bool]:
         policy = ScriptedPolicy(lambda m, t: "hi")
         async with SharedEndpoint().lease() as endpoint:
-            episode = AgentEpisode(policy.open_session(()), EpisodeTrace(policy), budget=4,
+            episode = AgentEpisode(policy.open_session, EpisodeTrace(policy), budget=4,
                                    run_max_tokens=None, system_prompt=None)  # fmt: skip
             endpoint.register(episode)
             episode.closed = True  # its agent returned
