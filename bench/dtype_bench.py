@@ -38,7 +38,7 @@ from transformers import DynamicCache
 
 from rollflow.config.run import ModelConfig, RunConfig
 from rollflow.generators.models import load_policy_for_training
-from rollflow.policy.generation import _cache_keyword
+from rollflow.policy.generation import forward_cache_keyword
 from rollflow.policy.models import build_tiny_model
 
 DTYPES = ("float32", "bfloat16")
@@ -46,7 +46,7 @@ DTYPES = ("float32", "bfloat16")
 
 def decode_step_ms(model: torch.nn.Module, batch: int, context: int, repeats: int) -> float:
     """Milliseconds per decoding step of ``batch`` rows over a ``context``-token cache."""
-    vocab, keyword = model.config.vocab_size, _cache_keyword(model)
+    vocab, keyword = model.config.vocab_size, forward_cache_keyword(model)
     cache = DynamicCache()
     with torch.no_grad():
         model(input_ids=torch.randint(0, vocab, (batch, context)), use_cache=True, logits_to_keep=1,

@@ -56,7 +56,7 @@ def prefill_seconds(model: torch.nn.Module, requests: list[GenerationRequest], t
     try:
         with torch.inference_mode():
             start = time.perf_counter()
-            prefill.prefill(model, requests, 0, DynamicCache(), generation._cache_keyword(model))
+            prefill.prefill(model, requests, 0, DynamicCache(), generation.forward_cache_keyword(model))
             total = time.perf_counter() - start
     finally:
         prefill.PREFILL_TOKENS_PER_PASS = previous

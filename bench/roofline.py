@@ -75,7 +75,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from rollflow.config.run import RunConfig, load_config
 from rollflow.generators.models import load_policy_for_training, torch_dtype
-from rollflow.policy.generation import _cache_keyword
+from rollflow.policy.generation import forward_cache_keyword
 from rollflow.policy.models import build_tiny_model
 from rollflow.storage.records import SampleRecord
 from rollflow.tasks.grpo_update import (
@@ -363,7 +363,7 @@ def profile_decode(model: PreTrainedModel, batch: int, context: int, top: int) -
 
 def decode_step_s(model: PreTrainedModel, batch: int, context: int, steps: int) -> float:
     """Seconds per decoding step of ``batch`` rows over a ``context``-token cache (after one warm-up)."""
-    vocab, keyword = model.config.vocab_size, _cache_keyword(model)
+    vocab, keyword = model.config.vocab_size, forward_cache_keyword(model)
     cache = DynamicCache()
     with torch.no_grad():
         model(input_ids=torch.randint(0, vocab, (batch, context)), use_cache=True, logits_to_keep=1, **{keyword: cache})
@@ -392,7 +392,7 @@ def worker(role: str, config: RunConfig, seconds: float, quick: bool) -> None:
             return int(t["input_ids"].numel())
     else:
         batch, context = (4, 16) if quick else (64, 400)
-        keyword, vocab = _cache_keyword(model), model.config.vocab_size
+        keyword, vocab = forward_cache_keyword(model), model.config.vocab_size
         cache = DynamicCache()
         with torch.no_grad():
             model(input_ids=torch.randint(0, vocab, (batch, context)), use_cache=True, logits_to_keep=1, **{keyword: cache})

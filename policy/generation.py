@@ -164,7 +164,7 @@ def generate_batch_and_report(
     started = time.perf_counter()
     with torch.inference_mode():
         cache = DynamicCache()
-        cache_keyword = _cache_keyword(model)
+        cache_keyword = forward_cache_keyword(model)
         logits_BV, attention_BT, count = prefill(model, requests, pad_token_id, cache, cache_keyword)
         prefilled = time.perf_counter()
         live = list(range(len(rows)))  # indices into rows, in batch order
@@ -244,8 +244,9 @@ def _keep_finished_caches(
             row.cache = CachedPrefix(token_ids, keys, values)
 
 
-def _cache_keyword(model: PreTrainedModel) -> str:
-    """``cache`` from transformers 5.2x on, ``past_key_values`` before (now deprecated)."""
+def forward_cache_keyword(model: PreTrainedModel) -> str:
+    """The keyword ``model``'s forward takes a KV cache by: ``cache`` from transformers 5.2x
+    on, ``past_key_values`` before (now deprecated). Every caller that hands a cache asks here."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     parameters = inspect.signature(base.forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"

@@ -46,6 +46,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from rollflow.policy.generation import forward_cache_keyword
+
 Item = TypeVar("Item")
 
 
@@ -191,13 +193,6 @@ def _refuse_checkpointing(model: PreTrainedModel) -> None:
         )
 
 
-def _cache_keyword(model: PreTrainedModel) -> str:
-    """``cache`` from transformers 5.2x on, ``past_key_values`` before."""
-    from rollflow.policy.generation import _cache_keyword as keyword
-
-    return keyword(model)
-
-
 def _suffix_mask(
     prefix_len_B: torch.Tensor, prefix_width: int, suffix_width: int, model: PreTrainedModel, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -247,7 +242,7 @@ def shared_prefix_logits(
     prefix_width = max(plan.prefix_len_G)
     if prefix_width == 0:  # nothing shared: the plain forward, without a mask
         return model(input_ids=input_ids_BT, logits_to_keep=keep_BT, use_cache=False).logits
-    keyword = _cache_keyword(model)
+    keyword = forward_cache_keyword(model)
     # 1. the prefixes, each from its first row; tokens past a prefix's end are masked out below
     first_row_G = [plan.group_B.index(g) for g in range(len(plan.prefix_len_G))]
     prefix_ids_GP = input_ids_BT[first_row_G, :prefix_width]
