@@ -30,7 +30,10 @@ loss. The proximal logprobs cost nothing with one minibatch (the step's forward,
 with K > 1 they are one extra no-grad forward over the trained samples before the first
 optimizer step, packed as the training forwards are. Every step reports the sampler/trainer
 mismatch (k3 of ``prox_logp - sampler_logp``, under ``none`` against the policy at the start
-of each optimizer step), the mean weight and the share of tokens truncated or masked.
+of each optimizer step) over the tokens it forwards: without a KL term a sample whose
+advantages are all 0 is not forwarded (``_trained_batches``), so the figure covers only the
+groups with reward variance. Under a correction it also reports the mean weight and the
+share of tokens truncated or masked.
 
 The train stage (``tasks/train.py``) loads the policy and its KL reference, calls
 ``grpo_update`` once per step and writes the checkpoint.
@@ -116,7 +119,7 @@ class UpdateStats:
     num_action_tokens: int
     num_microbatches: int
     seconds: float
-    mismatch_kl: float | None = None  # mean k3 KL(sampler || trainer at step start); None: no token computed
+    mismatch_kl: float | None = None  # mean k3 KL(sampler || trainer at step start) over forwarded tokens; None: none
     is_weight_mean: float | None = None  # mean behaviour weight; None under correction "none"
     corrected_fraction: float | None = None  # share of tokens truncated (tis) or masked (mask)
     learning_rate: float | None = None  # the last optimizer step's (None: no step taken)

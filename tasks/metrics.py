@@ -145,8 +145,8 @@ def optim_metrics(result: TrainResult) -> dict[str, float]:
     }
     if result.kl is not None:
         metrics["optim/kl"] = result.kl
-    off_policy = {
-        "async/mismatch_kl": result.mismatch_kl,
+    off_policy = {  # the mismatch: lockstep runs have one too (bfloat16 forwards, a vLLM sampler)
+        "policy/mismatch_kl": result.mismatch_kl,
         "offpolicy/is_weight_mean": result.is_weight_mean,
         "offpolicy/corrected_fraction": result.corrected_fraction,
     }

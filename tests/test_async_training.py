@@ -407,7 +407,7 @@ def test_a_killed_async_lora_run_resumed_trains_every_group_once_stamped_with_th
         assert {"async/train_wait_s", "async/staleness_mean", "async/staleness_max"} <= set(metrics)
         assert metrics["async/dropped_stale_groups"] == 0, "admission control started nothing that went stale"
         if step == 0:  # version 0's served adapter is the trainer's own start: no mismatch
-            assert metrics["async/mismatch_kl"] < 1e-6
+            assert metrics["policy/mismatch_kl"] < 1e-6
     # The stamps are the truth: each episode's logprobs are its start version's, by hand,
     # across the kill, the background publication and the resume.
     for version in sorted(versions_seen):

@@ -312,11 +312,13 @@ def test_off_policy_fields_round_trip_and_reach_the_steps_view(tmp_path: Path) -
 
 
 def test_optim_metrics_log_the_off_policy_figures_and_skip_none() -> None:
+    """The sampler/trainer mismatch is measured in lockstep runs too (review 2026-12-07,
+    note 4): its key names the policy, not the async schedule."""
     metrics = optim_metrics(result(mismatch_kl=0.003, is_weight_mean=0.97, corrected_fraction=0.02))
-    assert metrics["async/mismatch_kl"] == 0.003
+    assert metrics["policy/mismatch_kl"] == 0.003
     assert metrics["offpolicy/is_weight_mean"] == 0.97
     assert metrics["offpolicy/corrected_fraction"] == 0.02
     lockstep = optim_metrics(result(mismatch_kl=1e-6))
-    assert lockstep["async/mismatch_kl"] == 1e-6
-    assert not any(k.startswith("offpolicy/") for k in lockstep)
-    assert not any(k.startswith(("async/", "offpolicy/")) for k in optim_metrics(result()))
+    assert lockstep["policy/mismatch_kl"] == 1e-6
+    assert not any(k.startswith(("async/", "offpolicy/")) for k in lockstep)
+    assert not any(k.startswith(("async/", "offpolicy/", "policy/mismatch")) for k in optim_metrics(result()))
