@@ -48,7 +48,8 @@ Simplified against the papers, on purpose:
 - With one optimizer step per batch the "old" policy of ``none`` is the sampler itself (its
   logprobs travel with the samples), and the proximal policy of ``tis``/``mask`` is the
   first forward's logprobs, detached: no extra pass. Only with several minibatches does the
-  trainer compute ``prox_logp`` in a separate no-grad pass (``tasks/train.py``).
+  trainer compute ``prox_logp`` in a separate no-grad pass (``tasks/grpo_update.py``'s
+  ``proximal_logprobs``).
 - A masked token stays in the denominators (``BatchTotals`` are counted before any forward,
   so micro-batches add up), as in AReaL; verl and SkyRL drop it from the denominator too.
   The difference is a factor of (1 - masked share) on the loss. The KL term is not
