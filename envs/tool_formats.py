@@ -128,10 +128,10 @@ def _openai_id(call_number: int, index: int) -> str:
 
 def render_hermes(content: str, calls: Sequence[ToolCall]) -> str:
     """Content, then one ``<tool_call>`` block per call, each on lines of its own."""
-    blocks = [
-        f'<tool_call>\n{{"name": "{call["function"]["name"]}", "arguments": {_json(_arguments(call, i))}}}\n</tool_call>'
-        for i, call in enumerate(calls)
+    bodies = [
+        f'{{"name": "{c["function"]["name"]}", "arguments": {_json(_arguments(c, i))}}}' for i, c in enumerate(calls)
     ]
+    blocks = [f"<tool_call>\n{body}\n</tool_call>" for body in bodies]
     return "\n".join([content, *blocks] if content else blocks)
 
 
@@ -161,7 +161,8 @@ def parse_llama3_json(text: str) -> ParsedAction:
             key = "parameters" if isinstance(payload, dict) and "parameters" in payload else "arguments"
             calls.append(_call(payload, len(calls), key, f"call_{len(calls)}"))
         except ValueError as exc:
-            return _failure(str(exc) if str(exc).startswith("tool call") else f"tool call {len(calls)}: invalid JSON ({exc})")
+            said = str(exc)
+            return _failure(said if said.startswith("tool call") else f"tool call {len(calls)}: invalid JSON ({said})")
         rest = body[position:].lstrip()
         if not rest:
             return ParsedAction(kind="tool_calls", content="", tool_calls=tuple(calls), error=None)
@@ -227,7 +228,7 @@ def render_mistral(content: str, calls: Sequence[ToolCall]) -> str:
     items = []
     for index, call in enumerate(calls):
         if not _MISTRAL_ID.match(call["id"]):
-            raise ValueError(f"tool call {index}: mistral's template takes ids of 9 letters or digits, got {call['id']!r}")
+            raise ValueError(f"tool call {index}: mistral's template takes 9-character ids, got {call['id']!r}")
         function = _json({"name": call["function"]["name"], "arguments": _arguments(call, index)})
         items.append(f'{function[:-1]}, "id": "{call["id"]}"}}')
     return f"{TOOL_CALLS}[{', '.join(items)}]"

@@ -276,7 +276,9 @@ def _with_object_arguments(message: Message, index: int) -> Message:
         try:
             arguments = json.loads(call["function"]["arguments"])
         except (KeyError, TypeError, ValueError) as error:
-            raise ChatTemplateError(f"assistant message {index}: tool call {number} arguments are not JSON: {error}") from error
+            raise ChatTemplateError(
+                f"assistant message {index}: tool call {number} arguments are not JSON: {error}"
+            ) from error
         converted.append({**call, "function": {**call["function"], "arguments": arguments}})
     return cast(Message, {**message, "tool_calls": converted})
 

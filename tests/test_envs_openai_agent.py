@@ -24,12 +24,14 @@ from rollflow.envs.handle import EnvironmentHandle, EpisodeLimits
 from rollflow.envs.openai_agent import episode_score
 from rollflow.envs.openai_agent_endpoint import AgentEpisode, SharedEndpoint
 from rollflow.envs.openai_agent_messages import RequestError, parse_request, reply_for, transcript_messages
+from rollflow.envs.protocol import describe_tools
 from rollflow.envs.loop import EpisodeTrace
 from rollflow.envs.runner import load_environment_handle, play_groups
 from rollflow.envs.scripted import ScriptedPolicy
 from rollflow.envs.tool_use_game import GAME_TOOL_SPECS, expert_policy, generate_examples
 from rollflow.envs.tracebacks import keeping_tracebacks
 from rollflow.envs.types import Message, ToolSpec, TruncationCause
+from rollflow.policy.codec import TemplateTool, template_tools
 from rollflow.policy.sampling import SamplingSettings
 from rollflow.storage.query import open_run_sql, run_query
 from tiny_run import train_tiny_on
@@ -87,6 +89,14 @@ async def uses_a_tool(task: dict[str, Any], client: openai.AsyncOpenAI, model: s
         messages.append({"role": "tool", "tool_call_id": call.id, "content": "17"})
     second = await client.chat.completions.create(model=model, messages=messages, tools=[LOOKUP])
     SEEN.setdefault(task["id"], []).extend([first, second])
+    return second.choices[0].message.content or ""
+
+
+async def changes_its_tools(task: dict[str, Any], client: openai.AsyncOpenAI, model: str) -> str:
+    messages = opening(task)
+    first = await client.chat.completions.create(model=model, messages=messages, tools=[LOOKUP])
+    messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Now count."}]
+    second = await client.chat.completions.create(model=model, messages=messages, tools=[LOOKUP, GAME_TOOL_SPECS[0]])
     return second.choices[0].message.content or ""
 
 
@@ -157,6 +167,7 @@ class RecordingPolicy:
     def __init__(self, policy: Any) -> None:
         self.policy, self.version = policy, policy.version
         self.settings = policy.settings
+        self.codec = getattr(policy, "codec", None)  # its chat template picks the tool format
         self.calls: list[tuple[list[Message], PolicyAction]] = []
 
     def open_session(self, tool_specs: Sequence[ToolSpec]) -> Any:
@@ -256,6 +267,73 @@ def test_a_protocol_call_becomes_openai_tool_calls_and_a_malformed_one_stays_tex
     assert broken.finish_reason == "length" and "never closed" in (broken.parse_error or "")
     untouched = reply_for(text, cut_by_length=False, call_number=0, reads_tools=False)  # tool_choice "none"
     assert untouched.message == {"role": "assistant", "content": text} and untouched.parse_error is None
+
+
+def test_a_qwen_template_renders_the_agents_tools_and_the_episode_stays_one_sample(tiny_model_dir: Path) -> None:
+    """tools= through the real client reach the model as the chat template writes them (its
+    "# Tools" block and <tool_call> instructions, not rollflow's protocol), and the echoed
+    reply re-renders to the sampled tokens. (A random model writes no calls: the parsing of
+    replies in the template's format is test_tool_formats' and the scripted test below.)"""
+    from rollflow.policy.models import ModelRef, load_causal_lm
+    from rollflow.policy.transformers_backend import TransformersPolicy
+
+    model, tokenizer = load_causal_lm(ModelRef(path=str(tiny_model_dir)))
+    tokenizer.chat_template = (Path(__file__).parent / "templates" / "qwen2.5-instruct.jinja").read_text()
+    qwen = TransformersPolicy(model, tokenizer, SamplingSettings(max_completion_tokens=12, max_model_length=1024))
+    recording = RecordingPolicy(qwen)
+    rollout = play_one(agent_handle("uses_a_tool"), recording)
+    assert rollout.error is None and rollout.terminated, rollout.error
+    (first, first_action), (second, second_action) = recording.calls
+    tools = template_tools([LOOKUP])
+    prompt = spelled(qwen, first_action.prompt_delta_ids)
+    assert prompt == qwen.codec.render_text(first, tools)
+    assert "Answer briefly.\n\n# Tools" in prompt and '<tools>\n{"type": "function", "function": {"name": "lookup"' in prompt
+    assert describe_tools([LOOKUP]) not in prompt and "<tool_call>\n{\"name\": <function-name>" in prompt
+    assert not second_action.reset and rollout.env_metrics["agent_resets"] == 0
+    context = (first_action.prompt_delta_ids, first_action.token_ids, second_action.prompt_delta_ids)
+    assert spelled(qwen, *context) == qwen.codec.render_text(second, tools)
+    assert [m["tool_format"] for m in rollout.step_metadata[:2]] == ["hermes", "hermes"]
+
+
+@pytest.mark.parametrize(("tool_format", "written", "call_id"), [
+    ("hermes", '<tool_call>\n{"name": "lookup", "arguments": {"key": "crates"}}\n</tool_call>', "call_0_0"),
+    ("mistral", '[TOOL_CALLS][{"name": "lookup", "arguments": {"key": "crates"}}]', "call00000"),
+])  # fmt: skip
+def test_a_call_in_the_models_own_format_comes_back_as_openai_tool_calls(
+    tool_format: str, written: str, call_id: str
+) -> None:
+    seen: list[list[Message]] = []
+
+    def script(messages: Sequence[Message], turn: int) -> str:
+        seen.append(list(messages))
+        return written if turn == 0 else "17"
+
+    policy = ScriptedPolicy(script)
+    rollout = play_one(agent_handle("uses_a_tool", tool_format=tool_format), policy)
+    assert rollout.error is None and rollout.terminated and rollout.response_text == "17"
+    first, _ = SEEN["train-0"]
+    (call,) = first.choices[0].message.tool_calls
+    assert (call.id, call.function.name, json.loads(call.function.arguments)) == (call_id, "lookup", {"key": "crates"})
+    assert first.choices[0].finish_reason == "tool_calls"
+    assert seen[0][0] == {"role": "system", "content": "Answer briefly."}  # the template describes the tools
+    assert policy.opened_tool_specs == [template_tools([LOOKUP])]
+    assert all(isinstance(spec, TemplateTool) for spec in policy.opened_tool_specs[0])
+    echoed: Message = {"role": "assistant", "content": written}  # hermes: the sampled text, re-rendered as is
+    if tool_format == "mistral":  # its template must print the calls itself (and adds their ids)
+        echoed["tool_calls"] = [call.model_dump()]
+    assert seen[1][2:] == [echoed, {"role": "tool", "content": "17", "tool_call_id": call_id, "name": "lookup"}]
+    assert rollout.messages[2] == {"role": "assistant", "content": written, "tool_calls": [call.model_dump()]}
+
+
+def test_new_tools_mid_episode_open_a_new_session_and_count_a_reset() -> None:
+    policy = ScriptedPolicy(lambda messages, turn: "fine")
+    rollout = play_one(agent_handle("changes_its_tools", tool_format="hermes"), policy)
+    assert rollout.error is None and rollout.terminated
+    assert policy.opened_tool_specs == [template_tools([LOOKUP]), template_tools([LOOKUP, GAME_TOOL_SPECS[0]])]
+    assert [m["reset"] for m in rollout.step_metadata[:2]] == [False, True]
+    assert rollout.env_metrics["agent_resets"] == 1
+    with pytest.raises(ValueError, match="tool_format='xml' is not one of auto"):
+        agent_handle("changes_its_tools", tool_format="xml")
 
 
 def test_agent_messages_become_the_native_games_messages() -> None:

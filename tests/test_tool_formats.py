@@ -48,7 +48,8 @@ LOOKUP: ToolSpec = {
         "parameters": {"type": "object", "properties": {"key": {"type": "string"}}},
     },
 }
-NESTED = {"query": {"where": {"city": "Zürich", "tags": ["café", "日本"]}, "limit": 3}, "note": 'a "quoted" \\ path'}
+NESTED = {"query": {"where": {"city": "Zürich", "tags": ["café", "日本"]}, "limit": 3},
+          "note": 'a "quoted" \\ path'}  # fmt: skip
 
 
 def call(name: str, arguments: dict[str, Any], tool_format: ToolFormat, index: int = 0) -> ToolCall:
@@ -212,7 +213,8 @@ def written_by_the_model(fmt: ToolFormat, made: ToolCall) -> str:
     models write none; the endpoint gives one)."""
     if fmt is not MISTRAL:
         return fmt.render("", [made])
-    return f"[TOOL_CALLS][{json.dumps({'name': 'lookup', 'arguments': json.loads(made['function']['arguments'])}, ensure_ascii=False)}]"
+    arguments = json.loads(made["function"]["arguments"])
+    return f"[TOOL_CALLS][{json.dumps({'name': 'lookup', 'arguments': arguments}, ensure_ascii=False)}]"
 
 
 def test_an_agent_loop_is_one_sample_where_the_template_allows(template: tuple[str, ChatCodec]) -> None:
