@@ -46,7 +46,7 @@ from rollflow.generators.checkpoints import seed_everything
 from rollflow.generators.models import load_policy_for_training
 from rollflow.policy.codec import ChatCodec
 from rollflow.policy.models import generation_stop_ids
-from rollflow.policy.stopping import raise_if_stop_requested
+from rollflow.policy.stopping import raise_if_stop_requested, stop_points_in_backward
 from rollflow.storage.filemodes import give_ordinary_modes
 from rollflow.storage.parquet import is_temporary, remove_temporaries, temporary_path
 from rollflow.tasks.sft_rows import (
@@ -214,12 +214,13 @@ def sft_update(
     shared_prefix = shared_prefix and not gradient_checkpointed(model)
     optimizer.zero_grad(set_to_none=True)
     total = 0.0
-    for batch in pack_rows(rows, max_tokens, shared_prefix):
-        raise_if_stop_requested()  # SIGTERM: abandon the step; nothing of it is written
-        # its share of the batch mean
-        loss = completion_nll(model, batch, pad_token_id, shared_prefix=shared_prefix) / trained
-        loss.backward()
-        total += loss.item()
+    with stop_points_in_backward(model):  # a stop lands within a layer's backward, not after the pass
+        for batch in pack_rows(rows, max_tokens, shared_prefix):
+            raise_if_stop_requested()  # SIGTERM: abandon the step; nothing of it is written
+            # its share of the batch mean
+            loss = completion_nll(model, batch, pad_token_id, shared_prefix=shared_prefix) / trained
+            loss.backward()
+            total += loss.item()
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     optimizer.step()
