@@ -9,6 +9,11 @@ sub-parser) is one ``register(Command(...))`` each.
 Errors a user can fix (a bad path, bad SQL, a refused write, a missing episode) print one
 line to stderr and exit 1; argparse's usage errors exit 2; anything else is a bug and
 keeps its traceback.
+
+A stop is a stop in every command but ``chat`` (which ends on Ctrl-C): SIGTERM or Ctrl-C exits
+with the shell's status (143, 130) and one line. That holds for whatever error the stop
+caused on its way out: DuckDB, interrupted by the signal, eats the handler's ``SystemExit``
+and raises ``RuntimeError: Query interrupted``, which arrives here as any other error would.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import csv
 import importlib
 import json
 import math
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,9 +32,11 @@ from typing import Any
 
 import duckdb
 
-from rollflow.flows.prefect_home import use_project_prefect_home
+from rollflow.flows.prefect_home import prefect_start_failure, use_project_prefect_home
 from rollflow.policy.procs import start_watchdog
-from rollflow.policy.stopping import StopRequested, exit_on_sigterm, exit_on_stop_signals, stop_exit_code
+from rollflow.policy.stopping import (
+    StopRequested, exit_on_sigterm, exit_on_stop_signals, raise_if_stop_requested, stop_exit_code,
+)
 from rollflow.storage.errors import StorageError
 from rollflow.storage.query import describe_views, open_run_sql, run_query
 from rollflow.storage.runs import age_text, list_runs
@@ -229,6 +237,9 @@ COMMAND_MODULES = (
 
 # Commands that start servers (vLLM, Prefect's): a watchdog ends them if the run is killed.
 WATCHED_COMMANDS = frozenset({"train", "resume", "pipeline", "eval", "sft"})
+# Commands that end on Ctrl-C as on a KeyboardInterrupt (`chat`: the conversation ends); the
+# others stop on it as on SIGTERM (policy/stopping.py), with the shell's status 130.
+KEYBOARD_COMMANDS = frozenset({"chat"})
 # Commands that run Prefect flows: their Prefect state goes to the project, not ~/.prefect.
 PREFECT_COMMANDS = frozenset({"train", "resume", "pipeline", "eval", "sft"})
 
@@ -239,6 +250,20 @@ def _give_prefect_a_home() -> None:
         use_project_prefect_home()
     except OSError as exc:
         raise UserError(f"cannot create Prefect's home folder ({exc}); set PREFECT_HOME to a writable one") from exc
+
+
+def stop_requested() -> bool:
+    """Whether SIGTERM or Ctrl-C asked this process to stop (policy/stopping.py's flag)."""
+    try:
+        raise_if_stop_requested()
+    except StopRequested:
+        return True
+    return False
+
+
+def stopped_line(command: str) -> str:
+    """What a command stopped by a signal ends with, where it has nothing better to say."""
+    return f"rollflow {command}: stopped by {signal.Signals(stop_exit_code() - 128).name}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -260,23 +285,38 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    if args.command not in KEYBOARD_COMMANDS:
+        exit_on_stop_signals()  # Ctrl-C too
     if args.command in WATCHED_COMMANDS:
-        exit_on_stop_signals()  # Ctrl-C too; other commands keep KeyboardInterrupt (`chat` ends on it)
         start_watchdog()  # SIGKILL or OOM skips atexit: it stops what the run started (policy/procs.py)
     try:
         if args.command in PREFECT_COMMANDS:
             _give_prefect_a_home()
         return COMMANDS[args.command].run(args)
-    except (UserError, StorageError) as exc:
-        print(f"rollflow {args.command}: {exc}".splitlines()[0], file=sys.stderr)
-        return 1
     except StopRequested as stop:  # raised in a stage's thread, after SIGTERM or Ctrl-C
         print(f"rollflow {args.command}: {stop}", file=sys.stderr)
         return stop_exit_code()
-    except BrokenPipeError:  # `rollflow sql ... | head`
+    except Exception as exc:
+        status = _one_line_status(args.command, exc)
+        if status is None:
+            raise  # a bug: its traceback
+        return status
+
+
+def _one_line_status(command: str, exc: Exception) -> int | None:
+    """The exit status of a command that raised ``exc``, once its one line is on stderr;
+    None where ``exc`` is a bug, to be raised with its traceback."""
+    if stop_requested():  # whatever the stop made fail on its way out is the stop
+        print(stopped_line(command), file=sys.stderr)
+        return stop_exit_code()
+    if isinstance(exc, BrokenPipeError):  # `rollflow sql ... | head`
         sys.stderr.close()
         return 0
-
+    start_failure = prefect_start_failure(exc)
+    if isinstance(exc, UserError | StorageError) or start_failure is not None:
+        print(f"rollflow {command}: {start_failure or exc}".splitlines()[0], file=sys.stderr)
+        return 1
+    return None
 
 if __name__ == "__main__":
     # `python -m rollflow.flows.cli`: subcommand modules register into flows.cli, not __main__.

@@ -138,3 +138,46 @@ def test_the_services_setting_reaches_prefects_temporary_server(tmp_path: Path) 
         assert result.returncode == 0, result.stderr[-3000:]
         seen = [line.split("=", 1)[1] for line in result.stdout.splitlines() if line.startswith(f"{TRIGGERS}=")]
         assert [value.lower() for value in seen] == [expected], result.stdout[-3000:]  # Prefect writes "False"
+
+
+STARTUP = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+
+
+def test_the_temporary_server_gets_a_generous_start_up_time_unless_the_user_set_one(tmp_path: Path) -> None:
+    """Prefect's 20 s default timed out on the newcomer's first run on a loaded 2-core
+    machine (its database being created); `make` gave 120 s, a plain `rollflow` did not."""
+    environ: dict[str, str] = {}
+    use_project_prefect_home(environ, start=tmp_path)
+    assert environ[STARTUP] == "120"
+    own = {STARTUP: "45"}
+    use_project_prefect_home(own, start=tmp_path)
+    assert own[STARTUP] == "45"
+    (tmp_path / ".prefect").mkdir()
+    (tmp_path / ".prefect" / "profiles.toml").write_text(f'active = "mine"\n[profiles.mine]\n{STARTUP} = 300\n')
+    in_profile = {"HOME": str(tmp_path)}  # an environment variable would hide the profile's value
+    use_project_prefect_home(in_profile, start=tmp_path)
+    assert STARTUP not in in_profile
+    with_server = {"PREFECT_API_URL": "http://127.0.0.1:4200/api"}  # no temporary server to wait for
+    use_project_prefect_home(with_server, start=tmp_path)
+    assert STARTUP not in with_server
+
+
+@pytest.mark.slow
+def test_a_temporary_server_that_does_not_start_in_time_is_one_line_naming_the_setting(tmp_path: Path) -> None:
+    """A real `rollflow eval` whose Prefect server gets no time at all to start (0 s: Prefect
+    does not wait); it used to end in a RuntimeError traceback."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false", **{STARTUP: "0"})
+    config = tmp_path / "eval.toml"
+    config.write_text("[tracking]\nenabled = false\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "rollflow.flows.cli", "eval", "--config", str(config), "--tasks", "1",
+         "--base-url", "http://127.0.0.1:9/v1", "--api-model", "none", "--run-dir", str(tmp_path / "run")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    ours = [line for line in result.stderr.splitlines() if line.startswith("rollflow eval:")]
+    assert len(ours) == 1, result.stderr[-3000:]
+    assert "Prefect's temporary API server did not start within 0 s" in ours[0], ours[0]
+    assert f"raise {STARTUP}" in ours[0], ours[0]
