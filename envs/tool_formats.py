@@ -33,9 +33,16 @@ reply back to the template (``echo``):
 Detection (``detect_tool_format``) reads the template's own text. A template "knows tools"
 when a jinja tag of it reads the ``tools`` variable; then the first family whose markers
 (literal strings the template prints when it renders calls) are all in it wins, in the
-order of ``FORMATS``. SmolLM2's template (the bundled model) never reads ``tools``: it gets
-rollflow's protocol. ``rollflow`` has no vLLM parser: vLLM's ``hermes`` parser needs
-``<tool_call>`` to be one token of the vocabulary, which SmolLM2's is not.
+order of ``FORMATS``, unless one of its ``unless`` strings is there too. SmolLM2's template
+(the bundled model) never reads ``tools``: it gets rollflow's protocol, and its export is
+served with the tools in the system prompt and no vLLM parser (vLLM parses only requests
+that carry ``tools=``, which that template would not show the model).
+
+Simplified, on purpose, against vLLM 0.32's parsers: ``llama3_json`` reads calls only where
+the reply starts with them (as Llama writes them; vLLM also finds JSON after prose), and
+``mistral`` reads the JSON-list form of Mistral's v3 tokenizer models (7B v0.3, Nemo). The
+``[TOOL_CALLS]name[ARGS]{..}`` form of later models is not read: a template that prints
+``[ARGS]`` is not detected as ``mistral``.
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ class ToolFormat:
     render: Callable[[str, Sequence[ToolCall]], str]
     echo: Echo
     call_id: Callable[[int, int], str]  # (call number in the episode, index in the reply) -> id
+    unless: tuple[str, ...] = ()  # a template holding any of these is not this family's
 
     @property
     def in_template(self) -> bool:
@@ -249,7 +257,7 @@ LLAMA3_JSON = ToolFormat(
     parse=parse_llama3_json, render=render_llama3_json, echo="raw", call_id=_openai_id,
 )  # fmt: skip
 MISTRAL = ToolFormat(
-    name="mistral", vllm_parser="mistral", markers=(TOOL_CALLS, "[AVAILABLE_TOOLS]"),
+    name="mistral", vllm_parser="mistral", markers=(TOOL_CALLS, "[AVAILABLE_TOOLS]"), unless=("[ARGS]",),
     parse=parse_mistral, render=render_mistral, echo="structured", call_id=mistral_call_id,
 )  # fmt: skip
 
@@ -273,7 +281,10 @@ def detect_tool_format(template: str | Mapping[str, str] | None) -> ToolFormat:
         template = template.get("tool_use") or template.get("default")
     if not isinstance(template, str) or not template_reads_tools(template):
         return ROLLFLOW
-    return next((f for f in FORMATS.values() if f.markers and all(m in template for m in f.markers)), ROLLFLOW)
+    for fmt in FORMATS.values():
+        if fmt.markers and all(m in template for m in fmt.markers) and not any(u in template for u in fmt.unless):
+            return fmt
+    return ROLLFLOW
 
 
 def chosen_tool_format(choice: str, template: str | Mapping[str, str] | None) -> ToolFormat:

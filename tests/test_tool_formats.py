@@ -97,6 +97,9 @@ def test_the_choice_is_checked_against_the_template(smol: PreTrainedTokenizerBas
         chosen_tool_format("xml", None)
     named = {"default": smol.chat_template, "tool_use": (TEMPLATES_DIR / "qwen2.5-instruct.jinja").read_text()}
     assert detect_tool_format(named) is HERMES  # transformers renders tools with "tool_use"
+    later_mistral = (TEMPLATES_DIR / "mistral-nemo-instruct-2407.jinja").read_text().replace(
+        '{{- "[TOOL_CALLS][" }}', '{{- "[TOOL_CALLS]" + tool_call.function.name + "[ARGS]" }}')  # fmt: skip
+    assert detect_tool_format(later_mistral) is ROLLFLOW  # the name[ARGS] form is not read
     assert [f.vllm_parser for f in FORMATS.values()] == ["mistral", "hermes", "llama3_json", None]
 
 
