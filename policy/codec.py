@@ -28,8 +28,8 @@ One protocol for every template. The model is always asked, by
 ``tools=`` asks for its own syntax instead (Llama's bare ``{"name", "parameters"}`` JSON,
 Mistral's ``[TOOL_CALLS]``, Qwen's newline-wrapped blocks), which the parser reads as final
 answers; given both, the model would see two formats that contradict each other. So by
-default the template is never passed ``tools=`` (the opt-in exception is at the end). The alternative, a parser per template, would need one
-reader per model family and make an episode's meaning depend on its template; one text
+default the template is never passed ``tools=`` (the opt-in exception is at the end). The
+alternative, a parser per template, would need one reader per model family and make an episode's meaning depend on its template; one text
 format keeps one parser, and training teaches it to the model anyway.
 
 Simplifications, and why:
