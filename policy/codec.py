@@ -29,8 +29,9 @@ One protocol for every template. The model is always asked, by
 Mistral's ``[TOOL_CALLS]``, Qwen's newline-wrapped blocks), which the parser reads as final
 answers; given both, the model would see two formats that contradict each other. So by
 default the template is never passed ``tools=`` (the opt-in exception is at the end). The
-alternative, a parser per template, would need one reader per model family and make an episode's meaning depend on its template; one text
-format keeps one parser, and training teaches it to the model anyway.
+alternative, a parser per template, would need one reader per model family and make an
+episode's meaning depend on its template; one text format keeps one parser, and training
+teaches it to the model anyway.
 
 Simplifications, and why:
 - The instructions are appended to a leading system message, or put in a new one. That
