@@ -2,6 +2,9 @@
 
 ``eval`` checks its config and flags first (``flows/eval_config.py: check_eval``), as
 ``train`` does, so a wrong ``--model`` or ``--env`` is one line and leaves no run folder.
+As ``train`` does too, it keeps Prefect's log (tracebacks included) in the run folder
+(``flows/prefect_log.py``) and ends a failure in one line that names it (every episode
+failed, say), and a stop (Ctrl-C) in one line that says how to run it again.
 
 They register themselves in ``rollflow.flows.cli``'s table when this module is imported. Prefect,
 torch and the flows are imported only when a command runs, so ``rollflow sql`` stays fast.
@@ -14,16 +17,20 @@ import os
 import sys
 from pathlib import Path
 
-from rollflow.flows.cli import Command, UserError, register
+from rollflow.flows.cli import Command, UserError, register, stop_requested
+from rollflow.policy.stopping import StopRequested
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from rollflow.envs.runner import EnvironmentLoadError
+    from rollflow.flows.runs import RunSetupError
     from rollflow.policy.models import ModelLoadError
     from rollflow.config.parsing import ConfigError
     from rollflow.tasks.sft_rows import SFTDataError
+    from rollflow.tasks.step_health import StepFailedError
 
-    return (ConfigError, EnvironmentLoadError, ModelLoadError, SFTDataError, FileNotFoundError)
+    return (ConfigError, EnvironmentLoadError, ModelLoadError, SFTDataError, FileNotFoundError, RunSetupError,
+            StepFailedError)
 
 
 def _eval_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,24 +57,62 @@ def run_eval(args: argparse.Namespace) -> int:
 
         # A bad config, model path or environment fails here in one line, before Prefect
         # starts and before a run folder is made (the flow checks again, for pipelines).
-        check_eval(args.config, EvalOverrides(args.env, args.model, args.adapter, args.base_url,
-                                              args.api_model, args.tasks, args.tools_in_system_prompt))
-        from rollflow.flows.eval import describe_policy, eval_flow, eval_report, format_report
+        config = check_eval(args.config, EvalOverrides(args.env, args.model, args.adapter, args.base_url,
+                                                       args.api_model, args.tasks, args.tools_in_system_prompt))
+        from rollflow.flows.eval import eval_run_dir
         from rollflow.flows.prefect_server import serve_prefect_in_own_session
-        from rollflow.config.run import load_config
 
+        root = eval_run_dir(config, args.config, args.run_dir)
         serve_prefect_in_own_session()  # out of reach of a terminal's Ctrl-C (flows/prefect_server.py)
-        root = eval_flow(
-            config_path=args.config, run_dir=args.run_dir, env=args.env, model=args.model,
-            adapter=args.adapter, base_url=args.base_url, api_model=args.api_model, num_tasks=args.tasks,
-            log_report=False,  # printed below, to stdout
-            tools_in_system_prompt=args.tools_in_system_prompt,
-        )
+        _evaluate(args, root)
     except _user_errors() as exc:
         raise UserError(str(exc)) from exc
-    config = load_config(Path(root) / "config.toml", frozen=True)
-    sys.stdout.write(format_report(eval_report(root), describe_policy(config)))
+    sys.stdout.write(_report(root))
     return 0
+
+
+def _again(root: Path) -> str:
+    return f"the same `rollflow eval` with `--run-dir {root}`"
+
+
+def _evaluate(args: argparse.Namespace, root: Path) -> None:
+    """The eval flow into ``root``, with Prefect's log (tracebacks included) in ``root``:
+    a failure the user can act on is raised as one line naming that log, a stop as one line
+    on how to run the evaluation again."""
+    from rollflow.flows.eval import eval_flow
+    from rollflow.flows.prefect_log import PREFECT_LOG, prefect_log_in
+
+    log = root / PREFECT_LOG
+    try:
+        with prefect_log_in(log):  # Prefect's tracebacks go there, not to the console
+            eval_flow(
+                config_path=args.config, run_dir=str(root), env=args.env, model=args.model,
+                adapter=args.adapter, base_url=args.base_url, api_model=args.api_model, num_tasks=args.tasks,
+                log_report=False,  # printed by the command, to stdout
+                tools_in_system_prompt=args.tools_in_system_prompt,
+            )
+    except BaseException as exc:  # a failure, Ctrl-C, SIGTERM: the folder keeps what finished
+        if stop_requested():
+            raise StopRequested(f"stopped; {_again(root)} finishes the evaluation") from exc
+        if isinstance(exc, _user_errors()):
+            first, *rest = str(exc).split("\n", 1)
+            raise UserError("\n".join([f"{first} (Prefect's log, with the traceback: {log})", *rest])) from exc
+        raise
+
+
+def _report(root: Path) -> str:
+    """The finished evaluation's report; a stop while its SQL runs is one line that says
+    the evaluation is complete and how to print the report."""
+    from rollflow.config.run import load_config
+    from rollflow.flows.eval import describe_policy, eval_report, format_report
+
+    try:
+        return format_report(eval_report(root), describe_policy(load_config(root / "config.toml", frozen=True)))
+    except BaseException as exc:
+        if stop_requested():
+            complete = f"the evaluation is complete: {_again(root)} prints it"
+            raise StopRequested(f"stopped before the report; {complete}") from exc
+        raise
 
 
 def _sft_arguments(parser: argparse.ArgumentParser) -> None:

@@ -49,6 +49,7 @@ from rollflow.flows.eval_config import EvalOverrides, checked_eval_config
 from rollflow.flows.runs import freeze_config
 from rollflow.flows.step import validate
 from rollflow.generators.run_generator import open_generator
+from rollflow.policy.stopping import raise_if_stop_requested
 from rollflow.storage.pass_at_k import overall_pass_at_k
 from rollflow.storage.query import open_run_sql
 from rollflow.storage.stage_outputs import finished_output
@@ -57,7 +58,7 @@ from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.runs import mark_run_kind
 from rollflow.tasks.tracking import finish_tracking, start_tracking
 
-__all__ = ["eval_flow", "eval_report", "format_report", "open_eval_run"]
+__all__ = ["eval_flow", "eval_report", "eval_run_dir", "format_report", "open_eval_run"]
 
 EVAL_STEP = 0  # an evaluation is one validation pass, stored as step 0
 WORST_EPISODES = 5
@@ -75,6 +76,15 @@ WHERE e.split = 'validation' AND e.step = $step
 ORDER BY (e.error IS NOT NULL OR s.scoring_error IS NOT NULL) DESC, s.final_reward, e.episode_id
 LIMIT $limit
 """
+
+
+def eval_run_dir(config: RunConfig, config_path: str | None, run_dir: str | Path | None) -> Path:
+    """``run_dir``, else a new ``<runs_dir>/eval-<config name>-<time>`` (``eval-<time>``
+    without a config): ``rollflow eval`` knows the folder before the flow runs, for its log."""
+    if run_dir is not None:
+        return Path(run_dir)
+    name = f"eval-{Path(config_path).stem}" if config_path is not None else "eval"
+    return Path(config.storage.runs_dir) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def open_eval_run(config: RunConfig, run_dir: str | Path | None, name: str = "eval") -> RunFolder:
@@ -113,8 +123,7 @@ def eval_flow(
     """
     overrides = EvalOverrides(env, model, adapter, base_url, api_model, num_tasks, tools_in_system_prompt)
     config = checked_eval_config(config_path, overrides)  # before the run folder is made
-    name = f"eval-{Path(config_path).stem}" if config_path is not None else "eval"
-    folder = open_eval_run(config, run_dir, name)
+    folder = open_eval_run(config, eval_run_dir(config, config_path, run_dir))
     start_tracking(config, folder.root)
     succeeded = False
     try:
@@ -163,6 +172,9 @@ def eval_report(run_dir: str | Path, worst: int = WORST_EPISODES) -> EvalReport:
         by_k = tuple(overall_pass_at_k(con, "validation", EVAL_STEP))
     finally:
         con.close()
+    # Outside a stage nothing turns a Ctrl-C that DuckDB ate into the stop (stops_through),
+    # and a caller's `except Exception` would swallow its "Query interrupted".
+    raise_if_stop_requested()
     episodes = tuple(
         WorstEpisode(str(e), str(t), float(r), str(ending), int(turns), int(tokens or 0))
         for e, t, r, ending, turns, tokens in rows

@@ -26,6 +26,7 @@ from rollflow.config.run import RunConfig, config_to_toml, flatten_config, load_
 from rollflow.storage.errors import ConfigMismatchError
 from rollflow.storage.runfolder import METRICS_JSON, RunFolder
 from rollflow.storage.runlock import acquire_run_folder, release_run_folder
+from rollflow.storage.runs import KIND_FILE, run_kind
 
 
 
@@ -80,11 +81,13 @@ def open_run(config_path: str | Path | None, run_dir: str | Path | None) -> RunH
         config = load_config(config_path)
         root = Path(run_dir) if run_dir is not None else new_run_dir(config, Path(config_path))
         folder = RunFolder(root)
+        refuse_other_kinds(root)
         acquire_run_folder(root)
     else:
         folder = RunFolder(Path(str(run_dir)))
         if not folder.config_path.exists():
             raise RunSetupError(f"{folder.root}: not a run folder (no config.toml to resume from)")
+        refuse_other_kinds(folder.root)
         acquire_run_folder(folder.root)
     try:
         if config_path is not None:
@@ -100,6 +103,34 @@ def open_run(config_path: str | Path | None, run_dir: str | Path | None) -> RunH
     if discarded:
         handle.report(f"discarded {len(discarded)} half-written file(s) from an interrupted run")
     return handle
+
+
+_KIND_NAMES = {"eval": "an evaluation", "sft": "an SFT run", "pipeline": "a pipeline"}
+
+
+def refuse_other_kinds(root: Path) -> None:
+    """A ``RunSetupError`` where ``root`` was made by another command (``run_kind``: an
+    evaluation, SFT, a pipeline): training there would mix GRPO steps into its tables."""
+    kind = run_kind(root) if root.is_dir() else "train"
+    if kind != "train":
+        raise RunSetupError(
+            f"{root} is {_KIND_NAMES[kind]}, not a training run (`rollflow resume` and `rollflow train` "
+            f"continue training runs only); to run it again: {rerun_command(root)}"
+        )
+
+
+def rerun_command(root: Path) -> str:
+    """The command that runs the folder's work again, by what made it (``run_kind``); a
+    folder inside a pipeline's is rerun by the pipeline (it registers the result)."""
+    parent = root.parent
+    if (parent / KIND_FILE).is_file() and run_kind(parent) == "pipeline":
+        return f"`rollflow pipeline --run-dir {parent}`"
+    kind = run_kind(root)
+    if kind == "train":
+        return f"`rollflow resume {root}`"
+    if kind == "pipeline":
+        return f"`rollflow pipeline --run-dir {root}`"
+    return f"the same `rollflow {kind}` with `--run-dir {root}`"
 
 
 def freeze_config(folder: RunFolder, config: RunConfig) -> None:

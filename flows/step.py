@@ -34,7 +34,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.utilities.annotations import quote
 
 from rollflow.config.run import RunConfig
-from rollflow.flows.runs import RunHandle
+from rollflow.flows.runs import RunHandle, rerun_command
 from rollflow.generators.generator import Sampler
 from rollflow.generators.policy_io import ActingPolicy, acting_policy
 from rollflow.policy.stopping import stops_through
@@ -159,14 +159,16 @@ def _finished(out: Path, outputs: dict[str, Path]) -> Path | None:
 def replaying_failed_episodes(folder: RunFolder, p: StepPaths) -> Iterator[None]:
     """Where the scoring stage refuses a step whose episodes failed in the rollout itself
     (``StepFailedError.rollout_failed``), the step discards those episodes (and an async
-    step's admission), so that a resume plays them again; the error then says so."""
+    step's admission), so that running the folder again plays them; the error says with which
+    command (``rerun_command``: an evaluation is not resumed by ``rollflow resume``)."""
     try:
         yield
     except StepFailedError as failed:
         if not failed.rollout_failed:
             raise
         discard_episodes(folder, p.step, p.split)
-        raise StepFailedError(f"{failed}; its episodes were discarded: `rollflow resume` plays them again") from None
+        again = rerun_command(folder.root)  # `rollflow resume`, or for an evaluation `rollflow eval`
+        raise StepFailedError(f"{failed}; its episodes were discarded: {again} plays them again") from None
 
 
 class EpisodesFrom(Protocol):

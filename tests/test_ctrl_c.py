@@ -271,3 +271,69 @@ def test_a_stop_during_the_update_of_a_background_run_ends_it_in_seconds_and_res
     assert (run_dir / "checkpoints" / "step=000000").is_dir()
     trained = json.loads((run_dir / "steps" / "step=000000" / "train.json").read_text())
     print(f"the whole update, resumed: {trained['timings']['update_s']:.1f} s")
+
+
+# ---------------------------------------------------------------- Ctrl-C outside a stage (review F6)
+
+REPORT_ROWS = 64_000  # 8 episode ids, 8,000 rows each: the report's joins take some 20 s
+
+
+def _finished_eval_with_a_slow_report(root: Path, config_path: Path, base_url: str) -> None:
+    """An evaluation folder whose pass is done (the flow runs nothing again), with so many rows
+    per episode id that the report's SQL (episodes joined with scores) runs for seconds."""
+    import numpy as np
+    import pyarrow as pa
+
+    from rollflow.flows.eval import EVAL_STEP, open_eval_run
+    from rollflow.flows.eval_config import EvalOverrides, checked_eval_config
+    from rollflow.storage.schemas import episode_records_to_table, score_records_to_table
+    from rollflow.storage.synthetic import synthetic_episode, synthetic_score
+
+    config = checked_eval_config(str(config_path), EvalOverrides(base_url=base_url, api_model="none"))
+    folder = open_eval_run(config, root)
+    episodes = [synthetic_episode("eval", EVAL_STEP, t, i, split="validation") for t in range(4) for i in range(2)]
+    copies = pa.array(np.arange(REPORT_ROWS) % len(episodes))
+    scores = [synthetic_score(e, 1.0) for e in episodes]
+    for stage, table in (("episodes", episode_records_to_table(episodes)), ("scores", score_records_to_table(scores))):
+        folder.write_stage(table.take(copies), EVAL_STEP, stage, "validation")
+    folder.write_json_atomic(folder.step_paths(EVAL_STEP, "validation").metrics_json, {})
+
+
+@pytest.mark.slow  # ~40 s: the command's imports, its flow on the session's server, the report's start
+def test_ctrl_c_during_the_eval_report_exits_130_with_one_line(tmp_path: Path, shared_prefect_url: str) -> None:
+    """DuckDB, interrupted outside a stage, ate the handler's SystemExit and raised
+    ``RuntimeError: Query interrupted``: `rollflow eval` printed its traceback and exited 1."""
+    root, config, base_url = tmp_path / "eval", tmp_path / "eval.toml", "http://127.0.0.1:9/v1"
+    config.write_text("[tracking]\nenabled = false\n")
+    _finished_eval_with_a_slow_report(root, config, base_url)
+    out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    env = {**os.environ, "PREFECT_API_URL": shared_prefect_url, "PREFECT_LOGGING_LEVEL": "INFO"}  # a user's level
+    with out.open("w") as stdout, err.open("w") as stderr:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "rollflow.flows.cli", "eval", "--config", str(config), "--base-url", base_url,
+             "--api-model", "none", "--run-dir", str(root)],
+            stdout=stdout, stderr=stderr, env=env, start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal's job starts
+        )  # fmt: skip
+    try:
+        log = root / "logs" / "prefect.log"  # the flow's whole log: its end means the report is next
+        deadline = time.monotonic() + 240
+        while not (log.exists() and "Flow run" in (text := log.read_text()) and "Completed()" in text):
+            assert child.poll() is None, err.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the eval flow never finished"
+            time.sleep(0.2)
+        time.sleep(3)  # well into the report's SQL
+        assert child.poll() is None, "the report finished before the Ctrl-C: make REPORT_ROWS larger"
+        os.killpg(child.pid, signal.SIGINT)
+        status = child.wait(timeout=60)
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait(timeout=60)
+    text = err.read_text()
+    assert status == 130, text[-3000:]
+    assert "Traceback" not in text and "Query interrupted" not in text, text[-3000:]
+    ours = [line for line in text.splitlines() if line.startswith("rollflow eval:")]
+    assert ours == [f"rollflow eval: stopped before the report; the evaluation is complete: the same "
+                    f"`rollflow eval` with `--run-dir {root}` prints it"], text[-3000:]
+    assert out.read_text() == ""  # no half a report

@@ -250,3 +250,83 @@ def test_validation_plays_each_task_episodes_per_task_times(
     assert len(by_group) == 2 and all(len(ids) == 3 and len(set(ids)) == 1 for ids in by_group.values())
     assert len({ids[0] for ids in by_group.values()}) == 2  # two different tasks
     assert eval_report(root).metrics["num_episodes"] == 6
+
+
+# ---------------------------------------------------------------- a failed evaluation, and how to run it again
+
+
+def test_a_failed_eval_says_in_one_line_how_to_run_it_again_and_resume_refuses_its_folder(
+    tmp_path: Path, prefect_harness: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every episode refused by the server (the newcomer's HTTP 400): ``rollflow eval`` ends in
+    one line that says how to play them again; ``rollflow resume`` on the folder would have
+    trained GRPO in it, and is refused in one line that says the same. Then the server
+    answers, and what the line says does play them again."""
+    refusing = [True]
+    answered: list[str] = []
+
+    def answer(path: str, headers: Mapping[str, str], body: dict[str, Any]) -> tuple[int, Any, float]:
+        if refusing[0]:
+            return 400, {"error": {"message": "tool choice requires --enable-auto-tool-choice"}}, 0.0
+        answered.append(path)
+        return 200, {
+            "id": "c", "object": "chat.completion",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "17"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 30, "completion_tokens": 2, "total_tokens": 32},
+        }, 0.0  # fmt: skip
+
+    config, root = tmp_path / "served.toml", tmp_path / "run"
+    config.write_text("[tracking]\nenabled = false\n[validation]\nnum_tasks = 2\n")
+    with json_server(answer) as url:
+        command = ["eval", "--config", str(config), "--base-url", f"{url}/v1", "--api-model", "smol",
+                   "--run-dir", str(root)]
+        assert main(command) == 1
+        err = capsys.readouterr().err
+        ours = [line for line in err.splitlines() if line.startswith("rollflow")]  # besides the progress lines
+        assert len(ours) == 1 and "Traceback" not in err, err
+        assert ours[0].startswith("rollflow eval: validation step 0: all 2 episodes failed"), err
+        assert f"the same `rollflow eval` with `--run-dir {root}` plays them again" in ours[0], err
+        assert ours[0].endswith(f"(Prefect's log, with the traceback: {root / 'logs' / 'prefect.log'})"), err
+        assert "rollflow resume" not in err, err
+
+        assert main(["resume", str(root)]) == 1
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1, err
+        assert err.startswith(f"rollflow resume: {root} is an evaluation, not a training run"), err
+        assert err.rstrip().endswith(f"to run it again: the same `rollflow eval` with `--run-dir {root}`"), err
+        assert not (root / "train").exists() and not (root / "checkpoints").exists()
+
+        refusing[0] = False
+        assert main(command) == 0, capsys.readouterr().err
+    assert eval_report(root).metrics["error_ratio"] == 0.0 and len(answered) == 2
+
+
+@pytest.mark.parametrize(
+    ("kind", "under_pipeline", "advice"),
+    [
+        ("train", False, "`rollflow resume {root}` plays them again"),
+        ("eval", False, "the same `rollflow eval` with `--run-dir {root}` plays them again"),
+        ("eval", True, "`rollflow pipeline --run-dir {parent}` plays them again"),
+        ("train", True, "`rollflow pipeline --run-dir {parent}` plays them again"),
+    ],
+)
+def test_the_replay_advice_follows_what_made_the_folder(
+    kind: str, under_pipeline: bool, advice: str, tmp_path: Path
+) -> None:
+    from rollflow.flows.step import replaying_failed_episodes
+    from rollflow.storage.runs import mark_run_kind
+    from rollflow.tasks.step_health import StepFailedError
+
+    parent = tmp_path / "nightly"
+    root = parent / "grpo" if under_pipeline else tmp_path / "run"
+    root.mkdir(parents=True)
+    if under_pipeline:
+        mark_run_kind(parent, "pipeline")
+    if kind != "train":
+        mark_run_kind(root, kind)
+    folder = RunFolder(root)
+    with pytest.raises(StepFailedError) as failed:
+        with replaying_failed_episodes(folder, folder.step_paths(0, "validation")):
+            raise StepFailedError("validation step 0: all 2 episodes failed: ConnectError", rollout_failed=True)
+    expected = advice.format(root=root, parent=parent)
+    assert str(failed.value).endswith(f"; its episodes were discarded: {expected}"), str(failed.value)
