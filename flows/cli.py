@@ -211,6 +211,7 @@ def run_runs(args: argparse.Namespace) -> int:
         notes = [s.config_problem] if s.config_problem else []
         if s.temporaries:
             notes.append(f"{s.temporaries} half-written file(s) to discard on resume")
+        notes += [s.end_note] if s.end_note else []  # why it stopped, as it recorded (storage/runs.py)
         finished, checkpoint = s.last_finished_step, s.latest_checkpoint
         rows.append(
             [s.run_id, s.describe(), "-" if finished is None else str(finished),

@@ -76,6 +76,9 @@ def _run_flow(config_path: str | None, run_dir: str | None) -> int:
             with prefect_log_in(log):  # Prefect's tracebacks go there, not to the console
                 folder = train_flow(run_dir=str(handle.root))
         except BaseException as exc:  # a crash, Ctrl-C, SIGTERM: the folder keeps what finished
+            from rollflow.ops.run_summary import record_run_end
+
+            record_run_end(handle.root, exc)  # what `rollflow runs` says of it
             handle.report(f"continue with `rollflow resume {handle.root}`")
             if isinstance(exc, _user_errors()):  # the command prints the first line
                 first, *rest = str(exc).split("\n", 1)

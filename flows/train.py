@@ -30,7 +30,9 @@ the admissions already written and the groups already collected.
 Validation runs before every ``validation_interval``-th step (step 0 gives the baseline)
 and once more after the last step, on the validation tasks, without training on them.
 A finished run ends by printing the first and last validation's paired change and where
-the curve is (``ops/run_summary.py``).
+the curve is (``ops/run_summary.py``); one that fails or is stopped records how, in one
+line, for ``rollflow runs`` (``record_run_end``; the CLI records it too where the flow never
+started, e.g. Prefect's server did not).
 """
 
 from __future__ import annotations
@@ -47,10 +49,11 @@ from rollflow.flows.step import admitted_from, grpo_step, rollout_from, validate
 from rollflow.generators.async_generator import open_async_generator
 from rollflow.generators.cpu_split import async_cpu_split, trainer_threads
 from rollflow.generators.run_generator import open_generator
+from rollflow.storage.runs import clear_run_end
 from rollflow.storage.stage_outputs import finished_output
 from rollflow.tasks.collect import Publisher, RolloutWorkers, write_collector_report
 from rollflow.tasks.metrics import step_advice, step_outcome
-from rollflow.ops.run_summary import learning_summary
+from rollflow.ops.run_summary import learning_summary, record_run_end
 from rollflow.tasks.teacher import check_teacher
 from rollflow.tasks.tracking import finish_tracking, start_tracking
 
@@ -73,6 +76,7 @@ def train_flow(config_path: str | None = None, run_dir: str | None = None) -> st
     """
     handle = open_run(config_path, run_dir)  # holds the run folder's lock until closed
     try:
+        clear_run_end(handle.root)  # how an earlier process ended is history now (storage/runs.py)
         handle.report(f"run folder {handle.root}")
         start_tracking(handle.config, handle.root)
         try:
@@ -92,6 +96,9 @@ def train_flow(config_path: str | None = None, run_dir: str | None = None) -> st
         for line in summary:
             handle.report(line)
         return str(handle.root)
+    except BaseException as error:  # a failure or a stop, whoever called the flow (CLI, API, pipeline)
+        record_run_end(handle.root, error)  # what `rollflow runs` says of it
+        raise
     finally:
         handle.close()
 

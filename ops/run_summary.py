@@ -4,18 +4,26 @@ The first and the last validation pass of the run, compared paired by task (each
 pass rate after minus before; the same statistics as the pipeline's gate,
 ``tasks/gate.py``), with a two-sided sign-flip p that says whether the change clears the
 noise of the validation itself; then where to see the whole curve.
+
+A run that does not finish gets its one line too, in the folder for ``rollflow runs``
+(``record_run_end``): stopped by which signal, or failed with which error.
 """
 
 from __future__ import annotations
 
 import shlex
+import signal
 import statistics
+from pathlib import Path
 
 from rollflow.config.run import RunConfig
+from rollflow.policy.stopping import StopRequested, raise_if_stop_requested, stop_exit_code
 from rollflow.storage.runfolder import RunFolder
+from rollflow.storage.runs import RunEnd, write_run_end
 from rollflow.tasks.gate_rule import GateError, episodes_by_task, paired_change, per_task
 from rollflow.tasks.tracking import REWARD_CURVE
 
+REASON_CHARS = 200  # of an error's first line, in the run's exit record
 NOISE_P = 0.05  # a two-sided p below this: the change is beyond the validation's own noise
 CURVE_SQL = ("SELECT step, avg(passed::INT) AS pass_rate, count(*) AS episodes FROM scores "
              "WHERE split = 'validation' GROUP BY step ORDER BY step")
@@ -63,3 +71,24 @@ def learning_summary(config: RunConfig, folder: RunFolder) -> list[str]:
                 f"mlflow ui --backend-store-uri {shlex.quote(ref.tracking_uri)}"
             )
     return lines
+
+
+def record_run_end(root: Path, error: BaseException) -> None:
+    """Write why the run in ``root`` ended with ``error`` (``storage.runs.RunEnd``): a stop
+    where a signal asked for one (whatever error the stop caused on its way out), else a
+    failure with the error's first line. Never raises: the run's own error goes on."""
+    try:
+        raise_if_stop_requested()
+    except StopRequested:
+        error = KeyboardInterrupt() if stop_exit_code() == 128 + signal.SIGINT else StopRequested()
+    if isinstance(error, KeyboardInterrupt | StopRequested):
+        how = "Ctrl-C (SIGINT)" if isinstance(error, KeyboardInterrupt) else "SIGTERM"
+        end = RunEnd("stopped", f"stopped by {how}; `rollflow resume` continues it")
+    else:
+        first = (str(error).strip().splitlines() or [""])[0]
+        reason = f"{type(error).__name__}: {first}" if first else type(error).__name__
+        end = RunEnd("failed", reason[:REASON_CHARS])
+    try:
+        write_run_end(root, end)
+    except OSError:
+        pass  # a full disk must not hide why the run ended

@@ -82,3 +82,26 @@ def release_run_folder(root: Path) -> None:
             return
         del _held_locks[key]
         os.close(fd)
+
+
+def run_folder_in_use(root: Path) -> bool:
+    """Whether another process holds ``root``'s lock now: a run going on there (this
+    process's own holds are reentrant, as for ``acquire_run_folder``, so they do not count).
+
+    Probed by taking a shared lock and dropping it at once, so it never waits; a run that
+    starts in that instant is refused as if the folder were busy (microseconds)."""
+    key = Path(root).resolve()
+    with _lock_guard:
+        if key in _held_locks:
+            return False
+    try:
+        fd = os.open(key / LOCK_FILE, os.O_RDONLY)
+    except OSError:  # no lock file: no rollflow process ever ran there
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # which drops the probe's shared lock
+    return False

@@ -1,9 +1,14 @@
 """Where each run under a ``runs/`` folder stands: finished, or stopped at which stage.
 
-Read from the files alone (the run folder is the only state), so a run that is still
-going and one that crashed look the same; the status says "in progress or failed" and
-when the run last wrote something. The planned step count is ``[train] num_steps`` of the
-run's frozen ``config.toml`` when it has one.
+Read from the files, and from the run's lock (``storage/runlock.py``): a training run whose
+folder a process holds is ``running``. One that is not says how its last process ended, as
+that process recorded it on its way out (``RUN_END_FILE``, written by
+``ops.run_summary.record_run_end`` from the handler of whatever ended ``rollflow
+train``/``resume``): ``interrupted`` (SIGTERM, Ctrl-C) or ``failed`` with the error's first
+line in the notes; a run that recorded nothing died without a word (SIGKILL, out of memory,
+the machine stopped): ``stopped unexpectedly``. The record is removed when a process starts
+training the run again. The planned step count is ``[train] num_steps`` of the run's frozen
+``config.toml`` when it has one.
 
 Evaluation (``rollflow eval``) and SFT (``rollflow sft``) folders are runs too, of another
 kind: the flows that make them write ``run_kind`` (``eval``, ``sft`` or ``pipeline``) at the top. An
@@ -18,20 +23,53 @@ counts); a validation pass that was still pending does not count against it.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from rollflow.storage.parquet import write_bytes_atomic
 from rollflow.storage.runfolder import SPLIT_DIRS, STAGES, RunFolder
+from rollflow.storage.runlock import run_folder_in_use
 
 KIND_FILE = "run_kind"
 RUN_KINDS = ("train", "eval", "sft", "pipeline")
 SFT_RESULT = Path("sft/policy/sft.json")  # tasks.sft.RESULT_FILE in the SFT flow's policy
 PIPELINE_RESULT = "pipeline.json"  # flows.pipeline.PIPELINE_FILE: written last
 METRICS_STAGE = "metrics"  # where a step stopped with every stage done but metrics.json
+RUN_END_FILE = "run_end.json"  # how the last process that trained the run ended, when it could say
+NO_EXIT_NOTE = "it recorded no exit: killed (SIGKILL), out of memory, or the machine stopped"
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """How a process that trained the run ended: ``stopped`` by a signal or ``failed``, and
+    why, in one line."""
+
+    how: Literal["stopped", "failed"]
+    reason: str
+
+
+def write_run_end(root: Path | str, end: RunEnd) -> None:
+    write_bytes_atomic(json.dumps({"how": end.how, "reason": end.reason}).encode(), Path(root) / RUN_END_FILE)
+
+
+def read_run_end(root: Path | str) -> RunEnd | None:
+    """The recorded end, None where there is none (or it is unreadable: said as none)."""
+    try:
+        record = json.loads((Path(root) / RUN_END_FILE).read_text())
+        how, reason = record["how"], str(record["reason"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return RunEnd(how, reason) if how in ("stopped", "failed") else None
+
+
+def clear_run_end(root: Path | str) -> None:
+    """Forget how an earlier process ended: a new one is training the run."""
+    (Path(root) / RUN_END_FILE).unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
@@ -48,6 +86,8 @@ class RunStatus:
     updated: float  # newest modification time in the folder, seconds since the epoch
     config_problem: str | None = None
     kind: str = "train"  # RUN_KINDS
+    running: bool = False  # a process holds the folder's lock
+    end: RunEnd | None = None  # how the last process that trained it ended, if it said
 
     @property
     def complete(self) -> bool:
@@ -62,12 +102,24 @@ class RunStatus:
     def describe(self) -> str:
         if self.kind != "train":
             what = {"eval": "evaluation"}.get(self.kind, self.kind)
-            return f"{what} {'complete' if self.complete else 'in progress or failed'}"
+            state = "complete" if self.complete else "running" if self.running else "stopped or failed"
+            return f"{what} {state}"
         if self.complete:
-            return f"complete ({self.finished_steps} steps)"
+            return f"complete ({self.finished_steps} steps)" + ("; running its last validation" if self.running else "")
         planned = f" of {self.num_steps}" if self.num_steps is not None else ""
         where = f"step {self.next_step}{planned}, stage {self.stopped_stage}"
-        return f"in progress or failed at {where}"
+        if self.running:
+            return f"running: {where}"
+        if self.end is None:
+            return f"stopped unexpectedly at {where}"
+        return f"{'interrupted' if self.end.how == 'stopped' else 'failed'} at {where}"
+
+    @property
+    def end_note(self) -> str | None:
+        """Why a training run that is neither running nor complete stopped, for the notes."""
+        if self.kind != "train" or self.complete or self.running:
+            return None
+        return NO_EXIT_NOTE if self.end is None else self.end.reason
 
 
 def _planned_steps(folder: RunFolder) -> tuple[int | None, str | None]:
@@ -129,6 +181,8 @@ def run_status(root: Path | str) -> RunStatus:
         updated=_newest_mtime(folder.root),
         config_problem=problem,
         kind=run_kind(folder.root),
+        running=run_folder_in_use(folder.root),
+        end=read_run_end(folder.root),
     )
 
 

@@ -110,9 +110,10 @@ def test_runs_lists_status_and_last_step(runs: Path, capsys: pytest.CaptureFixtu
     code, out, _ = _run(capsys, "runs", "--runs-dir", str(runs))
     lines = out.splitlines()
     assert code == 0 and lines[0].split()[:2] == ["run", "status"]
-    assert "run-a  in progress or failed at step 1 of 4, stage samples" in lines[2]
-    assert "run-b  in progress or failed at step 0 of 4, stage samples" in lines[3]
-    assert lines[2].split()[-4] == "0"  # last finished step of run-a
+    assert "run-a  stopped unexpectedly at step 1 of 4, stage samples" in lines[2]  # no exit recorded
+    assert "run-b  stopped unexpectedly at step 0 of 4, stage samples" in lines[3]
+    assert lines[2].split("stage samples")[1].split()[0] == "0"  # last finished step of run-a
+    assert lines[2].rstrip().endswith("out of memory, or the machine stopped")  # the notes say why
     assert lines[-1] == "(2 rows)"
 
 

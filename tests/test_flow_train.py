@@ -23,6 +23,7 @@ from rollflow.flows.train import train_flow
 from rollflow.storage.errors import ConfigMismatchError
 from rollflow.storage.query import open_run_sql, run_query
 from rollflow.storage.runfolder import RunFolder, StepPaths
+from rollflow.storage.runs import run_status
 from rollflow.storage.schemas import table_to_episode_records
 from rollflow.storage.stage_outputs import locate_output
 from rollflow.storage.tracking import RunTracker
@@ -196,7 +197,12 @@ def test_a_failed_run_names_the_resume_command_and_the_resume_says_where_it_cont
         with pytest.raises(InjectedCrash):
             main(["train", str(tiny_config_path), "--run-dir", str(run_dir)])
     assert f"continue with `rollflow resume {run_dir}`" in capsys.readouterr().err
+    # `rollflow runs` says it failed, and why (before: "in progress or failed", no notes)
+    failed = run_status(run_dir)
+    assert failed.describe() == "failed at step 1 of 2, stage train", failed.describe()
+    assert failed.end_note == "InjectedCrash: train_stage died at step 1"
     assert main(["resume", str(run_dir)]) == 0
+    assert run_status(run_dir).end is None, "the resume that finished it forgot the failure"
     err = capsys.readouterr().err
     assert ("found 1 of 2 steps trained, the checkpoint of step 0; continuing at step 1 from its "
             "train stage (episodes, scores, samples kept)") in err, err

@@ -121,3 +121,26 @@ def test_two_rollflow_resumes_of_one_folder_the_second_refused_while_the_first_t
     finally:
         kill_group(first)
     open_run(None, root).close()  # the kernel released the SIGKILLed holder's lock
+
+
+def test_a_folder_is_in_use_while_another_process_holds_its_lock_and_free_once_it_is_gone(tmp_path: Path) -> None:
+    """What ``rollflow runs`` asks to tell a running run from a stopped one."""
+    from rollflow.storage.runlock import acquire_run_folder, release_run_folder, run_folder_in_use
+
+    root = tmp_path / "run"
+    assert not run_folder_in_use(root), "no folder, no lock file: nobody runs there"
+    hold = "import sys, time; from pathlib import Path; from rollflow.storage.runlock import acquire_run_folder; " \
+           "acquire_run_folder(Path(sys.argv[1])); print('holding', flush=True); time.sleep(600)"
+    child = subprocess.Popen([sys.executable, "-c", hold, str(root)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "holding"
+        assert run_folder_in_use(root)
+    finally:
+        child.kill()
+        child.wait()
+    assert not run_folder_in_use(root), "the kernel dropped the dead holder's lock"
+    acquire_run_folder(root)  # the probe left it free to take; this process's own hold is no other run
+    try:
+        assert not run_folder_in_use(root)
+    finally:
+        release_run_folder(root)

@@ -183,7 +183,7 @@ def test_run_status_says_where_each_run_stopped(tmp_path: Path) -> None:
     assert statuses[0].complete and statuses[0].describe() == "complete (2 steps)"
     b = statuses[1]
     assert not b.complete and (b.last_finished_step, b.next_step, b.stopped_stage) == (0, 1, "scores")
-    assert b.describe() == "in progress or failed at step 1 of 5, stage scores"
+    assert b.describe() == "stopped unexpectedly at step 1 of 5, stage scores"  # it recorded no exit
     assert b.temporaries == 1
 
 
@@ -194,7 +194,7 @@ def test_run_status_without_a_readable_config(tmp_path: Path) -> None:
     folder.config_path.write_text("[train\n")
     status = run_status(folder.root)
     assert status.num_steps is None and "unreadable" in (status.config_problem or "")
-    assert status.describe() == "in progress or failed at step 1, stage episodes"
+    assert status.describe() == "stopped unexpectedly at step 1, stage episodes"
 
 
 def test_run_status_of_evaluation_and_sft_folders(tmp_path: Path) -> None:
@@ -211,8 +211,8 @@ def test_run_status_of_evaluation_and_sft_folders(tmp_path: Path) -> None:
     (old_sft.root / "sft/policy").mkdir(parents=True)
 
     before = {s.run_id: s.describe() for s in list_runs(tmp_path / "runs")}
-    assert before == {"eval-a": "evaluation in progress or failed",
-                      "sft-b": "sft in progress or failed", "sft-c": "sft in progress or failed"}
+    assert before == {"eval-a": "evaluation stopped or failed",
+                      "sft-b": "sft stopped or failed", "sft-c": "sft stopped or failed"}
 
     evaluation.write_json_atomic("validation/step=000000/metrics.json", {"val/reward": 0.5})
     for folder in (sft, old_sft):
