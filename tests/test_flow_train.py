@@ -100,6 +100,23 @@ def test_rerunning_a_finished_run_changes_nothing(uninterrupted: Path) -> None:
     assert [s for s, _ in tracker.metric_history("optim/loss")] == [0, 1]
 
 
+def test_the_readmes_sql_recipes_run_on_a_real_run_and_per_step_ones_count_training_only(uninterrupted: Path) -> None:
+    """Every ``rollflow sql $RUN "..."`` line of the README, on a real 2-step run's views.
+    Newcomer F8: before, the tool-calls recipe grouped train and validation episodes by
+    step (step 0 counted both, and a "step 2" row was validation alone)."""
+    import re
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    recipes = re.findall(r'rollflow sql \$RUN "([^"]+)"', readme)
+    assert len(recipes) >= 5, recipes
+    con = open_run_sql([uninterrupted])
+    for sql in recipes:
+        columns, rows = run_query(con, sql)
+        assert rows, f"no rows: {sql}"
+        if columns[:1] == ["step"] and "FROM episodes" in sql:
+            assert sorted({row[0] for row in rows}) == [0, 1], f"train steps only: {sql}"
+
+
 def test_a_resume_left_with_only_the_last_validation_opens_the_run_cluster_and_its_replica_placement(
     uninterrupted: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
