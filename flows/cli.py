@@ -35,7 +35,7 @@ import duckdb
 from rollflow.flows.prefect_home import prefect_start_failure, use_project_prefect_home
 from rollflow.policy.procs import start_watchdog
 from rollflow.policy.stopping import (
-    StopRequested, exit_on_sigterm, exit_on_stop_signals, raise_if_stop_requested, stop_exit_code,
+    StopRequested, exit_on_sigterm, exit_on_stop_signals, stop_exit_code, stop_requested,
 )
 from rollflow.storage.errors import StorageError
 from rollflow.storage.query import describe_views, open_run_sql, run_query
@@ -251,15 +251,6 @@ def _give_prefect_a_home() -> None:
         use_project_prefect_home()
     except OSError as exc:
         raise UserError(f"cannot create Prefect's home folder ({exc}); set PREFECT_HOME to a writable one") from exc
-
-
-def stop_requested() -> bool:
-    """Whether SIGTERM or Ctrl-C asked this process to stop (policy/stopping.py's flag)."""
-    try:
-        raise_if_stop_requested()
-    except StopRequested:
-        return True
-    return False
 
 
 def stopped_line(command: str) -> str:

@@ -17,8 +17,8 @@ import os
 import sys
 from pathlib import Path
 
-from rollflow.flows.cli import Command, UserError, register, stop_requested
-from rollflow.policy.stopping import StopRequested
+from rollflow.flows.cli import Command, UserError, register
+from rollflow.policy.stopping import StopRequested, stop_requested
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

@@ -79,6 +79,11 @@ def stop_exit_code() -> int:
     return 128 + (_STOP_SIGNAL[0] if _STOP_SIGNAL else signal.SIGTERM)
 
 
+def stop_requested() -> bool:
+    """Whether SIGTERM or Ctrl-C asked the process to stop: an error raised since is the stop's."""
+    return _STOP.is_set()
+
+
 def raise_if_stop_requested() -> None:
     if _STOP.is_set():
         how = _SIGNAL_NAMES.get(_STOP_SIGNAL[0], "a signal") if _STOP_SIGNAL else "SIGTERM"

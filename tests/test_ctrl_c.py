@@ -337,3 +337,51 @@ def test_ctrl_c_during_the_eval_report_exits_130_with_one_line(tmp_path: Path, s
     assert ours == [f"rollflow eval: stopped before the report; the evaluation is complete: the same "
                     f"`rollflow eval` with `--run-dir {root}` prints it"], text[-3000:]
     assert out.read_text() == ""  # no half a report
+
+
+@pytest.mark.slow  # ~40 s: the command's imports, its flow on the session's server
+def test_ctrl_c_during_an_eval_is_one_line_on_how_to_finish_it_and_no_crash(
+    tmp_path: Path, shared_prefect_url: str
+) -> None:
+    """Ctrl-C while the episodes wait on the server: status 130, the handler's line and the
+    command's, and none of Prefect's 'Crash detected!' lines (the newcomer saw 4); the run
+    folder's log keeps them."""
+    from json_server import json_server
+
+    asked: list[str] = []
+
+    def slow_answer(path: str, headers: object, body: object) -> tuple[int, object, float]:
+        asked.append(path)
+        message = {"role": "assistant", "content": "17"}
+        return 200, {"id": "c", "object": "chat.completion", "usage": {"total_tokens": 5},
+                     "choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}, 60.0  # fmt: skip
+
+    root, config = tmp_path / "eval", tmp_path / "eval.toml"
+    config.write_text("[tracking]\nenabled = false\n[validation]\nnum_tasks = 2\n")
+    err = tmp_path / "stderr.txt"
+    env = {**os.environ, "PREFECT_API_URL": shared_prefect_url, "PREFECT_LOGGING_LEVEL": "INFO"}
+    with json_server(slow_answer) as url, err.open("w") as stderr:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "rollflow.flows.cli", "eval", "--config", str(config), "--base-url", f"{url}/v1",
+             "--api-model", "smol", "--run-dir", str(root)],
+            stdout=subprocess.DEVNULL, stderr=stderr, env=env, start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal's job starts
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 240
+            while not asked:
+                assert child.poll() is None, err.read_text()[-3000:]
+                assert time.monotonic() < deadline, "the evaluation never asked the server"
+                time.sleep(0.2)
+            os.killpg(child.pid, signal.SIGINT)
+            status = child.wait(timeout=60)
+        finally:
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait(timeout=60)
+    text = err.read_text()
+    assert status == 130, text[-3000:]
+    assert "Traceback" not in text and "Crash detected" not in text, text[-3000:]
+    ours = [line for line in text.splitlines() if line.startswith("rollflow eval:")]
+    assert ours == [f"rollflow eval: stopped; the same `rollflow eval` with `--run-dir {root}` finishes the evaluation"], text
+    assert "Crash detected" in (root / "logs" / "prefect.log").read_text()

@@ -13,6 +13,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -58,6 +59,9 @@ def test_a_failing_train_prints_its_cause_in_a_few_lines_and_keeps_the_traceback
     assert len(last) == 1, done.stderr
     assert last[0].startswith("rollflow train: step 0: all 4 episodes failed: KeyError: 'the step is broken'")
     assert last[0].endswith(f"(Prefect's log, with the traceback: {log})")
+    # once, not 5 times (Prefect's task and flow runs each said it twice: newcomer F14)
+    assert done.stderr.count("all 4 episodes failed") == 1, done.stderr
+    assert not [line for line in lines if "Task run" in line and "Completed()" in line], done.stderr  # one per stage
     kept = log.read_text()
     assert kept.count("Traceback (most recent call last)") >= 1
     assert "in score_stage" in kept and "StepFailedError: step 0: all 4 episodes failed" in kept
@@ -102,3 +106,86 @@ def test_the_console_loses_only_run_tracebacks_and_gets_its_format_back(tmp_path
         assert "after the block" not in log.read_text()
     finally:
         root.removeHandler(console)
+
+
+# ---------------------------------------------------------------- what reaches the console (newcomer F12, F14)
+
+# What Prefect's engines log, in order, for a task whose exception ends its flow.
+FAILURE_CASCADE = (
+    ("prefect.task_runs", "Task run failed with exception: StepFailedError('all 4 episodes failed')"),
+    ("prefect.task_runs", "Finished in state Failed('Task run encountered an exception StepFailedError: ...')"),
+    ("prefect.flow_runs", "Encountered exception during execution: StepFailedError('all 4 episodes failed')"),
+    ("prefect.flow_runs", "Finished in state Failed('Flow run encountered an exception: StepFailedError: ...')"),
+)
+
+
+@pytest.fixture
+def console() -> Iterator[io.StringIO]:
+    """Prefect's console handler on the root logger, writing to the stream yielded."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    stream = io.StringIO()
+    handler = PrefectConsoleHandler(stream=stream)
+    handler.setFormatter(logging.Formatter("%(name)s - %(message)s"))
+    logging.getLogger().addHandler(handler)
+    try:
+        yield stream
+    finally:
+        logging.getLogger().removeHandler(handler)
+
+
+def _log(name: str, message: str) -> None:
+    record = _record(name, message)
+    record.flow_run_name = "fuzzy-carp"  # what Prefect's flow-run logger adds
+    logging.getLogger("prefect").handle(record)
+
+
+def test_a_failure_that_ends_the_command_is_left_to_its_one_line(console: io.StringIO, tmp_path: Path) -> None:
+    """The newcomer saw the buggy environment's error 5 times: Prefect's 4, then the command's."""
+    with pytest.raises(RuntimeError, match="the flow failed"):
+        with prefect_log_in(tmp_path / PREFECT_LOG) as log:
+            _log("prefect.flow_runs", "Beginning flow run 'x' for flow 'rollflow-train'")
+            for name, message in FAILURE_CASCADE:
+                _log(name, message)
+            raise RuntimeError("the flow failed")  # what the command then prints in one line
+    shown = console.getvalue()
+    assert shown == "prefect.flow_runs - Beginning flow run 'x' for flow 'rollflow-train'\n", shown
+    kept = log.read_text()
+    assert all(message in kept for _, message in FAILURE_CASCADE), kept
+
+
+def test_a_failure_the_run_goes_on_from_is_shown_before_what_follows(console: io.StringIO, tmp_path: Path) -> None:
+    """Nothing is hidden where the flow handled the failure: held until the run logs on."""
+    with prefect_log_in(tmp_path / PREFECT_LOG):
+        _log(*FAILURE_CASCADE[0])
+        _log("prefect.task_runs", "Task run failed with exception: OSError() - Retry 1/3 will start 10 second(s) from now")
+        _log("prefect.flow_runs", "validation step 0 done")
+        _log(*FAILURE_CASCADE[1])
+    lines = console.getvalue().splitlines()
+    assert lines == [
+        f"prefect.task_runs - {FAILURE_CASCADE[0][1]}",  # in order: a retry is the run going on
+        "prefect.task_runs - Task run failed with exception: OSError() - Retry 1/3 will start 10 second(s) from now",
+        "prefect.flow_runs - validation step 0 done",
+        f"prefect.task_runs - {FAILURE_CASCADE[1][1]}",  # the block ended without an error: shown at its end
+    ], lines
+
+
+def test_stages_finishing_and_a_stop_crashing_them_stay_off_the_console(console: io.StringIO, tmp_path: Path) -> None:
+    """Every stage's 'Completed()' line, and Ctrl-C's 'Crash detected!' lines (4 of them on
+    the newcomer's console), go to the run folder's log only."""
+    import signal
+
+    from rollflow.policy.stopping import clear_stop, request_stop
+
+    crash = "Crash detected! Execution was aborted by Python system exit call."
+    with prefect_log_in(tmp_path / PREFECT_LOG) as log:
+        _log("prefect.task_runs", "Finished in state Completed()")
+        _log("prefect.flow_runs", "Finished in state Completed()")
+        request_stop(signal.SIGINT)
+        try:
+            _log("prefect.task_runs", crash)
+            _log("prefect.flow_runs", crash)
+        finally:
+            clear_stop()
+    assert console.getvalue() == "prefect.flow_runs - Finished in state Completed()\n", console.getvalue()
+    assert log.read_text().count(crash) == 2 and log.read_text().count("Completed()") == 2
