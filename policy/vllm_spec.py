@@ -54,6 +54,35 @@ already set, ``VLLM_CPU_OMP_THREADS_BIND`` = the spec's ``cpus``, else every CPU
 process may use (vLLM's default binds its worker to one core), and the OpenMP variables
 that follow from it.
 
+On a GPU (``device = "cuda"``) the command is vLLM's GPU server, not the CPU's::
+
+    python .../policy/vllm_fork_start.py vllm.entrypoints.openai.api_server
+        --model DIR --served-model-name NAME --host H --port P --max-model-len N
+        --dtype D [--enforce-eager] --logprobs-mode processed_logprobs
+        --generation-config vllm --gpu-memory-utilization U --tensor-parallel-size T
+        [--enable-sleep-mode] [--enable-lora --max-lora-rank R --max-loras K]
+
+- ``--dtype D``: ``[model].dtype``; ``auto`` is bfloat16 on a GPU of compute capability 8.0
+  or newer (Ampere: A100, H100, RTX 30xx and later), float16 on an older one (V100, T4: no
+  bfloat16), and vLLM's own ``auto`` where the GPU is not known here (a replica on a cluster
+  node: vLLM decides there) (``cuda_dtype``).
+- CUDA graphs (no ``--enforce-eager``) unless ``[rollout].enforce_eager``: decoding is
+  launch-bound without them; a compiled start costs tens of seconds once per server.
+- ``--gpu-memory-utilization U``: ``[rollout].gpu_memory_utilization`` (config/rollout.py
+  says why 0.3 when the trainer shares the card); ``--tensor-parallel-size T``:
+  ``[rollout].tensor_parallel_size``.
+- Chunked prefill stays on (vLLM's default): the CPU's reason to turn it off, torch's CPU
+  generators that cannot rewind, does not hold on CUDA. No ``uni`` executor: vLLM's own
+  choice, which tensor parallelism needs.
+- ``--enable-sleep-mode`` (``sleep_mode``): the server shares its GPU with the trainer, and
+  frees its memory during each update (``POST /sleep?level=L``, ``POST /wake_up``: vLLM's
+  development routes, ``VLLM_SERVER_DEV_MODE=1``); only on loopback, where those routes are
+  this machine's business (F9 below). Level 2 (weights and KV cache dropped) where weights
+  are reloaded in place anyway, level 1 (weights kept in host memory) where versions
+  arrive as adapters on the base weights (``sleep_level``).
+- Environment: none of the CPU variables (KV cache space, OpenMP binding, the engine in
+  one process); ``HF_HUB_OFFLINE``, the key and the dev routes as below.
+
 Who may call it. A server on loopback is this machine's business, as it always was. One
 that listens on another address (a replica on a cluster node, ``host``) must have an
 ``api_key`` (refused otherwise): a random key of the run's process (``run_api_key``), in
@@ -74,6 +103,7 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from rollflow.policy.vllm_cpu import cpu_list, worker_openmp_environment
 
@@ -84,6 +114,9 @@ DEFAULT_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
 # vLLM's --max-lora-rank accepts only these values.
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 CPU_PREFILL_STEP_TOKENS = 2048  # vLLM's default --max-num-batched-tokens for a CPU API server
+CUDA_DTYPES = ("auto", "bfloat16", "float16", "float32")
+BF16_CAPABILITY = (8, 0)  # the first CUDA compute capability with bfloat16 units (Ampere)
+ServerDevice = Literal["cpu", "cuda"]
 
 
 class VLLMServerError(RuntimeError):
@@ -118,8 +151,16 @@ class VLLMServerSpec:
     host: str = "127.0.0.1"
     api_key: str | None = field(default=None, repr=False)  # required off loopback (run_api_key)
     reloads_in_place: bool = False  # full weights through /collective_rpc: vLLM's dev endpoints on
+    # Where it runs; the rest is CUDA's only (the module docstring has both command lines)
+    device: ServerDevice = "cpu"
+    dtype: str = "auto"  # CUDA: --dtype (cuda_dtype); the CPU server is always float32
+    enforce_eager: bool = False  # CUDA: no CUDA graphs; the CPU server is always eager
+    gpu_memory_utilization: float = 0.3
+    tensor_parallel_size: int = 1
+    sleep_mode: bool = False  # CUDA, shared with the trainer: --enable-sleep-mode
 
     def __post_init__(self) -> None:
+        self._check_device()
         if not (Path(self.model_dir) / "config.json").is_file():
             raise VLLMServerError(f"{self.model_dir} is not a Hugging Face model folder (no config.json)")
         if self.max_model_len < 2 or self.kvcache_space_gib < 1 or self.max_loras < 1:
@@ -135,7 +176,35 @@ class VLLMServerSpec:
                 "machines reach it (rollflow.policy.vllm_spec.run_api_key)"
             )
 
+    def _check_device(self) -> None:
+        if self.device == "cuda":
+            if self.dtype not in CUDA_DTYPES:
+                raise VLLMServerError(f"a CUDA server's dtype must be one of {CUDA_DTYPES}; got {self.dtype!r}")
+            if not 0.0 < self.gpu_memory_utilization <= 1.0 or self.tensor_parallel_size < 1:
+                raise VLLMServerError(
+                    f"gpu_memory_utilization must be in (0, 1] and tensor_parallel_size >= 1; got "
+                    f"{self.gpu_memory_utilization}, {self.tensor_parallel_size}"
+                )
+        elif self.tensor_parallel_size != 1 or self.sleep_mode:
+            raise VLLMServerError(
+                f"a CPU vLLM server runs on one engine process without sleep mode; got tensor_parallel_size "
+                f"{self.tensor_parallel_size}, sleep_mode {self.sleep_mode} ([rollout].vllm_device = 'cuda' for a GPU)"
+            )
+        if self.sleep_mode and not is_loopback(self.host):
+            raise VLLMServerError(
+                f"sleep mode needs vLLM's development routes, which the api key does not cover: not on {self.host} "
+                "(a server shares a GPU with the trainer only on the trainer's own machine, on loopback)"
+            )
+
+    @property
+    def sleep_level(self) -> int:
+        """2 (weights dropped too) where every version is reloaded in place after a wake; 1
+        (weights kept in host memory) where versions are adapters on the base weights."""
+        return 2 if self.reloads_in_place else 1
+
     def command(self, python: Path, port: int) -> list[str]:
+        if self.device == "cuda":
+            return self._cuda_command(python, port)
         args = [
             str(python), str(FORK_START), "vllm.entrypoints.openai.api_server",
             "--model", self.model_dir,
@@ -156,17 +225,39 @@ class VLLMServerSpec:
                      "--max-loras", str(self.max_loras)]  # fmt: skip
         return args
 
+    def _cuda_command(self, python: Path, port: int) -> list[str]:
+        args = [
+            str(python), str(FORK_START), "vllm.entrypoints.openai.api_server",
+            "--model", self.model_dir,
+            "--served-model-name", self.served_model_name,
+            "--host", self.host,
+            "--port", str(port),
+            "--max-model-len", str(self.max_model_len),
+            "--dtype", self.dtype,
+            *(["--enforce-eager"] if self.enforce_eager else []),
+            "--logprobs-mode", "processed_logprobs",
+            "--generation-config", "vllm",
+            "--gpu-memory-utilization", str(self.gpu_memory_utilization),
+            "--tensor-parallel-size", str(self.tensor_parallel_size),
+            *(["--enable-sleep-mode"] if self.sleep_mode else []),
+        ]  # fmt: skip
+        if self.enable_lora:
+            args += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank),
+                     "--max-loras", str(self.max_loras)]  # fmt: skip
+        return args
+
     def environment(self, base: Mapping[str, str]) -> dict[str, str]:
         env = dict(base)
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kvcache_space_gib)
         env["HF_HUB_OFFLINE"] = "1"
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list(set(self.cpus) or os.sched_getaffinity(0)))
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
-        # The model in the engine process (module docstring). "1" in the environment
-        # restores the worker process (the CPU platform then turns "uni" into "mp").
-        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        if env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
-            env.update(worker_openmp_environment(env["VLLM_CPU_OMP_THREADS_BIND"], env))
+        if self.device == "cpu":
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kvcache_space_gib)
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list(set(self.cpus) or os.sched_getaffinity(0)))
+            # The model in the engine process (module docstring). "1" in the environment
+            # restores the worker process (the CPU platform then turns "uni" into "mp").
+            env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            if env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
+                env.update(worker_openmp_environment(env["VLLM_CPU_OMP_THREADS_BIND"], env))
         env.pop("VLLM_API_KEY", None)  # the user's, for another server, would lock our clients out
         if self.api_key:
             env["VLLM_API_KEY"] = self.api_key  # as --api-key, out of sight (module docstring)
@@ -174,11 +265,24 @@ class VLLMServerSpec:
         # (VLLMPolicy.reload_weights); on loopback also the benchmark's cache reset. Not
         # covered by the api key, so not on a node's address without need.
         env.pop("VLLM_SERVER_DEV_MODE", None)
+        # /sleep and /wake_up too, for sleep mode, which runs on loopback only (_check_device)
         if self.reloads_in_place or is_loopback(self.host):
             env["VLLM_SERVER_DEV_MODE"] = "1"
         if self.enable_lora:
             env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         return env
+
+
+def cuda_dtype(model_dtype: str, capability: tuple[int, int] | None) -> str:
+    """A CUDA server's ``--dtype`` for ``[model].dtype``: ``auto`` is bfloat16 on a GPU of
+    compute ``capability`` 8.0 or newer, float16 on an older one, and vLLM's own ``auto``
+    where the capability is not known here (vLLM picks on the GPU it runs on); any other
+    value is taken as it is."""
+    if model_dtype != "auto":
+        return model_dtype
+    if capability is None:
+        return "auto"
+    return "bfloat16" if tuple(capability) >= BF16_CAPABILITY else "float16"
 
 
 def is_loopback(host: str) -> bool:

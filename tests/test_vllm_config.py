@@ -339,3 +339,133 @@ def load_tokenizer_of(model_dir: Path):  # noqa: ANN201 - a PreTrainedTokenizerB
     from rollflow.policy.models import ModelRef, load_tokenizer
 
     return load_tokenizer(ModelRef(path=str(model_dir)))
+
+
+# ---------------------------------------------------------------- the server per device (issue 63)
+
+CPU_COMMAND = [  # the CPU server's line before issue 63, which must not change
+    "/py", str(FORK_START), "vllm.entrypoints.openai.api_server", "--model", "MODEL",
+    "--served-model-name", "policy", "--host", "127.0.0.1", "--port", "1234", "--max-model-len", "2048",
+    "--dtype", "float32", "--enforce-eager", "--logprobs-mode", "processed_logprobs",
+    "--generation-config", "vllm", "--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048",
+    "--distributed-executor-backend", "uni", "--enable-lora", "--max-lora-rank", "16", "--max-loras", "2",
+]  # fmt: skip
+CPU_ENVIRONMENT = {
+    "VLLM_CPU_KVCACHE_SPACE": "3", "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    "VLLM_NO_USAGE_STATS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "2",
+    "OMP_PLACES": "{0,1}", "OMP_PROC_BIND": "true", "VLLM_SERVER_DEV_MODE": "1",
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+}  # fmt: skip
+CPU_ONLY = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_PLACES")
+
+
+def _vllm_config(model_dir: Path, rollout: dict[str, object] | None = None, **sections: object) -> RunConfig:
+    return parse_config({"model": {"path": str(model_dir)}, "rollout": {"backend": "vllm", **(rollout or {})},
+                         **sections})  # fmt: skip
+
+
+def test_the_cpu_server_line_and_environment_are_todays(tiny_model_dir: Path) -> None:
+    """A run on a machine without a GPU gets exactly the line it got before the CUDA one existed."""
+    from rollflow.generators.vllm_generator import server_spec
+
+    config = _vllm_config(tiny_model_dir, {"lora_serving": "adapter", "vllm_kvcache_space_gib": 3})
+    spec = server_spec(config, versions_in_flight=2, cpus=(0, 1))
+    assert spec.device == "cpu", "this machine has no GPU: the CPU server"
+    command = spec.command(Path("/py"), 1234)
+    assert command[4] == spec.model_dir
+    assert [*command[:4], "MODEL", *command[5:]] == CPU_COMMAND
+    env = spec.environment({})
+    assert {k: env[k] for k in CPU_ENVIRONMENT} == CPU_ENVIRONMENT
+    assert set(env) == set(CPU_ENVIRONMENT)
+
+
+def _on_gpus(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int] | None) -> None:
+    """This process's device decisions as on a machine whose first GPU has ``capability``:
+    ``[model].device`` "auto" resolves to cuda:0 (the decision under test is the spec's)."""
+    import torch
+
+    from rollflow.generators import vllm_generator
+
+    monkeypatch.setattr(vllm_generator, "torch_device", lambda config: torch.device(
+        "cpu" if config.model.device == "cpu" else config.model.device if ":" in config.model.device else "cuda:0"))  # fmt: skip
+    monkeypatch.setattr(vllm_generator, "local_cuda_capability", lambda: capability)
+
+
+def test_a_cuda_server_shares_the_trainers_gpu_with_a_cap_and_sleep_mode(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rollflow.generators.vllm_generator import server_spec, sleeps_during_updates
+
+    _on_gpus(monkeypatch, (9, 0))  # an H100
+    config = _vllm_config(tiny_model_dir, model={"path": str(tiny_model_dir), "dtype": "auto"})
+    spec = server_spec(config, versions_in_flight=1)
+    command = " ".join(spec.command(Path("/py"), 1234))
+    assert spec.device == "cuda" and sleeps_during_updates(config)
+    assert "--dtype bfloat16 --logprobs-mode processed_logprobs --generation-config vllm" in command
+    assert "--gpu-memory-utilization 0.3 --tensor-parallel-size 1 --enable-sleep-mode" in command
+    for cpu_flag in ("--enforce-eager", "--no-enable-chunked-prefill", "--distributed-executor-backend", "float32"):
+        assert cpu_flag not in command
+    env = spec.environment({})
+    assert not any(key in env for key in CPU_ONLY) and env["HF_HUB_OFFLINE"] == "1"
+    assert env["VLLM_SERVER_DEV_MODE"] == "1", "/sleep and /wake_up are development routes"
+    assert spec.sleep_level == 2, "full weights are reloaded after each wake anyway"
+
+
+def test_cuda_settings_reach_the_line(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollflow.generators.vllm_generator import server_spec, sleeps_during_updates
+
+    _on_gpus(monkeypatch, (7, 0))  # a V100: no bfloat16
+    rollout = {"gpu_memory_utilization": 0.55, "tensor_parallel_size": 2, "enforce_eager": True,
+               "lora_serving": "adapter"}  # fmt: skip
+    auto = _vllm_config(tiny_model_dir, rollout, model={"path": str(tiny_model_dir), "dtype": "auto"})
+    spec = server_spec(auto, versions_in_flight=1)
+    command = " ".join(spec.command(Path("/py"), 1234))
+    assert "--dtype float16 --enforce-eager" in command
+    assert "--gpu-memory-utilization 0.55 --tensor-parallel-size 2 --enable-sleep-mode --enable-lora" in command
+    assert spec.sleep_level == 1, "adapters ride on the base weights, which a level-1 sleep keeps"
+    chosen = _vllm_config(tiny_model_dir, model={"path": str(tiny_model_dir), "dtype": "float32"})
+    assert "--dtype float32" in " ".join(server_spec(chosen, versions_in_flight=1).command(Path("/py"), 1))
+    # The trainer on a GPU the server does not use, on the CPU, or an async run: no sleep
+    apart = _vllm_config(tiny_model_dir, model={"path": str(tiny_model_dir), "device": "cuda:1"})
+    trainer_on_cpu = _vllm_config(tiny_model_dir, {"vllm_device": "cuda"}, model={"path": str(tiny_model_dir), "device": "cpu"})
+    async_run = _vllm_config(tiny_model_dir, {"max_steps_off_policy": 1})
+    for config in (apart, trainer_on_cpu, async_run):
+        spec = server_spec(config, versions_in_flight=1)
+        assert spec.device == "cuda" and not spec.sleep_mode and not sleeps_during_updates(config)
+        assert "--enable-sleep-mode" not in spec.command(Path("/py"), 1)
+    # vllm_device = "cpu" on a GPU machine: today's CPU line
+    on_cpu = server_spec(_vllm_config(tiny_model_dir, {"vllm_device": "cpu"}), versions_in_flight=1)
+    assert on_cpu.device == "cpu" and "--enforce-eager" in on_cpu.command(Path("/py"), 1)
+
+
+def test_replicas_on_cluster_gpus_get_the_cuda_line_from_a_driver_without_one(tiny_model_dir: Path) -> None:
+    """The device is where the server runs: a node's GPUs, not this (GPU-less) machine's."""
+    from rollflow.generators.vllm_generator import server_specs
+
+    config = _vllm_config(tiny_model_dir, {"num_generator_replicas": 2, "gpu_memory_utilization": 0.85},
+                          cluster={"mode": "address", "address": "10.0.0.5:6379", "generator_gpus": 1.0},
+                          model={"path": str(tiny_model_dir), "dtype": "auto"})  # fmt: skip
+    specs = server_specs(config, versions_in_flight=1)
+    assert [spec.device for spec in specs] == ["cuda", "cuda"]
+    spec = dataclasses.replace(specs[0], host=NODE_ADDRESS)  # as the replica's actor sets it
+    command = " ".join(spec.command(Path("/py"), 1234))
+    assert "--dtype auto" in command, "the node's GPU is not known here: vLLM picks on it"
+    assert "--gpu-memory-utilization 0.85" in command and "--enable-sleep-mode" not in command
+    env = spec.environment({})
+    assert env["VLLM_API_KEY"] == spec.api_key and not any(key in env for key in CPU_ONLY)
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"  # full weights reloaded in place (review F9's rule)
+
+
+def test_cuda_only_settings_are_refused_on_a_cpu_server_and_sleep_off_loopback(tiny_model_dir: Path) -> None:
+    from rollflow.policy.vllm_spec import cuda_dtype
+
+    with pytest.raises(VLLMServerError, match="CPU vLLM server .*tensor_parallel_size 2"):
+        VLLMServerSpec(str(tiny_model_dir), tensor_parallel_size=2)
+    with pytest.raises(VLLMServerError, match="sleep mode needs vLLM's development routes"):
+        VLLMServerSpec(str(tiny_model_dir), device="cuda", sleep_mode=True, host=NODE_ADDRESS, api_key="k")
+    with pytest.raises(VLLMServerError, match="dtype must be one of"):
+        VLLMServerSpec(str(tiny_model_dir), device="cuda", dtype="int8")
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization must be in \(0.0, 1.0\]"):
+        parse_config({"rollout": {"gpu_memory_utilization": 1.5}})
+    assert [cuda_dtype("auto", c) for c in ((8, 0), (8, 9), (7, 5), None)] == ["bfloat16", "bfloat16", "float16", "auto"]
+    assert cuda_dtype("float16", (9, 0)) == "float16"
