@@ -52,9 +52,8 @@ from rollflow.envs.openai_agent_messages import (
     reply_key,
     with_system_text,
 )
-from rollflow.envs.tool_formats import ROLLFLOW, ToolFormat
+from rollflow.envs.tool_formats import ROLLFLOW, ToolFormat, template_tools
 from rollflow.envs.types import Message, ToolSpec, TruncationCause
-from rollflow.policy.codec import template_tools
 
 MODEL_NAME = "rollflow-policy"
 ENDED = "this episode has ended"

@@ -49,12 +49,28 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from rollflow.envs.protocol import ParsedAction, parse_action, render_tool_calls
-from rollflow.envs.types import ToolCall
+from rollflow.envs.types import ToolCall, ToolSpec
+
+
+class TemplateTool(dict[str, Any]):
+    """A tool spec for the chat template to render itself (``tools=``): the opt-in path of
+    ``rollflow.policy.codec`` (its module note), kept here, below the codec, for the envs
+    that ask for it.
+
+    A marked dict, so that it reaches the codec through any session unchanged: a session
+    keeps its specs as given (``tuple(tool_specs)`` keeps the elements).
+    """
+
+
+def template_tools(specs: Iterable[ToolSpec]) -> tuple[ToolSpec, ...]:
+    """``specs`` marked for the template to render (the codec's opt-in path)."""
+    return tuple(cast(ToolSpec, TemplateTool(spec)) for spec in specs)
+
 
 Echo = Literal["raw", "structured"]
 _READS_TOOLS = re.compile(r"(\{%|\{\{)[^}]*\btools\b")

@@ -106,7 +106,8 @@ class VLLMGenerator:
         self._scratch: Path | None = None  # merged folders of a generator without a run folder
         self.closed = False
         # Sleep mode (module docstring): asleep between a rollout and the next policy_for
-        self.sleeps = bool(self.servers) and self.servers[0].spec.sleep_mode
+        spec = self.servers[0].spec if self.servers else None  # None: a server rollflow did not start
+        self.sleeps = spec is not None and spec.sleep_mode
         self.asleep = False
         self._weights_dropped = False  # a level-2 wake: the next sync reloads whatever is held
         self._probed: tuple[int, list[list[float]]] | None = None  # (version, each server's probe) before the sleep

@@ -47,8 +47,8 @@ Simplifications, and why:
   ``render_tool_calls`` of them after its content (as the SFT rows do). Content whose calls
   differ from its structured ones is refused: which of the two was meant is unknowable.
 
-The opt-in exception: tool specs wrapped as ``TemplateTool`` (``template_tools(specs)``)
-are given to the template as ``tools=``, for a model trained in its own family's format
+The opt-in exception: tool specs wrapped as ``TemplateTool``
+(``rollflow.envs.tool_formats.template_tools(specs)``) are given to the template as ``tools=``, for a model trained in its own family's format
 (``rollflow.envs.tool_formats``; the capture endpoint asks for it). Then nothing of the
 above applies: no protocol text, and messages reach the template as they are, structured
 ``tool_calls`` included (their ``arguments`` as JSON objects, which templates print with
@@ -66,24 +66,12 @@ from typing import Any, cast
 from transformers import PreTrainedTokenizerBase
 
 from rollflow.envs.protocol import ParsedAction, describe_tools, parse_action, render_tool_calls
+from rollflow.envs.tool_formats import TemplateTool
 from rollflow.envs.types import Message, ToolCall, ToolSpec
 
 
 class ChatTemplateError(ValueError):
     """The tokenizer's chat template is missing or cannot render the conversation."""
-
-
-class TemplateTool(dict[str, Any]):
-    """A tool spec for the chat template to render itself (``tools=``); see the module note.
-
-    A marked dict, so that it reaches the codec through any session unchanged: a session
-    keeps its specs as given (``tuple(tool_specs)`` keeps the elements).
-    """
-
-
-def template_tools(specs: Iterable[ToolSpec]) -> tuple[ToolSpec, ...]:
-    """``specs`` marked for the template to render (the codec's opt-in path)."""
-    return tuple(cast(ToolSpec, TemplateTool(spec)) for spec in specs)
 
 
 @dataclass(frozen=True)

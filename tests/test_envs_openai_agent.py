@@ -31,7 +31,7 @@ from rollflow.envs.scripted import ScriptedPolicy
 from rollflow.envs.tool_use_game import GAME_TOOL_SPECS, expert_policy, generate_examples
 from rollflow.envs.tracebacks import keeping_tracebacks
 from rollflow.envs.types import Message, ToolSpec, TruncationCause
-from rollflow.policy.codec import TemplateTool, template_tools
+from rollflow.envs.tool_formats import TemplateTool, template_tools
 from rollflow.policy.sampling import SamplingSettings
 from rollflow.storage.query import open_run_sql, run_query
 from tiny_run import train_tiny_on

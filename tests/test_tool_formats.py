@@ -30,7 +30,8 @@ from rollflow.envs.tool_formats import (
     detect_tool_format,
 )
 from rollflow.envs.types import Message, ToolCall, ToolSpec
-from rollflow.policy.codec import ChatCodec, ChatTemplateError, template_tools
+from rollflow.envs.tool_formats import template_tools
+from rollflow.policy.codec import ChatCodec, ChatTemplateError
 from rollflow.policy.models import ModelRef, load_tokenizer
 
 TEMPLATES_DIR = Path(__file__).parent / "templates"
