@@ -48,8 +48,9 @@ Simplifications, and why:
   differ from its structured ones is refused: which of the two was meant is unknowable.
 
 The opt-in exception: tool specs wrapped as ``TemplateTool``
-(``rollflow.envs.tool_formats.template_tools(specs)``) are given to the template as ``tools=``, for a model trained in its own family's format
-(``rollflow.envs.tool_formats``; the capture endpoint asks for it). Then nothing of the
+(``rollflow.envs.tool_formats.template_tools(specs)``) are given to the template as
+``tools=``, for a model trained in its own family's format (the capture endpoint asks for
+it). Then nothing of the
 above applies: no protocol text, and messages reach the template as they are, structured
 ``tool_calls`` included (their ``arguments`` as JSON objects, which templates print with
 ``tojson``); the caller puts sampled text back in place of a reply it echoes. A template
