@@ -203,8 +203,7 @@ class VLLMServerSpec:
         return 2 if self.reloads_in_place else 1
 
     def command(self, python: Path, port: int) -> list[str]:
-        if self.device == "cuda":
-            return self._cuda_command(python, port)
+        """The server's command line: the same head on every device, then the device's own."""
         args = [
             str(python), str(FORK_START), "vllm.entrypoints.openai.api_server",
             "--model", self.model_dir,
@@ -212,6 +211,15 @@ class VLLMServerSpec:
             "--host", self.host,
             "--port", str(port),
             "--max-model-len", str(self.max_model_len),
+            *(self._cuda_arguments() if self.device == "cuda" else self._cpu_arguments()),
+        ]  # fmt: skip
+        if self.enable_lora:
+            args += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank),
+                     "--max-loras", str(self.max_loras)]  # fmt: skip
+        return args
+
+    def _cpu_arguments(self) -> list[str]:
+        return [
             "--dtype", "float32",
             "--enforce-eager",
             "--logprobs-mode", "processed_logprobs",
@@ -220,19 +228,9 @@ class VLLMServerSpec:
             "--max-num-batched-tokens", str(max(self.max_model_len, CPU_PREFILL_STEP_TOKENS)),
             "--distributed-executor-backend", "uni",
         ]  # fmt: skip
-        if self.enable_lora:
-            args += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank),
-                     "--max-loras", str(self.max_loras)]  # fmt: skip
-        return args
 
-    def _cuda_command(self, python: Path, port: int) -> list[str]:
-        args = [
-            str(python), str(FORK_START), "vllm.entrypoints.openai.api_server",
-            "--model", self.model_dir,
-            "--served-model-name", self.served_model_name,
-            "--host", self.host,
-            "--port", str(port),
-            "--max-model-len", str(self.max_model_len),
+    def _cuda_arguments(self) -> list[str]:
+        return [
             "--dtype", self.dtype,
             *(["--enforce-eager"] if self.enforce_eager else []),
             "--logprobs-mode", "processed_logprobs",
@@ -241,10 +239,6 @@ class VLLMServerSpec:
             "--tensor-parallel-size", str(self.tensor_parallel_size),
             *(["--enable-sleep-mode"] if self.sleep_mode else []),
         ]  # fmt: skip
-        if self.enable_lora:
-            args += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank),
-                     "--max-loras", str(self.max_loras)]  # fmt: skip
-        return args
 
     def environment(self, base: Mapping[str, str]) -> dict[str, str]:
         env = dict(base)
