@@ -113,7 +113,7 @@ def load_environment(
     if tool_format not in TOOL_FORMAT_CHOICES:
         raise ValueError(f"tool_format={tool_format!r} is not one of {', '.join(TOOL_FORMAT_CHOICES)}")
     if importlib.util.find_spec("openai") is None:
-        raise ModuleNotFoundError("an agent environment hands its agent an openai client: pip install openai")
+        raise ModuleNotFoundError("an agent environment hands its agent an openai client: pip install 'rollflow[agent]' (or openai)")
     names = {"agent": agent, "tasks": tasks, "reward": reward}
     functions = {role: _resolve(role, spec, arity) for (role, spec), arity in zip(names.items(), (3, 1, 3), strict=True)}
     return AgentEnvironment(
