@@ -17,6 +17,7 @@ generator checks the weights it serves after a wake (``VLLMGenerator.policy_for`
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,6 +29,9 @@ from rollflow.policy.vllm_admin import auth_headers
 from rollflow.policy.vllm_spec import VLLMServerSpec
 
 HEALTH_TIMEOUT_S = 10.0
+# A server killed a moment ago can refuse connections before its process is reaped (a large
+# process takes a while to exit): the fault waits this long for the exit it can then name.
+EXIT_GRACE_S = 3.0
 SLEEP_TIMEOUT_S = 300.0  # a wake of a large model copies its weights back from host memory
 
 
@@ -75,10 +79,23 @@ def server_fault(server: ManagedServer | None, base_urls: Sequence[str]) -> Gene
         return None
     url = base_urls[0]
     problem = None if server.running else server.describe_exit()
-    problem = problem or _health_problem(url)
+    if problem is None:
+        problem = _health_problem(url)
+        if problem is not None and _exited_within(server, EXIT_GRACE_S):
+            problem = server.describe_exit()  # "was killed by SIGKILL", not "stopped answering"
     if problem is None:
         return None
     return GeneratorFault(url, problem, managed=True, log_path=server.log_path, log_tail=server.log_tail())
+
+
+def _exited_within(server: ManagedServer, seconds: float) -> bool:
+    """Whether ``server``'s process ends within ``seconds`` (polled every 0.1 s)."""
+    deadline = time.monotonic() + seconds
+    while server.running:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def _health_problem(base_url: str) -> str | None:
