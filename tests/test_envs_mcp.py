@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -128,6 +129,22 @@ def test_stdio_server_tools_are_listed_and_calls_routed() -> None:
     assert contents[3].startswith("tool_error: arguments of lookup do not match its schema")
     assert outcome.errors == 2
     assert count_tool_messages(list(outcome.messages)) == (4, 2)
+
+
+def test_the_http_server_listens_before_it_prints_its_url() -> None:
+    """A caller that reads the URL and connects at once must be let in (CI once lost this race:
+    the port was bound but not yet listening while uvicorn started, and the connect was refused)."""
+    command = [sys.executable, "-m", "rollflow.envs.mcp_tool_use_game.server", "--http"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert server.stdout is not None
+        url = server.stdout.readline().strip()
+        port = int(url.removeprefix("http://127.0.0.1:").split("/")[0])
+        with socket.create_connection(("127.0.0.1", port), timeout=10):
+            pass
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=10)
 
 
 def test_streamable_http_server() -> None:

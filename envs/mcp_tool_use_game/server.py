@@ -60,12 +60,14 @@ def build_server(seed: int = SEED, num_train: int = NUM_TRAIN, num_validation: i
 
 
 def serve_http(server: FastMCP) -> None:
-    """Serve streamable HTTP on 127.0.0.1 at a port the kernel picks; print the URL first."""
+    """Serve streamable HTTP on 127.0.0.1 at a port the kernel picks; print the URL once the
+    port listens (uvicorn accepts from the same socket when it has started)."""
     import uvicorn
 
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", 0))
+    listener.listen(128)  # before the URL goes out: a client that connects at once waits in the backlog
     print(f"http://127.0.0.1:{listener.getsockname()[1]}{server.settings.streamable_http_path}", flush=True)
     config = uvicorn.Config(server.streamable_http_app(), log_level="warning")
     uvicorn.Server(config).run(sockets=[listener])
