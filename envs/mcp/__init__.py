@@ -6,7 +6,9 @@
   functions and no environment class (``environment``);
 - ``McpServer``: a stdio command or a streamable-HTTP URL (``servers``);
 - the sessions live in one event-loop thread per process, and a stdio server dies with the
-  process that started it (``connection``, ``launcher``).
+  process that started it (``connection``, ``launcher``);
+- ``rollflow env show`` lists the tools of the servers an environment reached and runs one
+  example call through them (``show``).
 
 Needs the ``mcp`` package (``pip install rollflow[mcp]``).
 """

@@ -31,8 +31,8 @@ import shutil
 import sys
 import tempfile
 import threading
-from collections.abc import Coroutine, Mapping
-from contextlib import AsyncExitStack
+from collections.abc import Coroutine, Iterator, Mapping
+from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -250,6 +250,18 @@ class McpPool:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._shared: dict[McpServer, Connection] = {}
         self._own: set[Connection] = set()
+        self._recorders: list[dict[McpServer, None]] = []
+
+    @contextmanager
+    def recording(self) -> Iterator[dict[McpServer, None]]:
+        """The servers this process opens or reuses inside the block, in the order first
+        reached (``rollflow env show`` lists the tools of those its environment reached)."""
+        reached: dict[McpServer, None] = {}
+        self._recorders.append(reached)
+        try:
+            yield reached
+        finally:
+            self._recorders.remove(reached)
 
     def run(self, coroutine: Coroutine[Any, Any, _T]) -> _T:
         """Run ``coroutine`` in the pool's loop and wait for it (from code outside that loop)."""
@@ -262,6 +274,7 @@ class McpPool:
     async def shared(self, server: McpServer) -> Connection:
         """The process's live connection to ``server`` (opened, or reopened if it died).
         Runs in the pool's loop."""
+        self._record(server)
         connection = self._shared.get(server)
         if connection is not None and connection.alive():
             return connection
@@ -275,6 +288,7 @@ class McpPool:
 
     async def open_own(self, server: McpServer) -> Connection:
         """A connection for one episode (a server that keeps state); ``close_own`` ends it."""
+        self._record(server)
         connection = Connection(server)
         await connection.open()
         self._own.add(connection)
@@ -295,6 +309,10 @@ class McpPool:
         self._shared.clear()
         self._own.clear()
         await asyncio.gather(*(connection.close() for connection in connections), return_exceptions=True)
+
+    def _record(self, server: McpServer) -> None:
+        for reached in self._recorders:
+            reached.setdefault(server)
 
     def pids(self) -> list[int]:
         """The pids of the stdio servers open now (tests check they are gone after)."""
