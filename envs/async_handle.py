@@ -6,7 +6,8 @@ budget of its own, so ``EpisodeLimits.max_turns`` is required, and checked befor
 environment is built.
 
 Async scoring reads the episode's reward (0.0 when no step ran) and reports its metrics
-as the components; an async task carries no pass threshold.
+as the components; the pass threshold is the suite's ``pass_threshold``, the same for every
+task (None: ``passed`` is ``reward > 0``).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class AsyncEnvironmentHandle:
             if rollout.error is not None
             else EpisodeScore(
                 reward=0.0 if rollout.env_reward is None else rollout.env_reward,
-                threshold=None,
+                threshold=self.suite.pass_threshold,
                 components=dict(rollout.env_metrics),
             )
             for rollout in rollouts

@@ -26,6 +26,10 @@ runner has one loop; an async environment rarely needs them:
   ``parse_failure``, never structured ``tool_calls``.
 - ``AnnotatedStepResult``: a ``StepResult`` that also carries the hook style's
   ``final_response_text`` (the text scored) and per-step ``metadata`` (kept on the rollout).
+- ``AsyncEnvSuite.pass_threshold``: the reward every episode of the suite must reach to
+  count as passed (the hook style's ``RewardResult.threshold``); None (the default) leaves
+  ``passed`` at ``reward > 0``. An adapter whose reward pays partial credit sets it, so that
+  a pass means solved.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollflow.envs.handle import checked_score
 from rollflow.envs.type_names import type_mismatch
 from rollflow.envs.types import Message, StepResult, Task, ToolSpec
 
@@ -82,6 +87,7 @@ class AsyncEnvSuite:
     tasks: Sequence[Task]
     val_tasks: Sequence[Task]
     env_factory: Callable[[Task], Env]
+    pass_threshold: float | None = None  # reward >= this is a pass; None: reward > 0
 
     def __post_init__(self) -> None:
         for name, tasks in (("tasks", self.tasks), ("val_tasks", self.val_tasks)):
@@ -92,3 +98,5 @@ class AsyncEnvSuite:
             raise ValueError("an AsyncEnvSuite needs at least one training task")
         if not callable(self.env_factory):
             raise TypeError(f"env_factory must be callable (task -> Env), got {self.env_factory!r:.100}")
+        if self.pass_threshold is not None:
+            checked_score(self.pass_threshold, "AsyncEnvSuite.pass_threshold")

@@ -12,11 +12,12 @@ is kept in the last step's metadata; ``metrics`` hold ``invalid_move`` and ``tur
 The core game is used without TextArena's LLM wrappers: each user message holds only what
 is new since the last action (rollflow keeps the transcript), and the reply is passed on
 as written (no brackets added), so what the model is scored on is what it wrote. Actions
-are free text (``checks_tool_protocol = False``). An async-style episode carries no pass
-threshold, so rollflow's ``passed`` is ``reward > 0``: a game that pays partial credit on
-a loss (GuessTheNumber pays how close the last guess was) counts that as a pass; the
-``won`` metric (reward >= 1, TextArena's win) is the stricter figure, in
-``scores.components``. The game has no turn budget rollflow can read, so
+are free text (``checks_tool_protocol = False``). A pass is a win: the suite's pass
+threshold is ``pass_threshold`` (1.0, TextArena's reward for a won game), so ``passed``,
+pass@k and the validation pass rate count games won, while the reward keeps the game's
+partial credit for a loss (GuessTheNumber pays how close the last guess was) as the
+training signal; ``won`` (reward >= 1) in ``scores.components`` stays the win whatever
+``pass_threshold`` says. The game has no turn budget rollflow can read, so
 ``[rollout].max_turns`` must be set (async style); a game cut off there has reward 0.
 
 A task is one seed: training plays seeds ``seed .. seed+num_train-1``, validation the
@@ -67,6 +68,7 @@ from typing import Any, TypeVar
 
 from rollflow.envs.checks import require_int
 from rollflow.envs.env import AnnotatedStepResult, AsyncEnvSuite, Env
+from rollflow.envs.handle import checked_score
 from rollflow.envs.types import Message, StepResult, Task, ToolSpec
 
 EXTRA = "pip install 'rollflow[textarena]'"
@@ -282,13 +284,16 @@ def load_environment(
     num_validation: int = 50,
     seed: int = 0,
     system_prompt: str | None = None,
+    pass_threshold: float = 1.0,
     **game_kwargs: Any,
 ) -> AsyncEnvSuite:
     """TextArena's ``game`` (keywords other than these go to the game, e.g. ``max_turns``),
-    one task per seed; checked by making and resetting the game once."""
+    one task per seed; checked by making and resetting the game once. An episode passes
+    when its reward is at least ``pass_threshold`` (default 1.0: the game was won)."""
     require_int("[env].kwargs num_train", num_train, minimum=1)
     require_int("[env].kwargs num_validation", num_validation, minimum=0)
     require_int("[env].kwargs seed", seed, minimum=0)
+    checked_score(pass_threshold, "[env].kwargs pass_threshold")
     if system_prompt is not None and not isinstance(system_prompt, str):
         raise ValueError(f"[env].kwargs system_prompt must be text, got {type(system_prompt).__name__}")
     probe_rng = random.Random(seed)
@@ -311,4 +316,5 @@ def load_environment(
         tasks=tuple(task(seed + i) for i in range(num_train)),
         val_tasks=tuple(task(seed + num_train + i) for i in range(num_validation)),
         env_factory=lambda _task: TextArenaEnv(game, game_kwargs, system_prompt),
+        pass_threshold=float(pass_threshold),
     )

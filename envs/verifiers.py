@@ -25,12 +25,15 @@ One episode is one verifiers rollout, with rollflow playing the model:
 
 Simplifications, and why:
 - Async style (one ``Env`` per episode), because a verifiers ``State`` lives across turns
-  and hook style keeps no episode state. So rollflow's ``passed`` is ``reward > 0`` (an
-  async task has no threshold; ``pass_threshold_met`` is verifiers' own test), there are
-  no SFT targets (``rollflow sft`` reads hook-style environments; the dataset's ``answer``
-  is not a reply in the parser's format), and ``[rollout].max_turns`` must be set (it caps
-  the environment's own ``max_turns``). An episode rollflow cuts short (its turn cap, the
-  context, a malformed tool call) is not scored: reward 0, as for TextArena.
+  and hook style keeps no episode state. A pass is verifiers' own: reward >= the
+  environment's ``pass_threshold`` (verifiers' default 0.5; the ``pass_threshold`` kwarg
+  replaces it for rollflow's ``passed``, pass@k and validation pass rate, while
+  ``pass_threshold_met`` stays verifiers' test), so a rubric's partial credit (a format
+  reward) is not a pass. There are no SFT targets (``rollflow sft`` reads hook-style
+  environments; the dataset's ``answer`` is not a reply in the parser's format), and
+  ``[rollout].max_turns`` must be set (it caps the environment's own ``max_turns``). An
+  episode rollflow cuts short (its turn cap, the context, a malformed tool call) is not
+  scored: reward 0, as for TextArena.
 - Rubrics are scored per rollout: group reward functions (``score_group`` only) are
   refused before anything runs. The environment's ``timeout_seconds`` and token-usage stop
   are not applied (rollflow has its own limits).
@@ -56,6 +59,7 @@ from typing import Any
 
 from rollflow.envs.checks import require_int
 from rollflow.envs.env import AnnotatedStepResult, AsyncEnvSuite, Env
+from rollflow.envs.handle import checked_score
 from rollflow.envs.types import Message, StepResult, Task, ToolSpec
 from rollflow.envs.verifiers_loading import load_verifiers_environment, one_line
 
@@ -317,13 +321,18 @@ def load_environment(
     num_train: int | None = None,
     num_validation: int = 50,
     seed: int = 0,
+    pass_threshold: float | None = None,
 ) -> AsyncEnvSuite:
     """The verifiers environment ``env_id`` built with ``env_args``: ``num_train`` training
-    rows (all when None) and ``num_validation`` validation rows (see the module docstring)."""
+    rows (all when None) and ``num_validation`` validation rows (see the module docstring).
+    An episode passes when its reward is at least ``pass_threshold`` (None: the
+    environment's own ``pass_threshold``)."""
     if num_train is not None:
         require_int("[env].kwargs num_train", num_train, minimum=1)
     require_int("[env].kwargs num_validation", num_validation, minimum=0)
     require_int("[env].kwargs seed", seed, minimum=0)
+    if pass_threshold is not None:
+        checked_score(pass_threshold, "[env].kwargs pass_threshold")
     environment = load_verifiers_environment(env_id, dict(env_args or {}))
     try:
         train, validation = split_rows(environment, num_validation, seed)
@@ -338,4 +347,5 @@ def load_environment(
         tasks=tuple(task for task, _ in train_tasks),
         val_tasks=tuple(task for task, _ in val_tasks),
         env_factory=lambda task: VerifiersEnv(environment, rows[str(task.id)]),
+        pass_threshold=float(environment.pass_threshold if pass_threshold is None else pass_threshold),
     )

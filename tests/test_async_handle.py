@@ -202,6 +202,16 @@ def test_scores_are_the_ending_rewards() -> None:
     assert scores[3].error == UNSCORED_EPISODE and scores[2].error is None
 
 
+def test_the_suites_pass_threshold_is_every_scores_threshold() -> None:
+    tasks = [Task(prompt="say 7", target=7)]
+    handle = AsyncEnvironmentHandle(AsyncEnvSuite(tasks=tasks, val_tasks=tasks, env_factory=EchoEnv, pass_threshold=1.0))
+    item = handle.tasks("train")[0]
+    rollouts = [asyncio.run(handle.play(item, p, EpisodeLimits(max_turns=2))) for p in (_script("7"), _script("8"))]
+    assert [(s.reward, s.threshold) for s in asyncio.run(handle.score(item, rollouts))] == [(1.0, 1.0), (0.0, 1.0)]
+    with pytest.raises(ValueError, match=r"AsyncEnvSuite.pass_threshold must be a finite number, got 'won'"):
+        AsyncEnvSuite(tasks=tasks, val_tasks=[], env_factory=EchoEnv, pass_threshold="won")  # type: ignore[arg-type]
+
+
 def test_suite_validation_and_splits() -> None:
     with pytest.raises(TypeError, match=r"tasks\[0\] is str, not rollflow\.envs\.types\.Task"):
         AsyncEnvSuite(tasks=["p"], val_tasks=[], env_factory=EchoEnv)  # type: ignore[list-item]

@@ -23,6 +23,7 @@ from rollflow.envs.scripted import ScriptedPolicy  # noqa: E402
 from rollflow.envs.textarena import make_game  # noqa: E402
 from rollflow.envs.types import Message  # noqa: E402
 from rollflow.storage.query import open_run_sql, run_query  # noqa: E402
+from rollflow.tasks.shaping import ending_of, env_passed  # noqa: E402
 from tiny_run import train_tiny_on  # noqa: E402
 
 SPEC = "rollflow.envs.textarena:load_environment"
@@ -117,6 +118,30 @@ def test_a_game_lost_to_invalid_moves_has_a_number_for_its_reward(game: str) -> 
     assert reason.startswith("Invalid Move: ") and "format" in reason
 
 
+def two_close_guesses(messages: Sequence[Message], turn: int) -> str:
+    return ("[10]", "[11]")[min(turn, 1)]
+
+
+def close_then_right(messages: Sequence[Message], turn: int) -> str:
+    return ("[10]", "[19]")[min(turn, 1)]  # seed 10's number
+
+
+@pytest.mark.parametrize(("pass_kwargs", "passed"), [({}, False), ({"pass_threshold": 0.5}, True)])
+def test_passed_means_won_unless_told_otherwise(pass_kwargs: dict, passed: bool) -> None:
+    """GuessTheNumber pays a lost game how close its last guess was (here 1 - 8/19, the
+    number being 19): that is not a pass, unless ``pass_threshold`` says it is."""
+    kwargs = {"game": GAME, "max_turns": 2, "num_train": 1, "num_validation": 0, "seed": 10, **pass_kwargs}
+    handle = load_environment_handle(SPEC, kwargs)
+    [item] = handle.tasks("train")
+    [[lost]] = asyncio.run(play_groups(handle, [item], 1, ScriptedPolicy(two_close_guesses),
+                                       EpisodeLimits(max_turns=4), concurrency=1))
+    [[won]] = asyncio.run(play_groups(handle, [item], 1, ScriptedPolicy(close_then_right), EpisodeLimits(max_turns=4), concurrency=1))
+    lost_score, won_score = asyncio.run(handle.score(item, [lost, won]))
+    assert lost_score.reward == pytest.approx(1 - 8 / 19) and lost_score.components["won"] == 0.0
+    assert env_passed(ending_of(lost, lost_score), lost_score) is passed
+    assert won_score.components["won"] == 1.0 and env_passed(ending_of(won, won_score), won_score)
+
+
 def test_splits_are_disjoint_seeds() -> None:
     handle = load_environment_handle(SPEC, {"game": GAME, "num_train": 5, "num_validation": 3, "seed": 2})
     train = {item.payload.metadata["seed"] for item in handle.tasks("train")}  # type: ignore[union-attr]
@@ -131,6 +156,7 @@ def test_splits_are_disjoint_seeds() -> None:
         ({"game": GAME, "colour": 2}, r"could not be made with \{'colour': 2\}: TypeError"),
         ({"game": "Wordle-v0"}, r"'Wordle-v0' could not be made .*LookupError: Resource 'words' not found"),
         ({"game": "Mastermind-v0", "num_train": 0}, r"num_train must be a positive integer"),
+        ({"game": GAME, "pass_threshold": "won"}, r"pass_threshold must be a finite number, got 'won'"),
     ],
 )  # fmt: skip
 def test_bad_games_are_one_line(kwargs: dict, pattern: str) -> None:
@@ -172,5 +198,7 @@ def test_two_steps_of_rollflow_train_on_the_tiny_model(
         "GROUP BY ALL ORDER BY ALL",
     )
     assert rows == [(0, 4, 4, 4), (1, 4, 4, 4)]
+    _, verdicts = run_query(con, "SELECT count(*), count_if(threshold = 1.0), count_if(passed = (reward >= 1.0)) FROM scores")
+    assert verdicts[0][0] > 0 and verdicts[0][0] == verdicts[0][1] == verdicts[0][2]  # a pass is a win
     _, steps = run_query(con, "SELECT count(*) FROM steps")
     assert steps == [(2,)]

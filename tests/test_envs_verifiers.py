@@ -31,6 +31,7 @@ from rollflow.envs.verifiers_loading import load_verifiers_environment  # noqa: 
 from rollflow.storage.query import open_run_sql, run_query  # noqa: E402
 from rollflow.config.checks import PreflightError  # noqa: E402
 from rollflow.ops.preflight import check_environment  # noqa: E402
+from rollflow.tasks.shaping import ending_of, env_passed  # noqa: E402
 from tiny_run import REPO, train_tiny_on  # noqa: E402
 
 SPEC = "rollflow.envs.verifiers:load_environment"
@@ -147,6 +148,18 @@ def test_the_environments_own_replies_and_tools_are_the_next_turn() -> None:
     assert score.components["total_tool_calls"] == 1.0 and score.components["add_calls"] == 1.0
 
 
+@pytest.mark.parametrize(("pass_kwargs", "passes"), [({}, (False, True)), ({"pass_threshold": 0.01}, (True, True))])
+def test_passed_is_the_environments_pass_threshold(pass_kwargs: dict, passes: tuple[bool, bool]) -> None:
+    """The rubric pays a right answer outside the answer tags 0.04 of format credit: under
+    the environment's ``pass_threshold`` (0.5), so not a pass, as verifiers itself says,
+    unless ``pass_threshold`` is set lower."""
+    for script, passed in zip((unformatted, right), passes, strict=True):
+        for _, rollout, score in play({"env_id": ENV_ID, **pass_kwargs}, script, n=2):
+            assert score.reward == pytest.approx(0.04 if script is unformatted else 1.2)
+            assert env_passed(ending_of(rollout, score), score) is passed
+            assert score.components["pass_threshold_met"] == float(script is right)  # verifiers' own, always
+
+
 def test_a_rollout_cut_short_by_rollflow_is_not_scored() -> None:
     (_, rollout, score), *_ = play({"env_id": ENV_ID, "env_args": {"kind": "retry"}}, low_then_right, max_turns=1, n=1)
     assert not rollout.terminated and str(rollout.truncation_cause) == "max_turns"
@@ -186,6 +199,7 @@ def test_splits_never_share_a_prompt() -> None:
         ({"env_id": ENV_ID, "env_args": {"colour": 2}}, r"failed to load .*TypeError: .*colour"),
         ({"env_id": ENV_ID, "env_args": {"kind": "groups"}}, r"its rubric has group reward functions"),
         ({"env_id": ENV_ID, "num_validation": 12}, r"has 12 distinct prompts, which leaves none to train on"),
+        ({"env_id": ENV_ID, "pass_threshold": "half"}, r"pass_threshold must be a finite number, got 'half'"),
     ],
 )  # fmt: skip
 def test_loading_errors_are_one_line(kwargs: dict, pattern: str) -> None:
