@@ -33,6 +33,7 @@ from rollflow.ops.preflight import check_environment
 from rollflow.storage.query import open_run_sql, run_query
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from repo_script import load_script  # noqa: E402
 from tiny_run import train_tiny_on  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -300,3 +301,20 @@ def test_a_bad_server_table_is_refused_before_anything_starts(servers: object, w
     with pytest.raises(EnvironmentLoadError, match=words):
         load_environment_handle(SPEC, {**KWARGS, "servers": servers})
     assert POOL.pids() == []
+
+
+def test_the_overhead_bench_runs_every_leg_and_prints_its_table(capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/mcp_bench.py end to end, small: the table's shape and the answers, not the timings."""
+    bench = load_script("bench/mcp_bench.py")
+    assert bench.main(["--calls", "6", "--warmup", "1", "--concurrency", "3"]) == 0
+    out = capsys.readouterr().out
+    key = tasks("train")[0]["needed_keys"][0]
+    assert f'lookup({{"key": "{key}"}}) on train task 0 answers ' in out
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| ")]
+    assert rows[0] == ["leg", "concurrency", "calls", "median ms", "p90 ms", "calls/s"]
+    assert [row[:3] for row in rows[1:]] == [
+        [leg, level, "6"] for level in ("1", "3") for leg in ("python", "mcp-stdio", "mcp-http")
+    ]
+    for row in rows[1:]:
+        median, p90, rate = (float(cell) for cell in row[3:])
+        assert 0 < median <= p90 and rate > 0, row
