@@ -29,6 +29,10 @@ What it simplifies, and why:
   is answered ``tool_error: ...`` saying the chat cannot run it.
 - The environment's own ``step_episode`` / ``step`` is never called and nothing is scored:
   a person's chat is not an episode of the task.
+- An agent environment (``rollflow.envs.openai_agent``) is refused, in one line that says
+  what to use instead: its system prompt and tools are the agent's own, sent with each of
+  the agent's calls, and in a chat a person takes the agent's place, so there are none to
+  show. ``rollflow eval`` plays the agent against the policy; ``--env none`` chats bare.
 - At most ``MAX_TOOL_ROUNDS`` replies (so tool rounds) follow one user turn, so a policy
   that calls tools forever still hands the turn back.
 - Sampling follows the run's ``[rollout]`` settings (temperature, top_p, per-reply and
@@ -216,13 +220,21 @@ def chat_environment(spec: str | None, kwargs: Mapping[str, object] | None = Non
     """Instructions and tools of environment ``spec`` (``None`` or ``"none"``: a bare chat)."""
     if spec is None or spec == NO_ENV:
         return ChatEnvironment(name="none")
+    from rollflow.config.parsing import ConfigError
     from rollflow.envs.async_handle import AsyncEnvironmentHandle
     from rollflow.envs.hook_handle import HookEnvironmentHandle
+    from rollflow.envs.openai_agent import AgentEnvironmentHandle
     from rollflow.envs.runner import load_environment_handle
 
     handle = load_environment_handle(spec, kwargs)
     if isinstance(handle, HookEnvironmentHandle):
         return asyncio.run(_hook_environment(spec, handle.env))
+    if isinstance(handle, AgentEnvironmentHandle):
+        raise ConfigError(
+            f"{spec} is an agent environment: its system prompt and tools are those its agent "
+            f"{handle.env.names['agent']} sends with each call, and a chat has no agent; "
+            "`rollflow eval` plays the agent against this policy, `--env none` chats with it bare"
+        )
     assert isinstance(handle, AsyncEnvironmentHandle), f"unknown handle {type(handle).__name__}"
     return asyncio.run(_async_environment(spec, handle.suite))
 

@@ -240,11 +240,11 @@ def test_a_server_chat_needs_no_run_folder(monkeypatch: pytest.MonkeyPatch, caps
     assert "--kwargs must be a JSON object" in capsys.readouterr().err
 
 
-def _run_with_env_kwargs(root: Path, kwargs: dict[str, object]) -> Path:
+def _run_with_env_kwargs(root: Path, kwargs: dict[str, object], spec: str = GAME) -> Path:
     from rollflow.config.run import EnvConfig, RunConfig, config_to_toml
     from rollflow.storage.runfolder import RunFolder
 
-    RunFolder(root).write_config(config_to_toml(RunConfig(env=EnvConfig(GAME, kwargs))))
+    RunFolder(root).write_config(config_to_toml(RunConfig(env=EnvConfig(spec, kwargs))))
     return root
 
 
@@ -267,6 +267,35 @@ def test_the_runs_env_kwargs_go_with_its_environment(
     served = ["--base-url", "http://127.0.0.1:9/v1", "--api-model", "policy"]
     assert main(["chat", str(wrong), *served, "--env", GAME]) == 1
     assert "no_such_setting" in capsys.readouterr().err
+
+
+AGENT = "rollflow.envs.openai_agent:load_environment"
+AGENT_KWARGS: dict[str, object] = {
+    "agent": "rollflow.envs.openai_agent_example.agent:run",
+    "tasks": "rollflow.envs.openai_agent_example.game:tasks",
+    "reward": "rollflow.envs.openai_agent_example.game:reward",
+}
+
+
+def test_an_agent_environment_is_refused_in_one_line_that_names_the_way_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`rollflow chat` on a run of configs/openai_agent.toml died on an assert (a traceback):
+    an agent environment's system prompt and tools are the agent's own, sent with its calls,
+    and a person typing turns is no agent. It says so, and what to use instead."""
+    from rollflow.config.parsing import ConfigError
+
+    with pytest.raises(ConfigError, match=r"is an agent environment.*rollflow eval.*--env none"):
+        chat_environment(AGENT, AGENT_KWARGS)
+    monkeypatch.setattr("builtins.input", _end_of_input)
+    run = _run_with_env_kwargs(tmp_path / "run", AGENT_KWARGS, spec=AGENT)
+    served = ["--base-url", "http://127.0.0.1:9/v1", "--api-model", "policy"]
+    assert main(["chat", str(run), *served]) == 1
+    said = capsys.readouterr().err
+    assert len(said.strip().splitlines()) == 1 and "Traceback" not in said, said
+    assert "rollflow.envs.openai_agent_example.agent:run" in said and "rollflow eval" in said
+    assert main(["chat", str(run), *served, "--env", "none"]) == 0  # the way out it names works
+    assert "environment: none" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------- a real terminal
