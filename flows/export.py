@@ -22,7 +22,10 @@ holds and the line that starts a vLLM server on it (``ExportResult.serve``: vLLM
 the trained policy served as ``policy``), and, for an environment with tools, what
 serving needs to match training: the system text with the tool descriptions, the tool
 specs and ``SERVING.md`` (``flows/export_serving.py``: the policy read its tools in its
-system message, never through the template's ``tools=``).
+system message, never through the template's ``tools=``). An agent environment's export
+has ``SERVING.md`` alone: its tools are the agent's own ``tools=``, and the guide names the
+tool-call format the capture endpoint used (a family's is vLLM's ``--tool-call-parser``,
+added to the server line).
 
 The folder is written under a hidden temporary name next to ``out`` and renamed into place
 whole; an ``out`` that exists and is not empty is refused, never overwritten.
@@ -40,7 +43,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from rollflow.config.run import RunConfig, load_config
-from rollflow.flows.export_serving import SERVED_POLICY, ServeCommand, serve_command, write_serving_files
+from rollflow.flows.export_serving import (
+    SERVED_POLICY,
+    ServeCommand,
+    serve_command,
+    serving_plan,
+    write_serving_files,
+)
 from rollflow.generators.checkpoints import (
     OPTIMIZER_FILE,
     RESULT_FILE,
@@ -93,10 +102,11 @@ def export_policy(run_dir: str | Path, out: str | Path, step: int | None = None,
     tmp.mkdir(parents=True)
     try:
         result = _write_export(config, folder, checkpoint, tmp, final, merged)
-        served = served_by(config, result)
+        plan = serving_plan(config, tmp)  # read from the exported tokenizer's chat template
+        served = served_by(config, result, tool_parser=plan.tool_parser)
         result = replace(result, serve=served.text(), served_model=served.model)
         (tmp / EXPORT_FILE).write_text(json.dumps(asdict(result), indent=1) + "\n")
-        write_serving_files(config, tmp, served, result.run_dir)
+        write_serving_files(config, tmp, served, result.run_dir, plan)
         give_ordinary_modes(tmp)  # safetensors writes 0600, and copy2 keeps a mode
         if final.exists():
             final.rmdir()  # empty, checked above
@@ -107,13 +117,15 @@ def export_policy(run_dir: str | Path, out: str | Path, step: int | None = None,
     return result
 
 
-def served_by(config: RunConfig, result: ExportResult) -> ServeCommand:
-    """The vLLM server that serves ``result``: a whole model, or the adapter on its base."""
+def served_by(config: RunConfig, result: ExportResult, tool_parser: str | None = None) -> ServeCommand:
+    """The vLLM server that serves ``result``: a whole model, or the adapter on its base;
+    with ``tool_parser``, reading tool calls as an agent environment's endpoint did."""
     if not result.is_adapter:
-        return serve_command(config, result.out)
+        return serve_command(config, result.out, tool_parser=tool_parser)
     assert result.base_model is not None, "an adapter export names its base"
     try:
-        return serve_command(config, result.base_model, adapter_dir=result.out, lora_rank=result.lora_rank)
+        return serve_command(config, result.base_model, adapter_dir=result.out, lora_rank=result.lora_rank,
+                             tool_parser=tool_parser)  # fmt: skip
     except VLLMServerError as error:  # a rank above vLLM's largest --max-lora-rank
         raise ExportError(f"{error}: vLLM cannot serve this adapter; export it with --merged") from None
 

@@ -140,6 +140,142 @@ def test_a_lora_rank_vllm_cannot_serve_is_refused_with_the_way_out() -> None:
     assert served_by(RunConfig(), replace(result, lora_rank=4)).argv[-1] == "8"
 
 
+# ---------------------------------------------------------------- an agent environment's export
+
+AGENT = "rollflow.envs.openai_agent:load_environment"
+AGENT_KWARGS: dict[str, object] = {
+    "agent": "rollflow.envs.openai_agent_example.agent:run",
+    "tasks": "rollflow.envs.openai_agent_example.game:tasks",
+    "reward": "rollflow.envs.openai_agent_example.game:reward",
+}
+TEMPLATES = Path(__file__).parent / "templates"
+
+
+def agent_run(source: RunFolder, root: Path, model_dir: Path | None = None, **kwargs: object) -> RunFolder:
+    """A copy of ``source`` (its checkpoints) whose config trains the example agent with
+    ``kwargs`` (on the model at ``model_dir``, when given)."""
+    import shutil
+
+    from rollflow.config.run import EnvConfig, config_to_toml
+
+    shutil.copytree(source.root, root)
+    folder = RunFolder(root)
+    config = load_config(folder.config_path)
+    config = replace(config, env=EnvConfig(AGENT, {**AGENT_KWARGS, **kwargs}))
+    if model_dir is not None:
+        config = replace(config, model=replace(config.model, path=str(model_dir)))
+    folder.config_path.write_text(config_to_toml(config))  # the run as if it had trained the agent
+    return folder
+
+
+def family_model(tiny_model_dir: Path, root: Path, template: str) -> Path:
+    """The tiny model with a model family's real chat template (tests/templates)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    shutil.copytree(tiny_model_dir, root)
+    tokenizer = AutoTokenizer.from_pretrained(str(root))
+    tokenizer.chat_template = (TEMPLATES / template).read_text()
+    tokenizer.save_pretrained(str(root))
+    return root
+
+
+def test_an_agent_export_says_its_tools_are_the_agents_and_serves_it_through_rollflows_endpoint(
+    adapter_run: RunFolder, tmp_path: Path
+) -> None:
+    """An agent environment's export had no SERVING.md at all (its tools come per call, so
+    there was no tools.json to write): nothing said where the tools come from or which
+    tool-call format the policy learned. The bundled model's template ignores tools, so the
+    endpoint used rollflow's protocol, which no vLLM parser reads: no parser on the server
+    line, and the guide's eval line plays the agent through the endpoint."""
+    prompt = "Look the facts up before you answer."
+    run = agent_run(adapter_run, tmp_path / "agent-run", system_prompt=prompt)
+    out = tmp_path / "adapter"
+    result = export_policy(run.root, out)
+    assert not (out / "tools.json").exists() and not (out / "system_prompt.txt").exists()
+    guide = (out / "SERVING.md").read_text()
+    assert "Tool-call format: `rollflow`." in guide and "the tools come from the agent's\n`tools=`" in guide
+    assert "`rollflow.envs.openai_agent_example.agent:run`" in guide and prompt in guide
+    server, evaluate = (line for line in shell_lines(guide))
+    assert SERVER_MODULE in server.argv and "--tool-call-parser" not in server.argv and "--tool-call-parser" not in result.serve
+    args = build_parser().parse_args(evaluate.argv[1:])
+    assert (args.command, args.config) == ("eval", str(run.config_path))
+    assert (args.base_url, args.api_model, args.tools_in_system_prompt) == ("http://127.0.0.1:8000/v1", "policy", False)
+
+
+def test_the_eval_line_of_an_agent_export_plays_the_agent_through_the_endpoint(
+    adapter_run: RunFolder, tmp_path: Path, prefect_harness: object
+) -> None:
+    """What the rollflow-protocol guide promises: its eval line runs the agent against the
+    server with the prompts of training, the tools described in the system message (never
+    `tools=`, which the template would drop), every episode played to its end."""
+    from json_server import json_server
+
+    from rollflow.envs.openai_agent_example.game import SYSTEM_PROMPT
+    from rollflow.flows.cli import main
+
+    bodies: list[dict[str, object]] = []
+
+    def answer(path: str, headers: object, body: dict[str, object]) -> tuple[int, object, float]:
+        bodies.append(body)
+        choice = {"index": 0, "message": {"role": "assistant", "content": "17"}, "finish_reason": "stop"}
+        return 200, {"id": "c", "object": "chat.completion", "choices": [choice],
+                     "usage": {"prompt_tokens": 30, "completion_tokens": 2, "total_tokens": 32}}, 0.0  # fmt: skip
+
+    run = agent_run(adapter_run, tmp_path / "agent-run")
+    export_policy(run.root, tmp_path / "adapter")
+    _, evaluate = shell_lines((tmp_path / "adapter" / "SERVING.md").read_text())
+    with json_server(answer) as url:
+        argv = _with_flag(evaluate.argv[1:], "--base-url", f"{url}/v1")
+        assert main([*argv, "--run-dir", str(tmp_path / "eval"), "--tasks", "2"]) == 0
+    assert len(bodies) == 2 and all("tools" not in body and body["model"] == "policy" for body in bodies)
+    system = bodies[0]["messages"][0]  # type: ignore[index]
+    assert system["role"] == "system" and system["content"].startswith(SYSTEM_PROMPT)
+    assert "<tool_call>" in system["content"]  # rollflow's protocol, as the endpoint trained it
+    assert _episode_errors(tmp_path / "eval") == [None, None]
+
+
+@pytest.mark.parametrize(("template", "tool_format", "parser"), [
+    ("qwen2.5-instruct.jinja", "auto", "hermes"),
+    ("llama-3.1-instruct.jinja", "auto", "llama3_json"),
+    ("qwen3.jinja", "mistral", "mistral"),  # a family named in [env].kwargs wins over the template's
+])  # fmt: skip
+def test_an_agent_export_in_a_familys_format_is_served_with_vllms_parser_of_that_name(
+    adapter_run: RunFolder, tiny_model_dir: Path, tmp_path: Path, template: str, tool_format: str, parser: str
+) -> None:
+    """The endpoint read the policy's calls in its template's family format; the server must
+    read them the same way, so its line (in SERVING.md and export.json) names that parser,
+    and the agent calls the server as it called the endpoint."""
+    model = family_model(tiny_model_dir, tmp_path / "model", template)
+    run = agent_run(adapter_run, tmp_path / "agent-run", model_dir=model, tool_format=tool_format)
+    out = tmp_path / "adapter"
+    result = export_policy(run.root, out)
+    assert not (out / "tools.json").exists()
+    guide = (out / "SERVING.md").read_text()
+    assert f"Tool-call format: `{parser}`." in guide and "environment's system prompt" not in guide
+    (server,) = shell_lines(guide)
+    assert server.argv[-3:] == ["--enable-auto-tool-choice", "--tool-call-parser", parser]
+    assert server.flag("--model") == str(model) and server.flag("--lora-modules") == f"policy={out}"
+    assert result.serve.endswith(f"--enable-auto-tool-choice --tool-call-parser {parser}")
+    assert json.loads((out / "export.json").read_text())["serve"] == result.serve
+    assert 'base_url="http://127.0.0.1:8000/v1"' in guide and 'await run(task, client, "policy")' in guide
+
+
+def test_a_family_named_for_a_template_that_ignores_tools_is_said_in_serving_md(
+    adapter_run: RunFolder, tmp_path: Path
+) -> None:
+    """A run whose tool_format the exported template cannot have served (the training would
+    have refused it) still exports: SERVING.md says why it has no guide."""
+    run = agent_run(adapter_run, tmp_path / "agent-run", tool_format="hermes")
+    out = tmp_path / "adapter"
+    result = export_policy(run.root, out)
+    guide = (out / "SERVING.md").read_text()
+    assert "the tools come from the agent's\n`tools=`" in guide
+    assert "could not tell which tool-call format" in guide and "tool_format='hermes' has the chat template" in guide
+    assert "--tool-call-parser" not in result.serve
+
+
 # ---------------------------------------------------------------- eval --tools-in-system-prompt
 
 
