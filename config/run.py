@@ -47,6 +47,7 @@ from rollflow.config.parsing import (
 from rollflow.config.pipeline import PipelineConfig
 from rollflow.config.rollout import RolloutConfig
 from rollflow.config.toml_writer import toml_document
+from rollflow.envs.mixture_handle import MIXTURE_SPEC, MixtureMember, default_label, parse_members
 from rollflow.config.train import TrainConfig
 from rollflow.policy.loss import OffPolicyCorrection
 
@@ -79,12 +80,28 @@ class ModelConfig:
             raise ConfigError(f"[model].device must be 'auto', 'cpu', 'cuda' or 'cuda:N'; got {self.device!r}")
 
 
+DEFAULT_ENV = "rollflow.envs.tool_use_game:load_environment"  # the bundled game
+
+
 @dataclass(frozen=True)
 class EnvConfig:
-    name: str = "rollflow.envs.tool_use_game:load_environment"  # the bundled game
+    name: str = DEFAULT_ENV
     kwargs: dict[str, Any] = field(default_factory=dict)
+    # [[env.mixture]] tables instead of name/kwargs: several environments in one run
+    # (envs/mixture.py). Read as name = MIXTURE_SPEC with kwargs.members, the form the run
+    # folder's config.toml keeps, so every stage loads a mixture as one environment.
+    mixture: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
+        if self.mixture is not None:
+            if self.name != DEFAULT_ENV or self.kwargs:
+                raise ConfigError(
+                    "[env] holds either name/kwargs (one environment) or [[env.mixture]] tables "
+                    "(several), not both: move the environment into a [[env.mixture]] table"
+                )
+            object.__setattr__(self, "name", MIXTURE_SPEC)
+            object.__setattr__(self, "kwargs", {"members": self.mixture})
+            object.__setattr__(self, "mixture", None)
         check_types(self, "env")
         module, sep, function = self.name.partition(":")
         if not (sep and module and function.isidentifier()):
@@ -93,6 +110,27 @@ class EnvConfig:
                 f"(e.g. 'rollflow.envs.tool_use_game:load_environment'), got {self.name!r}"
             )
         object.__setattr__(self, "kwargs", dict(self.kwargs))
+        if self.name == MIXTURE_SPEC:
+            self._check_mixture()
+
+    def _check_mixture(self) -> None:
+        """The members, checked before anything loads; kept in the form ``load_environment`` reads."""
+        where = "[env].kwargs.members" if "members" in self.kwargs and len(self.kwargs) == 1 else "[[env.mixture]]"
+        extra = sorted(set(self.kwargs) - {"members"})
+        if extra:
+            raise ConfigError(f"[env].kwargs of a mixture holds only 'members'; got also {', '.join(extra)}")
+        try:
+            members = parse_members(self.kwargs.get("members"), where)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        object.__setattr__(self, "kwargs", {"members": [m.as_table() for m in members]})
+
+    @property
+    def members(self) -> list[MixtureMember]:
+        """The environments of the run: a mixture's members, else the one (weight 1)."""
+        if self.name == MIXTURE_SPEC:
+            return parse_members(self.kwargs["members"])
+        return [MixtureMember(self.name, dict(self.kwargs), 1.0, default_label(self.name))]
 
 
 @dataclass(frozen=True)

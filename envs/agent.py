@@ -16,17 +16,46 @@ never decoded and re-encoded) and returns a ``PolicyAction``:
   ``context_overflow`` and does not step the environment with this action).
 
 Scripted policies (tests, demos) may return text with no tokens at all.
+
+``completion_cap(n)`` lowers the completion budget of the sessions acting inside it (a
+mixture member's ``max_completion_tokens``, ``envs/mixture.py``): a context variable, so it
+holds for the episode's own task and nothing else; token sessions read it with
+``capped_completion``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from rollflow.envs.types import Message, ToolSpec
 
 FinishReason = Literal["stop", "length", "context"]
+
+_COMPLETION_CAP: contextvars.ContextVar[int | None] = contextvars.ContextVar("completion_cap", default=None)
+
+
+@contextlib.contextmanager
+def completion_cap(tokens: int | None) -> Iterator[None]:
+    """Sessions acting inside this (this task, and tasks it starts) sample at most ``tokens``
+    per action; None changes nothing."""
+    if tokens is None:
+        yield
+        return
+    reset = _COMPLETION_CAP.set(tokens)
+    try:
+        yield
+    finally:
+        _COMPLETION_CAP.reset(reset)
+
+
+def capped_completion(max_completion_tokens: int) -> int:
+    """The settings' per-action budget, lowered by an enclosing ``completion_cap``."""
+    cap = _COMPLETION_CAP.get()
+    return max_completion_tokens if cap is None else min(max_completion_tokens, cap)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ class TaskItem:
 
     task_id: str
     payload: TaskExample | Task
+    env: str | None = None  # the mixture member it came from (``envs/mixture.py``); None: the run's one env
 
 
 NO_TURN_LIMIT = (

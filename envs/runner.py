@@ -41,6 +41,7 @@ from rollflow.envs.episode import EpisodeRollout
 from rollflow.envs.handle import NO_TURN_LIMIT, EnvironmentHandle, EpisodeLimits, TaskItem
 from rollflow.envs.hook_handle import HookEnvironmentHandle
 from rollflow.envs.hooks import EnvironmentMultiTurn
+from rollflow.envs.mixture_handle import MixtureHandle
 from rollflow.envs.openai_agent import AgentEnvironment, AgentEnvironmentHandle
 from rollflow.envs.type_names import type_mismatch
 from rollflow.envs.types import Task
@@ -73,6 +74,8 @@ def load_environment_handle(spec: str, kwargs: Mapping[str, object] | None = Non
     arguments = _checked_kwargs(function, kwargs, spec)
     try:
         loaded = function(**arguments)
+    except EnvironmentLoadError:
+        raise  # a loader of loaders (envs/mixture.py) has named the culprit already
     except Exception as exc:
         raise EnvironmentLoadError(
             f"{spec}(**{arguments!r:.200}) raised {type(exc).__name__}: {exc}"
@@ -88,6 +91,8 @@ def handle_for(loaded: object, where: str = "the environment") -> EnvironmentHan
         return AsyncEnvironmentHandle(loaded)
     if isinstance(loaded, AgentEnvironment):  # rollflow.envs.openai_agent's, never a user's own
         return AgentEnvironmentHandle(loaded)
+    if isinstance(loaded, MixtureHandle):  # rollflow.envs.mixture's: already a handle
+        return loaded
     raise EnvironmentLoadError(f"{where} returned {type_mismatch(loaded, EnvironmentMultiTurn, AsyncEnvSuite)}")
 
 

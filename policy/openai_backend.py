@@ -47,7 +47,7 @@ from typing import Any
 
 import httpx
 
-from rollflow.envs.agent import FinishReason, PolicyAction
+from rollflow.envs.agent import FinishReason, PolicyAction, capped_completion
 from rollflow.envs.protocol import describe_tools, render_tool_calls
 from rollflow.envs.types import Message, ToolCall, ToolSpec
 from rollflow.policy.codec import with_tools_in_system_prompt
@@ -125,7 +125,7 @@ class OpenAIChatPolicy(SeededPolicy):
             "messages": sent,
             "temperature": settings.temperature,
             "top_p": settings.top_p,
-            "max_completion_tokens": settings.max_completion_tokens,
+            "max_completion_tokens": capped_completion(settings.max_completion_tokens),
             "seed": seed,
             "logprobs": True,
         }

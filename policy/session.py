@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Generic, TypeVar
 
-from rollflow.envs.agent import FinishReason, PolicyAction
+from rollflow.envs.agent import FinishReason, PolicyAction, capped_completion
 from rollflow.envs.types import Message, ToolSpec
 from rollflow.policy.codec import ChatCodec, TokenState
 from rollflow.policy.sampling import EpisodeSeeds, SamplingSettings, request_seed
@@ -142,7 +142,7 @@ class TokenSession(Generic[PolicyT]):
                 text="", prompt_delta_ids=delta, reset=reset, finish_reason="context",
                 latency_s=time.perf_counter() - started, sampling_attempts=0,
             )  # fmt: skip
-        max_new = min(settings.max_completion_tokens, budget)
+        max_new = min(capped_completion(settings.max_completion_tokens), budget)
         turn, self._turn = self._turn, self._turn + 1
         sampled = await self._sample(state.token_ids, max_new, turn)
         self._state = policy.codec.record_action(state, sampled.token_ids)

@@ -120,6 +120,7 @@ EPISODE_SCHEMA = _schema(
         ("replica", pa.int32()),  # optional: null for policies without servers
         ("tool_calls", pa.int32()),  # optional: null in files written before it
         ("tool_errors", pa.int32()),  # optional: null in files written before it
+        ("env", pa.string()),  # optional: the environment's label (a mixture's member); null before it
     ],
 )
 SCORE_SCHEMA = _schema(
@@ -143,6 +144,7 @@ SCORE_SCHEMA = _schema(
         ("advantage", pa.float64()),
         ("trained", pa.bool_()),
         ("scoring_error", pa.string()),
+        ("env", pa.string()),  # optional: the environment's label, as in episodes; null before it
     ],
 )
 SAMPLE_SCHEMA = _schema(
@@ -204,7 +206,8 @@ SCHEMAS: dict[RecordKind, pa.Schema] = {
 # Columns added after SCHEMA_VERSION 2 without a bump, always last: a file written before
 # one lacks it and reads it as nulls; a file that has it must have it with its type.
 OPTIONAL_COLUMNS: dict[RecordKind, tuple[str, ...]] = {
-    RecordKind.EPISODES: ("node", "replica", "tool_calls", "tool_errors"),
+    RecordKind.EPISODES: ("node", "replica", "tool_calls", "tool_errors", "env"),
+    RecordKind.SCORES: ("env",),
 }
 
 

@@ -38,6 +38,7 @@ class GroupStamp:
     finish_version: int  # the version the generator held when the group finished
     started_s: float  # wall clock (time.time())
     finished_s: float
+    env: str | None = None  # the environment's label (a mixture member's); absent in older stamps
 
 
 def group_paths(folder: RunFolder, index: int) -> tuple[Path, Path]:
@@ -63,7 +64,7 @@ def write_group(folder: RunFolder, stamp: GroupStamp, rollouts: Sequence[Episode
     records = [
         EpisodeRecord(
             run_id=folder.run_id, step=stamp.start_version, split="train", task_id=stamp.task_id,
-            group_id=group_id, episode_id=f"{group_id}/{i}", index_in_group=i, rollout=rollout,
+            group_id=group_id, episode_id=f"{group_id}/{i}", index_in_group=i, rollout=rollout, env=stamp.env,
         )  # fmt: skip
         for i, rollout in enumerate(rollouts)
     ]
@@ -159,6 +160,6 @@ def step_episode_records(folder: RunFolder, admission: Admission) -> list[Episod
             records.append(EpisodeRecord(
                 run_id=record.run_id, step=admission.step, split="train", task_id=record.task_id,
                 group_id=group_id, episode_id=f"{group_id}/{record.index_in_group}",
-                index_in_group=record.index_in_group, rollout=record.rollout,
+                index_in_group=record.index_in_group, rollout=record.rollout, env=record.env,
             ))  # fmt: skip
     return records

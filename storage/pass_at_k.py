@@ -19,12 +19,15 @@ Overall figures average the per-task ones over the tasks with at least ``k`` epi
 In SQL (``rollflow sql``, ``open_run_sql``):
 
 - ``pass_at_k(n, c, k)``: the macro, NULL outside ``1 <= k <= n``, ``0 <= c <= n``.
-- ``task_pass_at_k``: one row per (run, split, step, task, k) for ``k = 1..n``:
+- ``task_pass_at_k``: one row per (run, split, step, task, k) for ``k = 1..n`` (with its ``env``):
   ``episodes`` (n), ``passes`` (c), ``pass_at_k``, ``avg_at_k``, ``reward_mean`` (mean
   ``final_reward`` of the episodes counted in the group baseline, those without a
   ``scoring_error``).
 - ``pass_at_k``: one row per (run, split, step, k): ``tasks`` (those with n >= k) and the
   means of the three figures over them.
+- ``env_pass_at_k``: the same per environment (``env``, a mixture member's label; the one
+  environment's short name otherwise; NULL for files written before the column), so a
+  mixture's members read apart. ``task_pass_at_k`` carries ``env`` too.
 
 ``pass_at_k_exact`` is the same estimator in Python with exact fractions, for checks.
 """
@@ -48,14 +51,14 @@ CREATE MACRO pass_at_k(n, c, k) AS
 TASK_VIEW_SQL = """
 CREATE VIEW task_pass_at_k AS
 WITH per_task AS (
-    SELECT run_id, split, step, task_id,
+    SELECT run_id, split, step, any_value(env) AS env, task_id,
            count(*)::BIGINT AS episodes,
            count_if(passed)::BIGINT AS passes,
            avg(final_reward) FILTER (WHERE scoring_error IS NULL) AS reward_mean
     FROM scores
     GROUP BY run_id, split, step, task_id
 )
-SELECT run_id, split, step, task_id, k, episodes, passes,
+SELECT run_id, split, step, env, task_id, k, episodes, passes,
        pass_at_k(episodes, passes, k) AS pass_at_k,
        passes / episodes AS avg_at_k,
        reward_mean
@@ -73,7 +76,18 @@ FROM task_pass_at_k
 GROUP BY run_id, split, step, k
 """
 
-VIEWS = ("task_pass_at_k", "pass_at_k")
+ENV_SUMMARY_VIEW_SQL = """
+CREATE VIEW env_pass_at_k AS
+SELECT run_id, split, step, env, k,
+       count(*) AS tasks,
+       avg(pass_at_k) AS pass_at_k,
+       avg(avg_at_k) AS avg_at_k,
+       avg(reward_mean) AS reward_mean
+FROM task_pass_at_k
+GROUP BY run_id, split, step, env, k
+"""
+
+VIEWS = ("task_pass_at_k", "pass_at_k", "env_pass_at_k")
 
 
 def create_pass_at_k_views(con: duckdb.DuckDBPyConnection) -> None:
@@ -81,6 +95,7 @@ def create_pass_at_k_views(con: duckdb.DuckDBPyConnection) -> None:
     con.execute(MACRO_SQL)
     con.execute(TASK_VIEW_SQL)
     con.execute(SUMMARY_VIEW_SQL)
+    con.execute(ENV_SUMMARY_VIEW_SQL)
 
 
 def pass_at_k_exact(n: int, c: int, k: int) -> Fraction:

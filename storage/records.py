@@ -33,6 +33,9 @@ class EpisodeRecord:
     # not start: its Ray node id) when the rollout ran on a cluster; None without one.
     # Added after SCHEMA_VERSION 2 without a bump: files without the column read it as None.
     node: str | None = None
+    # The environment it was played in: its label (a mixture member's, envs/mixture_handle.py;
+    # the one environment's short name otherwise). None in files written before it.
+    env: str | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class ScoreRecord:
     advantage: float
     trained: bool  # False: errored, overlong-masked, or a skipped zero-variance group
     scoring_error: str | None = None
+    env: str | None = None  # the episode's environment label (EpisodeRecord.env)
 
 
 @dataclass(frozen=True)

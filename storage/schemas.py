@@ -110,6 +110,7 @@ def _episode_row(record: EpisodeRecord) -> dict[str, Any]:
         "replica": rollout.replica,
         "tool_calls": tool_calls,
         "tool_errors": tool_errors,
+        "env": record.env,
     }
 
 
@@ -151,6 +152,7 @@ def _row_to_episode(row: Mapping[str, Any]) -> EpisodeRecord:
         index_in_group=row["index_in_group"],
         rollout=rollout,
         node=row.get("node"),
+        env=row.get("env"),
     )
 
 
@@ -175,6 +177,7 @@ def score_records_to_table(records: Sequence[ScoreRecord]) -> pa.Table:
 
 
 def table_to_score_records(table: pa.Table) -> list[ScoreRecord]:
+    table = fill_optional_columns(table, RecordKind.SCORES)  # a table from before an optional column
     _check_table(table, RecordKind.SCORES)
     records = []
     for row in table.to_pylist():

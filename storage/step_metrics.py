@@ -32,6 +32,9 @@ The metrics are SQL texts kept here as constants, one per family, so the pipelin
   weighted by its action tokens), logged as ``opd/teacher_kl``. A step without a teacher
   table has no such metric, rather than a NaN in every GRPO run.
 
+- ``ENV_METRICS_SQL`` (``env_metrics``): the reward, pass and zero-variance figures of each
+  environment of a mixture (the ``env`` column), by the rules above.
+
 Reading only ``scores`` (no join with ``episodes``) keeps the reward query at one pass
 over a few narrow columns.
 
@@ -178,6 +181,35 @@ WHERE split = $split AND step = $step
 GROUP BY task_id
 ORDER BY task_id
 """
+
+
+ENV_METRICS_SQL = """
+WITH scored AS (
+    SELECT env, group_id, final_reward, passed, scoring_error IS NULL AS counted
+    FROM scores
+    WHERE split = $split AND step = $step AND env IS NOT NULL
+),
+per_group AS (
+    SELECT env, count_if(counted) < 2
+        OR min(final_reward) FILTER (counted) = max(final_reward) FILTER (counted) AS all_equal
+    FROM scored GROUP BY env, group_id
+)
+SELECT s.env, avg(final_reward) FILTER (counted), count_if(passed) / count(*), count(*),
+       (SELECT count_if(all_equal) / count(*) FROM per_group g WHERE g.env = s.env)
+FROM scored s GROUP BY s.env ORDER BY s.env
+"""
+
+
+def env_metrics(con: duckdb.DuckDBPyConnection, step: int, split: str) -> dict[str, dict[str, float]]:
+    """Per environment label (the ``env`` column) of ``split`` step ``step``: ``reward``,
+    ``pass`` and ``zero_variance`` by ``REWARD_METRICS_SQL``'s rules, and ``episodes``
+    (``ENV_METRICS_SQL``); files written before the column contribute nothing."""
+    rows = con.execute(ENV_METRICS_SQL, {"step": step, "split": split}).fetchall()
+    return {
+        env: {"reward": math.nan if reward is None else float(reward), "pass": float(passed),
+              "episodes": float(episodes), "zero_variance": float(flat)}
+        for env, reward, passed, episodes, flat in rows
+    }  # fmt: skip
 
 
 def recent_task_groups(

@@ -13,7 +13,7 @@ the run folder::
 (read and written by ``rollflow.storage.async_groups``).
 
 Group ``n`` plays the ``n``-th training task of the run (the lockstep order:
-``select_train_tasks`` with one task a step), so the data position is the group index.
+``draw_step_tasks`` with one task a step), so the data position is the group index.
 
 The trainer's step ``s`` (it trains version ``s`` into ``s + 1``) takes ``batch_size``
 finished groups, oldest start version first. A group's age is ``s - start_version``, the
@@ -86,7 +86,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollflow.config.run import RunConfig
-from rollflow.envs.handle import EnvironmentHandle, TaskItem
+from rollflow.envs.handle import EnvironmentHandle
 from rollflow.envs.runner import load_environment_handle, play_groups
 from rollflow.envs.tracebacks import keeping_tracebacks
 from rollflow.generators.async_generator import POLL_S, AsyncGenerator
@@ -104,7 +104,8 @@ from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import episode_records_to_table
 from rollflow.storage.stage_outputs import write_output
 from rollflow.tasks.group_errors import keep_admitted_errors, keep_group_errors, replay_failed_groups
-from rollflow.tasks.schedule import derive_seed, episode_limits, select_train_tasks
+from rollflow.envs.mixture_handle import env_label
+from rollflow.tasks.schedule import derive_seed, draw_step_tasks, episode_limits, run_strata
 
 
 STOP_JOIN_S = 30.0  # the collector stops within a poll once cancelled; this is the backstop
@@ -135,7 +136,8 @@ class RolloutWorkers:
     def __init__(self, config: RunConfig, folder: RunFolder, generator: AsyncGenerator, first_step: int) -> None:
         self.config, self.folder, self.generator = config, folder, generator
         self.handle: EnvironmentHandle = load_environment_handle(config.env.name, config.env.kwargs)
-        self.items: list[TaskItem] = self.handle.tasks("train")
+        self.strata = run_strata(config, self.handle, "train")
+        self.label = config.env.members[0].label  # the one environment's; a mixture's items carry theirs
         self.limits = episode_limits(config, "train", self.handle.style)
         taken = consumed_groups(folder)
         replay_failed_groups(folder, [i for i in finished_groups(folder) if i not in taken])
@@ -275,7 +277,7 @@ class RolloutWorkers:
 
     async def _play(self, index: int, version: int) -> None:
         config = self.config
-        item = select_train_tasks(self.items, index, 1, config.train.seed)[0]
+        item = draw_step_tasks(self.strata, index, 1, config.train.seed)[0]
         policy = self.generator.group_policy(version, derive_seed(config.train.seed, "async", index))
         started = time.time()
         finished_under = version
@@ -299,7 +301,7 @@ class RolloutWorkers:
         stamp = GroupStamp(
             index=index, task_id=item.task_id, start_version=version,
             finish_version=max([finished_under, *policy.versions]) if self.generator.in_place else version,
-            started_s=started, finished_s=time.time(),
+            started_s=started, finished_s=time.time(), env=env_label(item, self.label),
         )  # fmt: skip
         keep_group_errors(self.folder, index, item.task_id, groups[0], tracebacks)
         write_group(self.folder, stamp, groups[0])

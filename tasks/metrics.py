@@ -35,7 +35,7 @@ from rollflow.storage.parquet import write_bytes_atomic
 from rollflow.storage.query import open_run_sql, run_query
 from rollflow.storage.records import TrainResult
 from rollflow.storage.runfolder import OPTIONAL_TIMED_STAGES, TIMED_STAGES, RunFolder, StepPaths
-from rollflow.storage.step_metrics import step_metrics, task_passes, teacher_metrics
+from rollflow.storage.step_metrics import env_metrics, step_metrics, task_passes, teacher_metrics
 from rollflow.storage.transcript import render_episode
 from rollflow.tasks.schedule import rollout_plan_path
 from rollflow.tasks.step_health import step_hint, step_summary, validation_summary
@@ -69,10 +69,13 @@ _EPISODE_KEYS = {
 
 
 def rollout_metrics(run_dir: Path, step: int, split: str) -> dict[str, float]:
-    """The step's episode and reward metrics, under their logged names."""
+    """The step's episode and reward metrics, under their logged names; a mixture's step
+    also ``env/<label>/reward``, ``.../pass``, ``.../zero_variance`` and ``.../episodes``
+    per environment (one environment: the totals say it all, so none)."""
     con = open_run_sql([run_dir])
     try:
         raw = step_metrics(con, step=step, split=split)
+        by_env = env_metrics(con, step, split)
         _, rows = run_query(  # left out of the baseline: the rollout or its scorer raised
             con,
             "SELECT count_if(scoring_error IS NOT NULL) / count(*) FROM scores "
@@ -82,6 +85,9 @@ def rollout_metrics(run_dir: Path, step: int, split: str) -> dict[str, float]:
         con.close()
     metrics = {_EPISODE_KEYS[name]: value for name, value in raw.items()}
     metrics["episodes/failed_ratio"] = float(rows[0][0]) if rows and rows[0][0] is not None else 0.0
+    if len(by_env) > 1:  # a mixture's step: each environment's own figures beside the totals
+        for label, values in by_env.items():
+            metrics.update({f"env/{label}/{name}": value for name, value in values.items()})
     metrics.update(rollout_plan_metrics(RunFolder(run_dir), step, split))
     return metrics
 

@@ -323,6 +323,7 @@ def _record(
         index_in_group=index,
         rollout=rollout,
         node=node,
+        env=item.env,  # the plan's items carry their environment's label (tasks/schedule.run_strata)
     )
 
 

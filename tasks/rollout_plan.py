@@ -29,12 +29,12 @@ from rollflow.envs.runner import load_environment_handle
 from rollflow.storage.runfolder import RunFolder
 from rollflow.tasks.curriculum import curriculum_weights, difficulty_labels, summarize
 from rollflow.tasks.schedule import (
-    backfill_tasks,
+    backfill_step_tasks,
+    draw_step_tasks,
     episode_limits,
     rollout_plan_path,
-    select_train_tasks,
-    select_validation_tasks,
-    select_weighted_train_tasks,
+    run_strata,
+    select_validation_strata,
 )
 
 
@@ -61,17 +61,16 @@ def stage_plan(config: RunConfig, step: int, split: str, folder: RunFolder | Non
     handle = load_environment_handle(config.env.name, config.env.kwargs)
     weights: dict[str, float] = {}
     if split == "train":
-        train_items, batch_size, seed = handle.tasks("train"), config.rollout.batch_size, config.train.seed
+        train_strata = run_strata(config, handle, "train")
+        batch_size, seed = config.rollout.batch_size, config.train.seed
         if config.rollout.curriculum:
             if folder is None:
                 raise ValueError("[rollout].curriculum reads the run's earlier steps: stage_plan needs its folder")
             weights = curriculum_weights(folder, step, config.rollout.curriculum_floor)
-            items = select_weighted_train_tasks(train_items, step, batch_size, seed, weights)
-        else:
-            items = select_train_tasks(train_items, step, batch_size, seed)
+        items = draw_step_tasks(train_strata, step, batch_size, seed, weights if config.rollout.curriculum else None)
         group_size, concurrency = config.rollout.episodes_per_task, config.rollout.concurrency
     else:
-        items = select_validation_tasks(handle.tasks("validation"), config.validation.num_tasks)
+        items = select_validation_strata(run_strata(config, handle, "validation"), config.validation.num_tasks)
         group_size = config.validation.episodes_per_task  # a repeated measure, not a baseline
         concurrency = 1 if config.validation.sequential_validation else config.rollout.concurrency
     limits = episode_limits(config, split, handle.style)
@@ -129,7 +128,7 @@ def play_backfill_rounds(config: RunConfig, plan: StagePlan, step: int, player: 
     chunks = first_round(plan)
     varied = player.groups_with_variance(chunks)
     drawn = {item.task_id for chunk in chunks for item in chunk.items}
-    items = plan.handle.tasks("train")
+    train_strata = run_strata(config, plan.handle, "train")
     next_index, next_group = len(chunks), sum(len(c.items) for c in chunks)
     rounds, added = 0, []
     for round_ in range(1, config.rollout.backfill_rounds + 1):
@@ -137,7 +136,7 @@ def play_backfill_rounds(config: RunConfig, plan: StagePlan, step: int, player: 
         if missing <= 0:
             break
         count = backfill_draw(missing, varied, next_group, plan.groups_per_chunk)
-        fresh = backfill_tasks(items, drawn, count, config.train.seed, step, round_, plan.weights)
+        fresh = backfill_step_tasks(train_strata, drawn, count, config.train.seed, step, round_, plan.weights)
         if not fresh:
             break
         per_chunk = plan.groups_per_chunk

@@ -352,6 +352,7 @@ def _record(member: _Shaped, baseline: GroupBaseline, surplus: bool, settings: S
         group_size=baseline.counted, zero_variance=zero_variance, advantage=advantage,
         trained=episode.split == "train" and shaped.counted and not (masked or skipped),
         scoring_error=None if shaped.counted else _why_left_out(episode.rollout, score),
+        env=episode.env,
     )
 
 

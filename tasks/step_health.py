@@ -236,6 +236,17 @@ def _outcome(metrics: Mapping[str, float | None], prefix: str) -> str:
         f"overflows {share('episodes/context_overflow_ratio')}/{count}"
     )
     calls, errors = metrics.get(prefix + "tools/calls"), metrics.get(prefix + "tools/errors")
-    if calls is None:  # a step written before tool calls were counted
-        return line
-    return line + (f" tool errors {int(errors or 0)}/{int(calls)} calls" if calls else " tool calls 0")
+    if calls is not None:  # else a step written before tool calls were counted
+        line += f" tool errors {int(errors or 0)}/{int(calls)} calls" if calls else " tool calls 0"
+    return line + _by_env(metrics, prefix)
+
+
+def _by_env(metrics: Mapping[str, float | None], prefix: str) -> str:
+    """`` [tool_use_game pass 50% of 8, arith pass 25% of 4]``: a mixture's environments."""
+    labels = sorted({key[len(prefix) + 4:].rsplit("/", 1)[0] for key in metrics if key.startswith(prefix + "env/")})
+    parts = []
+    for label in labels:
+        passed, episodes = metrics.get(f"{prefix}env/{label}/pass"), metrics.get(f"{prefix}env/{label}/episodes")
+        shown = "n/a" if passed is None else f"{passed:.0%}"
+        parts.append(f"{label} pass {shown} of {int(episodes or 0)}")
+    return f" [{', '.join(parts)}]" if parts else ""

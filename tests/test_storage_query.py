@@ -378,7 +378,7 @@ def test_bad_sql_is_a_query_error(run: RunFolder) -> None:
 
 
 def _written_before_the_node_column(  # noqa: ANN202 - a pyarrow table
-    table, dropped=("node", "replica", "tool_calls", "tool_errors"),  # noqa: ANN001
+    table, dropped=("node", "replica", "tool_calls", "tool_errors", "env"),  # noqa: ANN001
 ):
     """``table`` as a rollflow that had no ``episodes.node`` column (nor the later ones) wrote it."""
     return table.drop_columns(list(dropped)).replace_schema_metadata(table.schema.metadata)
@@ -395,7 +395,7 @@ def test_episode_files_from_before_the_replica_column_still_read(tmp_path: Path)
     second = dataclasses.replace(second, rollout=dataclasses.replace(second.rollout, replica=1))
     out = folder.parts_dir(0, "episodes")
     out.mkdir(parents=True)
-    old = _written_before_the_node_column(episode_records_to_table([first]), dropped=("replica", "tool_calls", "tool_errors"))
+    old = _written_before_the_node_column(episode_records_to_table([first]), dropped=("replica", "tool_calls", "tool_errors", "env"))
     pq.write_table(old, out / "part-00000.parquet")
     pq.write_table(episode_records_to_table([second]), out / "part-00001.parquet")
     folder.seal_stage(0, "episodes")
