@@ -18,7 +18,7 @@ episode pays per call, and the legs differ only in where the tool runs; each leg
 is checked against the Python tool's. Per leg: ``--warmup`` untimed calls, then ``--calls``
 calls one at a time (each timed alone), then ``--calls`` calls by ``--concurrency`` callers
 at once (each call timed from its start to its answer; calls/s is calls over the wall
-time of the batch). Printed: the servers' start-up (start, initialize, list tools), then
+time of the batch; the Python tool never yields, so its callers take turns). Printed: the servers' start-up (start, initialize, list tools), then
 one table, a row per leg and concurrency: median and p90 ms per call, and calls/s.
 
 Simplified: one process for all legs (the MCP client runs in rollflow's pool thread, as
