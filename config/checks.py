@@ -28,6 +28,20 @@ def check_run_config(config: RunConfig) -> None:
     check_async(config)
     check_cluster(config)
     check_task_schedule(config)
+    check_mixture(config)
+
+
+def check_mixture(config: RunConfig) -> None:
+    """A mixture member's ``max_completion_tokens`` lowers the run's; above it, it would do
+    nothing (the run's budget sizes every request), so it is refused rather than ignored."""
+    run_budget = config.rollout.max_completion_tokens
+    for number, member in enumerate(config.env.members, start=1):
+        cap = member.max_completion_tokens
+        if cap is not None and cap > run_budget:
+            raise ConfigError(
+                f"[[env.mixture]] #{number} ({member.label!r}): max_completion_tokens = {cap} is above "
+                f"[rollout].max_completion_tokens = {run_budget}; a member may only lower it"
+            )
 
 
 def check_training_sampling(config: RunConfig) -> None:

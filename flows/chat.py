@@ -42,6 +42,7 @@ What it simplifies, and why:
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -223,6 +224,7 @@ def chat_environment(spec: str | None, kwargs: Mapping[str, object] | None = Non
     from rollflow.config.parsing import ConfigError
     from rollflow.envs.async_handle import AsyncEnvironmentHandle
     from rollflow.envs.hook_handle import HookEnvironmentHandle
+    from rollflow.envs.mixture_handle import MixtureHandle
     from rollflow.envs.openai_agent import AgentEnvironmentHandle
     from rollflow.envs.runner import load_environment_handle
 
@@ -235,6 +237,9 @@ def chat_environment(spec: str | None, kwargs: Mapping[str, object] | None = Non
             f"{handle.env.names['agent']} sends with each call, and a chat has no agent; "
             "`rollflow eval` plays the agent against this policy, `--env none` chats with it bare"
         )
+    if isinstance(handle, MixtureHandle):
+        members = " or ".join(f"--env {m.name} --kwargs '{json.dumps(m.kwargs)}'" for m, _ in handle.members)
+        raise ConfigError(f"{spec} is a mixture: a chat holds one environment's instructions and tools; {members}")
     assert isinstance(handle, AsyncEnvironmentHandle), f"unknown handle {type(handle).__name__}"
     return asyncio.run(_async_environment(spec, handle.suite))
 

@@ -47,10 +47,11 @@ from pathlib import Path
 from rollflow.config.checks import PreflightError, check_run_config
 from rollflow.config.run import RunConfig
 from rollflow.envs.handle import EnvironmentHandle
+from rollflow.envs.mixture_handle import MIXTURE_SPEC
 from rollflow.envs.runner import EnvironmentLoadError, load_environment_handle
 from rollflow.envs.types import Split
 from rollflow.tasks.prompts import prompt_tokens
-from rollflow.tasks.schedule import episode_limits
+from rollflow.tasks.schedule import episode_limits, run_strata
 
 
 def preflight(config: RunConfig) -> None:
@@ -250,10 +251,17 @@ def check_environment(config: RunConfig, splits: Sequence[Split] | None = None) 
     try:
         handle = load_environment_handle(env.name, env.kwargs)
     except EnvironmentLoadError as exc:
-        setting = f"[env].kwargs = {dict(env.kwargs)!r}" if _about_kwargs(exc) else "[env].name"
+        if env.name == MIXTURE_SPEC:
+            setting = "[[env.mixture]]"  # the message names the member
+        else:
+            setting = f"[env].kwargs = {dict(env.kwargs)!r}" if _about_kwargs(exc) else "[env].name"
         raise PreflightError(f"{setting}: {exc}".splitlines()[0]) from exc
-    if not handle.tasks(splits[0]):
-        kind = "training" if splits[0] == "train" else splits[0]
+    kind = "training" if splits[0] == "train" else splits[0]
+    if env.name == MIXTURE_SPEC:  # every member, or the draw fails mid-run
+        for stratum in run_strata(config, handle, splits[0]):
+            if not stratum.items:
+                raise PreflightError(f"[[env.mixture]] member {stratum.label!r} has no {kind} tasks")
+    elif not handle.tasks(splits[0]):
         raise PreflightError(f"[env].name = {env.name!r}: the environment has no {kind} tasks")
     for split in splits:
         episode_limits(config, split, handle.style)  # an async env needs a turn limit
@@ -274,12 +282,13 @@ def check_prompts_fit(
         return
     budget = config.rollout.max_model_length
     for split in _measured_splits(config) if splits is None else splits:
-        items = handle.tasks(split)
-        if not items:
-            continue
-        length = prompt_tokens(config, handle, items[0])
-        if length >= budget:
-            raise PreflightError(
-                f"[rollout].max_model_length = {budget} cannot hold the prompt of {split} task "
-                f"{items[0].task_id!r}: it is {length} tokens, with no room left for a reply"
-            )
+        for stratum in run_strata(config, handle, split):  # each environment of a mixture
+            if not stratum.items:
+                continue
+            first = stratum.items[0]
+            length = prompt_tokens(config, handle, first)
+            if length >= budget:
+                raise PreflightError(
+                    f"[rollout].max_model_length = {budget} cannot hold the prompt of {split} task "
+                    f"{first.task_id!r}: it is {length} tokens, with no room left for a reply"
+                )

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from rollflow.envs.hook_handle import HookEnvironmentHandle
+from rollflow.envs.mixture_handle import MixtureHandle
 from rollflow.envs.hooks import EnvironmentMultiTurn, call_hook, checked_message, example_prompt_text
 from rollflow.envs.protocol import parse_action, render_tool_calls
 from rollflow.envs.handle import task_id_for
@@ -98,6 +99,13 @@ class SFTRow:
 def examples_from_environment(spec: str, kwargs: Mapping[str, Any], limit: int | None = None) -> list[SFTExample]:
     """``start_episode`` + ``sft_completion`` of each training example (the first ``limit``)."""
     handle = load_environment_handle(spec, kwargs)
+    if isinstance(handle, MixtureHandle):
+        names = ", ".join(f"{m.label} ({m.name})" for m, _ in handle.members)
+        raise SFTDataError(
+            f"[env] is a mixture of {names}: SFT reads one hook-style environment's start_episode + "
+            "sft_completion; run `rollflow sft` on a config naming one member, or give the transcripts "
+            "as a file ([sft].transcripts)"
+        )
     if not isinstance(handle, HookEnvironmentHandle):
         raise SFTDataError(
             f"{spec} is an async-style environment: SFT reads start_episode + sft_completion of a "

@@ -216,3 +216,32 @@ def test_two_steps_on_a_mixture_resumed_after_a_crash(
     for label in envs:
         assert {f"env/{label}/{k}" for k in ("reward", "pass", "zero_variance", "episodes")} <= set(metrics)
     assert sum(metrics[f"env/{label}/episodes"] for label in envs) == metrics["episodes/count"]
+
+
+def test_preflight_checks_every_member_and_refuses_a_cap_above_the_runs(tmp_path: Path) -> None:
+    from rollflow.config.checks import check_run_config
+    from rollflow.ops.preflight import check_environment, check_prompts_fit
+
+    config = parse_config({"env": {"mixture": [LETTERS, ASYNC]}})
+    handle = check_environment(config)
+    check_prompts_fit(config, handle)  # both members' first prompts fit
+    empty = dict(ASYNC, kwargs={"num_tasks": 1})  # its one task goes to training: none to validate
+    with pytest.raises(ConfigError, match=r"^\[\[env.mixture\]\] member 'sums' has no validation tasks"):
+        check_environment(parse_config({"env": {"mixture": [LETTERS, empty]}}), splits=("validation",))
+    short = parse_config({"env": {"mixture": [LETTERS, ASYNC]}, "rollout": {"max_model_length": 120, "max_completion_tokens": 8}})
+    with pytest.raises(ConfigError, match="cannot hold the prompt of train task 'sums/"):
+        check_prompts_fit(short, check_environment(short))
+    wide = parse_config({"env": {"mixture": [LETTERS, ASYNC]}, "rollout": {"max_completion_tokens": 4}})
+    with pytest.raises(ConfigError, match=r"#2 \('sums'\): max_completion_tokens = 8 is above"):
+        check_run_config(wide)
+
+
+def test_chat_and_sft_refuse_a_mixture_naming_its_members() -> None:
+    from rollflow.flows.chat import chat_environment
+    from rollflow.tasks.sft_rows import SFTDataError, examples_from_environment
+
+    env = mixture_config(LETTERS, ASYNC)
+    with pytest.raises(ConfigError, match="is a mixture: .*--env varied_reward_env:load_environment"):
+        chat_environment(env.name, env.kwargs)
+    with pytest.raises(SFTDataError, match=r"mixture of letters \(varied_reward_env:load_environment\), sums"):
+        examples_from_environment(env.name, env.kwargs)
