@@ -71,11 +71,18 @@ _EPISODE_KEYS = {
 def rollout_metrics(run_dir: Path, step: int, split: str) -> dict[str, float]:
     """The step's episode and reward metrics, under their logged names; a mixture's step
     also ``env/<label>/reward``, ``.../pass``, ``.../zero_variance`` and ``.../episodes``
-    per environment (one environment: the totals say it all, so none)."""
+    per environment (one environment: the totals say it all, so none); an agent
+    environment's step also ``agent/calls`` and ``agent/resets`` (calls that did not continue
+    the episode's sample: the agent rewrote its history, a new sample began)."""
     con = open_run_sql([run_dir])
     try:
         raw = step_metrics(con, step=step, split=split)
         by_env = env_metrics(con, step, split)
+        _, agent = run_query(  # an agent environment's calls and history rewrites (envs/openai_agent.py)
+            con,
+            "SELECT sum(components['agent_calls']), sum(components['agent_resets']) FROM scores "
+            f"WHERE split = '{split}' AND step = {int(step)}",
+        )
         _, rows = run_query(  # left out of the baseline: the rollout or its scorer raised
             con,
             "SELECT count_if(scoring_error IS NOT NULL) / count(*) FROM scores "
@@ -85,6 +92,8 @@ def rollout_metrics(run_dir: Path, step: int, split: str) -> dict[str, float]:
         con.close()
     metrics = {_EPISODE_KEYS[name]: value for name, value in raw.items()}
     metrics["episodes/failed_ratio"] = float(rows[0][0]) if rows and rows[0][0] is not None else 0.0
+    if agent and agent[0][0] is not None:
+        metrics["agent/calls"], metrics["agent/resets"] = float(agent[0][0]), float(agent[0][1] or 0.0)
     if len(by_env) > 1:  # a mixture's step: each environment's own figures beside the totals
         for label, values in by_env.items():
             metrics.update({f"env/{label}/{name}": value for name, value in values.items()})

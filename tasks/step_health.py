@@ -238,6 +238,9 @@ def _outcome(metrics: Mapping[str, float | None], prefix: str) -> str:
     calls, errors = metrics.get(prefix + "tools/calls"), metrics.get(prefix + "tools/errors")
     if calls is not None:  # else a step written before tool calls were counted
         line += f" tool errors {int(errors or 0)}/{int(calls)} calls" if calls else " tool calls 0"
+    agent_calls = metrics.get(prefix + "agent/calls")
+    if agent_calls is not None:  # an agent environment: calls that restarted the sample
+        line += f" agent resets {int(metrics.get(prefix + 'agent/resets') or 0)}/{int(agent_calls)} calls"
     return line + _by_env(metrics, prefix)
 
 

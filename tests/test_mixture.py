@@ -245,3 +245,55 @@ def test_chat_and_sft_refuse_a_mixture_naming_its_members() -> None:
         chat_environment(env.name, env.kwargs)
     with pytest.raises(SFTDataError, match=r"mixture of letters \(varied_reward_env:load_environment\), sums"):
         examples_from_environment(env.name, env.kwargs)
+
+
+def test_per_environment_and_agent_figures_are_counted_from_the_stored_scores(tmp_path: Path) -> None:
+    """Two environments' groups in one step: each one's reward, pass rate, flat groups and
+    episodes by hand; the agent's calls and resets summed from the scores' components; and
+    the step line that shows both."""
+    import dataclasses
+
+    from rollflow.storage.runfolder import RunFolder
+    from rollflow.storage.schemas import episode_records_to_table, score_records_to_table
+    from rollflow.storage.synthetic import synthetic_episode, synthetic_score
+    from rollflow.tasks.metrics import rollout_metrics
+    from rollflow.tasks.step_health import step_summary
+
+    folder = RunFolder(tmp_path / "run")
+    folder.write_config("[train]\nnum_steps = 1\n")
+    plan = [("a", 0, [1.0, 0.0]), ("a", 1, [1.0, 1.0]), ("b", 2, [0.0, 0.0])]  # env, group, rewards
+    episodes, scores = [], []
+    for env, group, rewards in plan:
+        for index, reward in enumerate(rewards):
+            episode = dataclasses.replace(synthetic_episode(folder.run_id, 0, group, index), env=env)
+            score = dataclasses.replace(
+                synthetic_score(episode, reward), passed=reward >= 1.0, scoring_error=None,
+                components={"agent_calls": 3.0, "agent_resets": float(index)}, env=env,
+            )
+            ended = dataclasses.replace(episode.rollout, terminated=True, truncated=False, truncation_cause=None, error=None)
+            episodes.append(dataclasses.replace(episode, rollout=ended))
+            scores.append(score)
+    folder.write_stage(episode_records_to_table(episodes), 0, "episodes", "train")
+    folder.write_stage(score_records_to_table(scores), 0, "scores", "train")
+    metrics = rollout_metrics(folder.root, 0, "train")
+    assert metrics["env/a/pass"] == 0.75 and metrics["env/a/reward"] == 0.75 and metrics["env/a/episodes"] == 4
+    assert metrics["env/a/zero_variance"] == 0.5 and metrics["env/b/zero_variance"] == 1.0
+    assert metrics["env/b/pass"] == 0.0 and metrics["env/b/episodes"] == 2
+    assert metrics["agent/calls"] == 18 and metrics["agent/resets"] == 3
+    line = step_summary(metrics)
+    assert "agent resets 3/18 calls" in line and "[a pass 75% of 4, b pass 0% of 2]" in line
+
+
+def test_the_curriculum_weighs_tasks_within_each_member_not_the_members_shares() -> None:
+    env = mixture_config(LETTERS, ASYNC)
+    layers = load_environment_handle(env.name, env.kwargs).strata("train")
+    heavy = {"letters/say-3": 50.0, "sums/" + layers[1].items[0].task_id.split("/", 1)[1]: 50.0}
+    from rollflow.tasks.schedule import derive_seed
+
+    counts = Counter[str]()
+    for step in range(200):
+        drawn = draw_step_tasks(layers, step, 3, seed=0, curriculum=heavy)
+        shares = stratum_counts([2.0, 1.0], 3, derive_seed(0, "mixture", step))
+        assert [sum(i.env == label for i in drawn) for label in ("letters", "sums")] == shares
+        counts.update(i.task_id for i in drawn)
+    assert counts["letters/say-3"] > 150 and counts[next(iter(heavy.keys() - {"letters/say-3"}))] > 150
