@@ -14,6 +14,7 @@ from __future__ import annotations
 import shlex
 import signal
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 
 from rollflow.config.run import RunConfig
@@ -29,34 +30,39 @@ CURVE_SQL = ("SELECT step, avg(passed::INT) AS pass_rate, count(*) AS episodes F
              "WHERE split = 'validation' GROUP BY step ORDER BY step")
 
 
-def validation_change(folder: RunFolder) -> str | None:
-    """The first and last scored validation passes' pass rates and their paired change;
-    None when the run has fewer than two, or they validated different tasks."""
+def validation_change(folder: RunFolder, labels: Sequence[str] = ()) -> list[str]:
+    """The first and last scored validation passes' pass rates and their paired change, one
+    line; with a mixture's ``labels``, a line more for each member (its tasks, ids
+    ``<label>/...``). Nothing when the run has fewer than two passes, or they validated
+    different tasks."""
     scored = [(step, path) for step in folder.steps("validation")
               if (path := folder.stage_output(step, "scores", "validation")) is not None]
     if len(scored) < 2:
-        return None
+        return []
     (first, first_scores), (last, last_scores) = scored[0], scored[-1]
-    try:
-        before, after = (per_task(episodes_by_task([path], ("passed",)), "passed") for path in (first_scores, last_scores))
-        change = paired_change(before, after)
-    except GateError:  # different task sets, or a single task: no paired error to give
-        return None
-    verdict = "beyond" if change.p_value < NOISE_P else "within"
-    return (
-        f"validation pass rate {statistics.fmean(before.values()):.3f} at step {first} -> "
-        f"{statistics.fmean(after.values()):.3f} at step {last}: {change.mean:+.3f} +- {change.se:.3f} "
-        f"paired over {change.tasks} tasks ({change.gained} up, {change.lost} down), two-sided p "
-        f"{change.p_value:.2g}, {verdict} the validation's noise"
-    )
+    before, after = (per_task(episodes_by_task([path], ("passed",)), "passed") for path in (first_scores, last_scores))
+    lines = []
+    for label in ("", *labels):
+        own_before = {t: v for t, v in before.items() if t.startswith(f"{label}/")} if label else before
+        own_after = {t: v for t, v in after.items() if t.startswith(f"{label}/")} if label else after
+        try:
+            change = paired_change(own_before, own_after)
+        except GateError:  # different task sets, or a single task: no paired error to give
+            continue
+        verdict = "beyond" if change.p_value < NOISE_P else "within"
+        lines.append(
+            f"{'  ' + label + ': ' if label else ''}validation pass rate {statistics.fmean(own_before.values()):.3f} "
+            f"at step {first} -> {statistics.fmean(own_after.values()):.3f} at step {last}: {change.mean:+.3f} +- "
+            f"{change.se:.3f} paired over {change.tasks} tasks ({change.gained} up, {change.lost} down), two-sided p "
+            f"{change.p_value:.2g}, {verdict} the validation's noise"
+        )
+    return lines
 
 
 def learning_summary(config: RunConfig, folder: RunFolder) -> list[str]:
     """The lines a finished run ends with: what validation says it learned, where the curve is."""
-    lines = []
-    change = validation_change(folder)
-    if change is not None:
-        lines.append(change)
+    members = config.env.members
+    lines = validation_change(folder, [m.label for m in members] if len(members) > 1 else ())
     lines.append(f"the curve: rollflow sql {shlex.quote(str(folder.root))} \"{CURVE_SQL}\"")
     drawn = [folder.root / name for name in (REWARD_CURVE, "val_" + REWARD_CURVE) if (folder.root / name).is_file()]
     if drawn:

@@ -32,8 +32,7 @@ def test_a_clear_gain_is_reported_paired_and_beyond_the_noise(tmp_path: Path) ->
     write_validation(folder, 0, {task: [False, False, True, False] for task in TASKS})  # 0.25 each
     write_validation(folder, 5, {task: [False, True, False, False] for task in TASKS})  # unchanged
     write_validation(folder, 10, {task: [True, True, True, i % 3 == 0] for i, task in enumerate(TASKS)})
-    line = validation_change(folder)
-    assert line is not None
+    (line,) = validation_change(folder)
     # first vs last pass, not the middle one; 12 tasks, every one up
     assert line.startswith("validation pass rate 0.250 at step 0 -> 0.833 at step 10: +0.583 +- ")
     assert "paired over 12 tasks (12 up, 0 down)" in line
@@ -43,12 +42,24 @@ def test_a_clear_gain_is_reported_paired_and_beyond_the_noise(tmp_path: Path) ->
 def test_no_change_is_within_the_noise_and_too_little_to_compare_is_no_line(tmp_path: Path) -> None:
     folder = RunFolder(tmp_path / "run")
     write_validation(folder, 0, {task: [i % 2 == 0, False] for i, task in enumerate(TASKS)})
-    assert validation_change(folder) is None  # one pass: nothing to compare
+    assert validation_change(folder) == []  # one pass: nothing to compare
     write_validation(folder, 3, {task: [i % 3 == 0, False] for i, task in enumerate(TASKS)})
-    line = validation_change(folder)
-    assert line is not None and line.endswith("within the validation's noise"), line
+    (line,) = validation_change(folder)
+    assert line.endswith("within the validation's noise"), line
     write_validation(folder, 6, {"other": [True], "tasks": [False]})
-    assert validation_change(folder) is None  # the last pass validated other tasks: no paired figure
+    assert validation_change(folder) == []  # the last pass validated other tasks: no paired figure
+
+
+def test_a_mixture_gets_a_paired_line_per_member(tmp_path: Path) -> None:
+    folder = RunFolder(tmp_path / "run")
+    tasks = [f"a/{t}" for t in TASKS[:6]] + [f"b/{t}" for t in TASKS[6:]]
+    write_validation(folder, 0, {task: [False, False] for task in tasks})
+    write_validation(folder, 4, {task: [task.startswith("a/"), False] for task in tasks})
+    whole, first, second = validation_change(folder, ["a", "b"])
+    assert whole.startswith("validation pass rate 0.000 at step 0 -> 0.250 at step 4: +0.250")
+    assert first.startswith("  a: validation pass rate 0.000 at step 0 -> 0.500 at step 4: +0.500")
+    assert "paired over 6 tasks (6 up, 0 down)" in first
+    assert second.startswith("  b: validation pass rate 0.000 at step 0 -> 0.000 at step 4: +0.000")
 
 
 def test_the_summary_says_where_the_curve_is(tmp_path: Path) -> None:
