@@ -160,6 +160,7 @@ SAMPLE_SCHEMA = _schema(
         ("sampler_logprobs", pa.list_(pa.float32())),
         ("num_tokens", pa.int32()),
         ("num_action_tokens", pa.int32()),
+        ("env", pa.string()),  # optional: the episode's environment label; null before it
     ],
 )
 TEACHER_SCHEMA = _schema(
@@ -208,6 +209,7 @@ SCHEMAS: dict[RecordKind, pa.Schema] = {
 OPTIONAL_COLUMNS: dict[RecordKind, tuple[str, ...]] = {
     RecordKind.EPISODES: ("node", "replica", "tool_calls", "tool_errors", "env"),
     RecordKind.SCORES: ("env",),
+    RecordKind.SAMPLES: ("env",),
 }
 
 

@@ -77,6 +77,7 @@ class SampleRecord:
     loss_mask: tuple[int, ...]  # (T,) 0 = context, never trained; 1 = sampled action token
     advantages: tuple[float, ...]  # (T,) the episode's advantage on action tokens, 0 elsewhere
     sampler_logprobs: tuple[float, ...]  # (T,) logprob at sampling time on action tokens, 0 elsewhere
+    env: str | None = None  # the episode's environment label (EpisodeRecord.env)
 
     def __post_init__(self) -> None:
         n = len(self.input_ids)

@@ -199,16 +199,19 @@ def sample_records_to_table(records: Sequence[SampleRecord]) -> pa.Table:
         row.update({name: list(getattr(record, name)) for name in _SAMPLE_ARRAYS})
         row["num_tokens"] = len(record.input_ids)
         row["num_action_tokens"] = sum(record.loss_mask)
+        row["env"] = record.env
         rows.append(row)
     return _to_table(_rows_to_columns(rows, SAMPLE_SCHEMA), RecordKind.SAMPLES)
 
 
 def table_to_sample_records(table: pa.Table) -> list[SampleRecord]:
+    table = fill_optional_columns(table, RecordKind.SAMPLES)  # a table from before an optional column
     _check_table(table, RecordKind.SAMPLES)
     return [
         SampleRecord(
             **{name: row[name] for name in _SAMPLE_FIELDS},
             **{name: tuple(row[name]) for name in _SAMPLE_ARRAYS},
+            env=row["env"],
         )
         for row in table.to_pylist()
     ]

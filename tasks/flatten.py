@@ -103,6 +103,7 @@ def _to_record(episode: EpisodeRecord, index: int, builder: _SampleBuilder) -> S
         loss_mask=tuple(builder.loss_mask[:end]),
         advantages=tuple(builder.advantages[:end]),
         sampler_logprobs=tuple(builder.sampler_logprobs[:end]),
+        env=episode.env,
     )
 
 

@@ -199,6 +199,8 @@ def test_two_steps_on_a_mixture_resumed_after_a_crash(
         FROM episodes e JOIN scores s USING (episode_id) WHERE e.split = 'train'
         GROUP BY e.step, e.group_id ORDER BY ALL""")
     _, views = run_query(con, "SELECT DISTINCT env FROM env_pass_at_k WHERE split = 'validation' ORDER BY env")
+    _, samples = run_query(con, "SELECT count(*) FROM samples s JOIN episodes e USING (run_id, step, episode_id) "
+                                "WHERE s.env IS DISTINCT FROM e.env")
     con.close()
     handle = load_environment_handle(config.env.name, config.env.kwargs)
     assert isinstance(handle, MixtureHandle)
@@ -210,7 +212,7 @@ def test_two_steps_on_a_mixture_resumed_after_a_crash(
             assert episode_envs == score_envs == [task_id.split("/")[0]]  # a group never mixes
             if episode_envs == ["sums"]:
                 assert turns == 1 and tokens <= 8  # the member's overrides
-    assert views == [("letters",), ("sums",)]
+    assert views == [("letters",), ("sums",)] and samples == [(0,)]
     metrics = json.loads((RunFolder(run_dir).step_dir(1) / "metrics.json").read_text())
     envs = {g[2][0] for g in groups if g[0] == 1}
     for label in envs:
@@ -297,3 +299,30 @@ def test_the_curriculum_weighs_tasks_within_each_member_not_the_members_shares()
         assert [sum(i.env == label for i in drawn) for label in ("letters", "sums")] == shares
         counts.update(i.task_id for i in drawn)
     assert counts["letters/say-3"] > 150 and counts[next(iter(heavy.keys() - {"letters/say-3"}))] > 150
+
+
+def test_score_and_sample_files_from_before_the_env_column_still_read(tmp_path: Path) -> None:
+    import dataclasses
+
+    import pyarrow.parquet as pq
+
+    from rollflow.storage.parquet import read_table
+    from rollflow.storage.query import open_run_sql, run_query
+    from rollflow.storage.runfolder import RunFolder
+    from rollflow.storage.schemas import (
+        score_records_to_table, sample_records_to_table, table_to_sample_records, table_to_score_records,
+    )
+    from rollflow.storage.synthetic import synthetic_episode, synthetic_sample, synthetic_score
+
+    folder = RunFolder(tmp_path / "run")
+    episode = dataclasses.replace(synthetic_episode(folder.run_id, 0, 0, 0), env="a")
+    for kind, table in (("scores", score_records_to_table([dataclasses.replace(synthetic_score(episode, 1.0), env="a")])),
+                        ("samples", sample_records_to_table([dataclasses.replace(synthetic_sample(episode, 1.0), env="a")]))):
+        old = table.drop_columns(["env"]).replace_schema_metadata(table.schema.metadata)
+        path = folder.stage_path(0, kind, "train")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(old, path)
+        reader = table_to_score_records if kind == "scores" else table_to_sample_records
+        assert [r.env for r in reader(read_table(path))] == [None]
+    con = open_run_sql(folder.root)
+    assert run_query(con, "SELECT env FROM scores UNION ALL SELECT env FROM samples")[1] == [(None,), (None,)]
