@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -50,10 +50,10 @@ from rollflow.flows.runs import freeze_config
 from rollflow.flows.step import validate
 from rollflow.generators.run_generator import open_generator
 from rollflow.policy.stopping import raise_if_stop_requested
-from rollflow.storage.pass_at_k import overall_pass_at_k
+from rollflow.storage.pass_at_k import env_pass_at_k, overall_pass_at_k
 from rollflow.storage.query import open_run_sql
 from rollflow.storage.stage_outputs import finished_output
-from rollflow.storage.step_metrics import step_metrics
+from rollflow.storage.step_metrics import env_metrics, step_metrics
 from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.runs import mark_run_kind
 from rollflow.tasks.tracking import finish_tracking, start_tracking
@@ -161,6 +161,8 @@ class EvalReport:
     worst: tuple[WorstEpisode, ...]
     pass_at_k: tuple[Mapping[str, float], ...] = ()  # storage.pass_at_k.overall_pass_at_k, by k
     environment: str | None = None  # describe_environment of the frozen config
+    # a mixture's members: label -> (storage.step_metrics.env_metrics' figures, pass@k by k)
+    by_env: Mapping[str, tuple[Mapping[str, float], tuple[Mapping[str, float], ...]]] = field(default_factory=dict)
 
 
 def eval_report(run_dir: str | Path, worst: int = WORST_EPISODES) -> EvalReport:
@@ -170,6 +172,8 @@ def eval_report(run_dir: str | Path, worst: int = WORST_EPISODES) -> EvalReport:
         metrics = step_metrics(con, step=EVAL_STEP, split="validation")
         rows = con.execute(_WORST_SQL, {"step": EVAL_STEP, "limit": worst}).fetchall()
         by_k = tuple(overall_pass_at_k(con, "validation", EVAL_STEP))
+        by_env = {label: (figures, tuple(env_pass_at_k(con, "validation", EVAL_STEP, label)))
+                  for label, figures in env_metrics(con, EVAL_STEP, "validation").items()}  # fmt: skip
     finally:
         con.close()
     # Outside a stage nothing turns a Ctrl-C that DuckDB ate into the stop (stops_through),
@@ -179,7 +183,8 @@ def eval_report(run_dir: str | Path, worst: int = WORST_EPISODES) -> EvalReport:
         WorstEpisode(str(e), str(t), float(r), str(ending), int(turns), int(tokens or 0))
         for e, t, r, ending, turns, tokens in rows
     )
-    return EvalReport(Path(run_dir), metrics, episodes, by_k, _frozen_environment(Path(run_dir)))
+    by_env = by_env if len(by_env) > 1 else {}  # one environment: the totals are its figures
+    return EvalReport(Path(run_dir), metrics, episodes, by_k, _frozen_environment(Path(run_dir)), by_env)
 
 
 # The adapters of other libraries' environments, and the keyword naming what they play.
@@ -241,6 +246,12 @@ def format_report(report: EvalReport, policy: str | None = None) -> str:
         f"  per episode   turns {_number(m['turns_mean'], 2)}  tokens {_number(m['tokens_mean'], 1)}",
     ]
     lines.extend(_pass_at_k_lines(report))
+    for label, (figures, by_k) in report.by_env.items():
+        at_k = "  ".join(f"@{int(r['k'])} {_number(r['pass_at_k'])}" for r in by_k)
+        lines.append(
+            f"  env {label}: pass rate {_number(figures['pass'])}  reward {_number(figures['reward'])}  "
+            f"episodes {int(figures['episodes'])}" + (f"  pass@k {at_k}" if at_k else "")
+        )
     if report.worst:
         lines.append(f"  worst episodes (rollflow show {report.run_dir} EPISODE_ID):")
         width = max(len(w.episode_id) for w in report.worst)

@@ -116,3 +116,16 @@ def overall_pass_at_k(
     )
     names = [d[0] for d in result.description or []]
     return [dict(zip(names, row, strict=True)) for row in result.fetchall()]
+
+
+def env_pass_at_k(
+    con: duckdb.DuckDBPyConnection, split: str, step: int, env: str, run_id: str | None = None
+) -> list[dict[str, float]]:
+    """The ``env_pass_at_k`` view's rows of one step and environment, by ``k``."""
+    result = con.execute(
+        "SELECT k, tasks, pass_at_k, avg_at_k, reward_mean FROM env_pass_at_k WHERE split = $split AND "
+        "step = $step AND env = $env AND ($run_id IS NULL OR run_id = $run_id) ORDER BY k",
+        {"split": split, "step": step, "env": env, "run_id": run_id},
+    )
+    names = [d[0] for d in result.description or []]
+    return [dict(zip(names, row, strict=True)) for row in result.fetchall()]

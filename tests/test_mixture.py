@@ -249,34 +249,41 @@ def test_chat_and_sft_refuse_a_mixture_naming_its_members() -> None:
         examples_from_environment(env.name, env.kwargs)
 
 
+def write_two_environments(folder: object, split: str, step: int) -> None:
+    """A step of three groups of two: env a's [1, 0] and [1, 1], env b's [0, 0]; every
+    episode made 3 agent calls, the second of each group reset once."""
+    import dataclasses
+
+    from rollflow.storage.schemas import episode_records_to_table, score_records_to_table
+    from rollflow.storage.synthetic import synthetic_episode, synthetic_score
+
+    plan = [("a", 0, [1.0, 0.0]), ("a", 1, [1.0, 1.0]), ("b", 2, [0.0, 0.0])]  # env, group, rewards
+    episodes, scores = [], []
+    for env, group, rewards in plan:
+        for index, reward in enumerate(rewards):
+            episode = dataclasses.replace(synthetic_episode(folder.run_id, step, group, index, split=split), env=env)
+            ended = dataclasses.replace(episode.rollout, terminated=True, truncated=False, truncation_cause=None, error=None)
+            episodes.append(dataclasses.replace(episode, rollout=ended))
+            scores.append(dataclasses.replace(
+                synthetic_score(episode, reward), passed=reward >= 1.0, scoring_error=None,
+                components={"agent_calls": 3.0, "agent_resets": float(index)}, env=env,
+            ))  # fmt: skip
+    folder.write_stage(episode_records_to_table(episodes), step, "episodes", split)
+    folder.write_stage(score_records_to_table(scores), step, "scores", split)
+
+
 def test_per_environment_and_agent_figures_are_counted_from_the_stored_scores(tmp_path: Path) -> None:
     """Two environments' groups in one step: each one's reward, pass rate, flat groups and
     episodes by hand; the agent's calls and resets summed from the scores' components; and
-    the step line that shows both."""
-    import dataclasses
-
+    the step line and the eval report that show them."""
+    from rollflow.flows.eval import EVAL_STEP, eval_report, format_report
     from rollflow.storage.runfolder import RunFolder
-    from rollflow.storage.schemas import episode_records_to_table, score_records_to_table
-    from rollflow.storage.synthetic import synthetic_episode, synthetic_score
     from rollflow.tasks.metrics import rollout_metrics
     from rollflow.tasks.step_health import step_summary
 
     folder = RunFolder(tmp_path / "run")
     folder.write_config("[train]\nnum_steps = 1\n")
-    plan = [("a", 0, [1.0, 0.0]), ("a", 1, [1.0, 1.0]), ("b", 2, [0.0, 0.0])]  # env, group, rewards
-    episodes, scores = [], []
-    for env, group, rewards in plan:
-        for index, reward in enumerate(rewards):
-            episode = dataclasses.replace(synthetic_episode(folder.run_id, 0, group, index), env=env)
-            score = dataclasses.replace(
-                synthetic_score(episode, reward), passed=reward >= 1.0, scoring_error=None,
-                components={"agent_calls": 3.0, "agent_resets": float(index)}, env=env,
-            )
-            ended = dataclasses.replace(episode.rollout, terminated=True, truncated=False, truncation_cause=None, error=None)
-            episodes.append(dataclasses.replace(episode, rollout=ended))
-            scores.append(score)
-    folder.write_stage(episode_records_to_table(episodes), 0, "episodes", "train")
-    folder.write_stage(score_records_to_table(scores), 0, "scores", "train")
+    write_two_environments(folder, "train", 0)
     metrics = rollout_metrics(folder.root, 0, "train")
     assert metrics["env/a/pass"] == 0.75 and metrics["env/a/reward"] == 0.75 and metrics["env/a/episodes"] == 4
     assert metrics["env/a/zero_variance"] == 0.5 and metrics["env/b/zero_variance"] == 1.0
@@ -284,6 +291,11 @@ def test_per_environment_and_agent_figures_are_counted_from_the_stored_scores(tm
     assert metrics["agent/calls"] == 18 and metrics["agent/resets"] == 3
     line = step_summary(metrics)
     assert "agent resets 3/18 calls" in line and "[a pass 75% of 4, b pass 0% of 2]" in line
+    evaluated = RunFolder(tmp_path / "eval")
+    write_two_environments(evaluated, "validation", EVAL_STEP)
+    text = format_report(eval_report(evaluated.root))
+    assert "  env a: pass rate 0.750  reward 0.750  episodes 4  pass@k @1 0.750  @2 1.000" in text
+    assert "  env b: pass rate 0.000  reward 0.000  episodes 2  pass@k @1 0.000  @2 0.000" in text
 
 
 def test_the_curriculum_weighs_tasks_within_each_member_not_the_members_shares() -> None:
