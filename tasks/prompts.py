@@ -7,12 +7,21 @@ prompt with the policy's chat template and tools and counts it. Preflight checks
 task's prompt fits (``rollflow.ops.preflight``), ``rollflow env show`` prints it
 (``rollflow.ops.prompt_preview``), the serving export keeps it as an example, and the
 scoring stage measures it for a step whose every episode overflowed the context.
+
+The probe carries the codec the prompt is rendered with (``codec``, as a real policy does),
+so an environment that reads the policy's chat template sees that one: an agent
+environment's ``tool_format = "auto"`` picks the family format the template knows
+(``envs.tool_formats.chat_template_of``), as training on that model does. Without a codec
+it is a policy whose template is not known here (one behind a server): rollflow's format.
+A prompt the template cannot render is refused in one line (``unrenderable_prompt``): every
+episode of that task would fail at its first action.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from rollflow.config.checks import PreflightError
 from rollflow.config.run import RunConfig
@@ -20,24 +29,39 @@ from rollflow.envs.agent import PolicyAction
 from rollflow.envs.handle import EnvironmentHandle, EpisodeLimits, TaskItem
 from rollflow.envs.types import Message, ToolSpec
 
+if TYPE_CHECKING:
+    from rollflow.policy.codec import ChatCodec
+
 
 def prompt_tokens(config: RunConfig, handle: EnvironmentHandle, item: TaskItem) -> int:
     """The length in tokens of ``item``'s opening prompt as the policy would see it."""
     from rollflow.generators.models import base_model_ref
-    from rollflow.policy.codec import ChatCodec
+    from rollflow.policy.codec import ChatCodec, ChatTemplateError
     from rollflow.policy.models import load_tokenizer
 
-    messages, tool_specs = opening_prompt(config.env.name, handle, item)
     codec = ChatCodec(load_tokenizer(base_model_ref(config)))
-    return len(codec.render_prompt_ids(messages, tool_specs))
+    messages, tool_specs = opening_prompt(config.env.name, handle, item, codec)
+    try:
+        return len(codec.render_prompt_ids(messages, tool_specs))
+    except ChatTemplateError as error:
+        raise unrenderable_prompt(config, item, error) from error
+
+
+def unrenderable_prompt(config: RunConfig, item: TaskItem, error: Exception) -> PreflightError:
+    """The one-line refusal of a task whose opening prompt the model's chat template cannot
+    render (Llama 3.1's refuses two tool calls in one reply): every episode of it would fail."""
+    model = config.model.path or "the bundled model"
+    return PreflightError(f"[env].name = {config.env.name!r}: task {item.task_id!r} cannot start: its opening "
+                          f"prompt does not render with the chat template of {model}: {error}")  # fmt: skip
 
 
 def opening_prompt(
-    env_name: str, handle: EnvironmentHandle, item: TaskItem
+    env_name: str, handle: EnvironmentHandle, item: TaskItem, codec: ChatCodec | None = None
 ) -> tuple[list[Message], list[ToolSpec]]:
     """The messages and tool specs of ``item``'s first policy call: the episode is played
-    up to its first action (its start and close really run), then ended there."""
-    probe = _PromptProbe()
+    up to its first action (its start and close really run), then ended there; by a
+    policy rendering with ``codec`` (its chat template), when given."""
+    probe = _PromptProbe(codec)
     rollout = asyncio.run(handle.play(item, probe, EpisodeLimits(max_turns=1)))
     if not probe.prompts:
         failure = rollout.error or "it never asked the policy for an action"
@@ -46,11 +70,13 @@ def opening_prompt(
 
 
 class _PromptProbe:
-    """A policy that records its first prompt and ends the episode there ("context")."""
+    """A policy that records its first prompt and ends the episode there ("context");
+    ``codec`` is the one it would render with (read, never used to sample)."""
 
     version = 0
 
-    def __init__(self) -> None:
+    def __init__(self, codec: ChatCodec | None) -> None:
+        self.codec = codec
         self.prompts: list[tuple[list[Message], list[ToolSpec]]] = []
 
     def open_session(self, tool_specs: Sequence[ToolSpec]) -> _ProbeSession:

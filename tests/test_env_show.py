@@ -16,6 +16,7 @@ from rollflow.envs.runner import load_environment_handle
 from rollflow.envs.scripted import ScriptedPolicy
 from rollflow.flows.cli import main
 from rollflow.policy.codec import ChatCodec
+from rollflow.policy.models import ModelRef, load_tokenizer
 
 GAME = "rollflow.envs.tool_use_game:load_environment"
 
@@ -78,3 +79,93 @@ def test_a_config_gives_the_environment_its_kwargs_and_its_model(
 def test_mistakes_are_one_line(argv: list[str], problem: str, capsys: pytest.CaptureFixture[str]) -> None:
     status, out, err = show(argv, capsys)
     assert status == 1 and out == "" and len(err.splitlines()) == 1 and problem in err
+
+
+# ---------------------------------------------------------------- an agent environment
+
+AGENT = "rollflow.envs.openai_agent:load_environment"
+REPO = Path(__file__).resolve().parent.parent
+TEMPLATES = Path(__file__).parent / "templates"
+GAME_TOOLS = "tools: list_fact_keys, lookup, calculator"
+ONE_CALL_AGENT = {"agent": "test_envs_openai_agent:uses_a_tool", "tasks": "test_envs_openai_agent:tasks",
+                  "reward": "test_envs_openai_agent:reward"}  # fmt: skip
+
+
+def family_config(tmp_path: Path, tiny_model_dir: Path, template: str) -> Path:
+    """configs/openai_agent.toml (the example agent) on the tiny model with ``template``."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer.chat_template = (TEMPLATES / template).read_text()
+    tokenizer.save_pretrained(str(model_dir))
+    config = load_config(REPO / "configs" / "openai_agent.toml")
+    path = tmp_path / "agent.toml"
+    path.write_text(config_to_toml(replace(config, model=replace(config.model, path=str(model_dir)))))
+    return path
+
+
+@pytest.mark.parametrize(("template", "kwargs", "marker", "tools"), [
+    ("qwen2.5-instruct.jinja", None, '<tools>\n{"type": "function", "function": {"name": "list_fact_keys"', GAME_TOOLS),
+    ("llama-3.1-instruct.jinja", ONE_CALL_AGENT, "Given the following functions", "tools: lookup"),
+])  # fmt: skip
+def test_an_agent_environment_shows_the_tool_format_training_on_the_model_uses(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str],
+    template: str, kwargs: dict[str, str] | None, marker: str, tools: str,
+) -> None:  # fmt: skip
+    """tool_format "auto" reads the policy's chat template. The preview's probe had none, so
+    the agent always got rollflow's protocol, although training on a model whose template
+    renders tools= uses that family's format (hermes, llama3_json): what is shown is now what
+    a policy with that template is given."""
+    path = family_config(tmp_path, tiny_model_dir, template)
+    flags = [] if kwargs is None else ["--kwargs", json.dumps(kwargs)]
+    status, out, err = show(["--config", str(path), *flags], capsys)
+    assert status == 0, err
+    config = load_config(path)
+    codec = ChatCodec(load_tokenizer(ModelRef(path=config.model.path)))
+    seen: list[list[dict]] = []
+    policy = ScriptedPolicy(lambda messages, turn: seen.append(list(messages)) or "42")
+    policy.codec = codec  # type: ignore[attr-defined]  # a policy rendering with this template, as in training
+    handle = load_environment_handle(AGENT, kwargs or config.env.kwargs)
+    asyncio.run(handle.play(handle.tasks("train")[0], policy, EpisodeLimits(max_turns=1)))
+    assert out == codec.render_text(seen[0], policy.opened_tool_specs[0])  # byte for byte
+    assert marker in out and "You can call tools." not in out  # the template's tools, not rollflow's protocol
+    assert err.strip().endswith(tools)
+
+
+def test_a_prompt_the_chat_template_cannot_render_is_one_line(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Llama 3.1's template refuses the example agent's worked example (two calls in one
+    reply): a traceback before, now the one line a task that cannot start gets."""
+    status, out, err = show(["--config", str(family_config(tmp_path, tiny_model_dir, "llama-3.1-instruct.jinja"))], capsys)
+    assert status == 1 and out == "" and len(err.splitlines()) == 1, err
+    assert "does not render with the chat template of" in err and "only supports single tool-calls at once" in err
+
+
+def test_an_agent_environment_in_rollflows_protocol_lists_the_agents_tools(capsys: pytest.CaptureFixture[str]) -> None:
+    """The bundled model's template ignores tools=, so the endpoint describes the agent's
+    tools in the system message and the policy is given no tool specs: the last line said
+    "tools: none" of a prompt that lists three."""
+    status, out, err = show(["--config", str(REPO / "configs" / "openai_agent.toml")], capsys)
+    assert status == 0, err
+    assert "- lookup: " in out and '<tool_call>{"name": "list_fact_keys", "arguments": {}}</tool_call>' in out
+    assert err.strip().endswith(GAME_TOOLS)
+
+
+def test_described_tools_are_read_back_only_when_they_describe_again_to_the_same_text() -> None:
+    from rollflow.envs.protocol import describe_tools
+    from rollflow.envs.tool_use_game import GAME_TOOL_SPECS
+    from rollflow.ops.prompt_preview import described_tool_names
+
+    bulleted = {"type": "function", "function": {
+        "name": "search", "description": "Search.\n- query: what to look for\n- limit: how many",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}  # fmt: skip
+    text = "Be brief.\n\n" + describe_tools([bulleted, *GAME_TOOL_SPECS])
+    assert described_tool_names(text) == ("search", "list_fact_keys", "lookup", "calculator")
+    assert described_tool_names("Be brief.") == ()
+    assert described_tool_names(text.replace("To call a tool", "To use a tool")) == ()  # not describe_tools' text
+    assert described_tool_names(text + "\nAnd one more thing.") == ()  # not at the end: not the endpoint's

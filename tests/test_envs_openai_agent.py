@@ -8,6 +8,7 @@ The agents below are plain functions of this module, named to the environment as
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import time
@@ -395,6 +396,51 @@ def test_the_example_agent_plays_the_native_games_prompt_and_the_expert_wins(tin
     groups = asyncio.run(play_groups(handle, items, 1, expert_policy(train[:2]), EpisodeLimits(), 2))
     scores = [asyncio.run(handle.score(item, group))[0] for item, group in zip(items, groups, strict=True)]
     assert [(s.reward, s.threshold, s.components["correct"]) for s in scores] == [(1.0, 0.8, 1.0)] * 2
+
+
+
+@pytest.mark.parametrize("template", ["qwen2.5-instruct.jinja", "llama-3.1-instruct.jinja"])
+def test_preflight_measures_the_prompt_in_the_format_the_models_template_gives_it(
+    tiny_model_dir: Path, tmp_path: Path, template: str
+) -> None:
+    """Preflight's probe had no chat template, so it measured the example agent's prompt in
+    rollflow's protocol whatever the model: for a Qwen model the hermes prompt training gives
+    (its template's tools block) went unmeasured, and for Llama 3.1, whose template refuses
+    the worked example's two calls in one reply, every episode would fail at its first action
+    while preflight passed. Now the first is measured as given and the second refused in a line."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from rollflow.config.checks import PreflightError
+    from rollflow.config.run import EnvConfig, RunConfig
+    from rollflow.policy.codec import ChatCodec
+    from rollflow.tasks.prompts import prompt_tokens
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer.chat_template = (Path(__file__).parent / "templates" / template).read_text()
+    tokenizer.save_pretrained(str(model_dir))
+    example = "rollflow.envs.openai_agent_example"
+    kwargs = {"agent": f"{example}.agent:run", "tasks": f"{example}.game:tasks", "reward": f"{example}.game:reward"}
+    config = RunConfig(env=EnvConfig(SPEC, kwargs))
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, path=str(model_dir)))
+    handle = load_environment_handle(SPEC, kwargs)
+    item = handle.tasks("train")[0]
+    if template.startswith("llama"):
+        with pytest.raises(PreflightError, match="only supports single tool-calls at once") as refused:
+            prompt_tokens(config, handle, item)
+        assert f"task {item.task_id!r} cannot start: its opening prompt does not render" in str(refused.value)
+        assert "\n" not in str(refused.value)
+        return
+    codec = ChatCodec(tokenizer)
+    seen: list[list[Message]] = []
+    policy = ScriptedPolicy(lambda messages, turn: seen.append(list(messages)) or "42")
+    policy.codec = codec  # type: ignore[attr-defined]  # a policy rendering with this template, as in training
+    asyncio.run(handle.play(item, policy, EpisodeLimits(max_turns=1)))
+    assert prompt_tokens(config, handle, item) == len(codec.render_prompt_ids(seen[0], policy.opened_tool_specs[0]))
+    assert all(isinstance(spec, TemplateTool) for spec in policy.opened_tool_specs[0])  # hermes: the template's tools
 
 
 # ---------------------------------------------------------------- (c) failures
