@@ -34,6 +34,12 @@ value as JSON data (a value that is not JSON is given as its ``str``), ``None`` 
 rollflow cut the episode short. ``system_prompt``, when given, is added to the system
 message of every call (after the agent's own), for instructions the agent does not carry.
 
+Expert. ``expert``, when given, names a fourth function, ``def expert(task: dict,
+messages: list[dict], tools: list[dict]) -> dict``: the assistant message (``content``
+and/or OpenAI ``tool_calls``) a strong model would answer the agent's call with. It is
+only for ``rollflow sft``, which plays the agent against it for expert transcripts
+(``rollflow.envs.openai_agent_expert``); training and evaluation never call it.
+
 Tools. ``tool_format`` (default ``"auto"``) picks how the model is asked for calls
 (``rollflow.envs.tool_formats``): ``"auto"`` reads the policy's chat template, and one
 that renders ``tools=`` in a known family's syntax (``"hermes"``: Qwen2.5/3,
@@ -88,11 +94,12 @@ class AgentEnvironment:
     agent: Callable[..., Any]
     tasks: Callable[[str], Any]
     reward: Callable[..., Any]
-    names: Mapping[str, str]  # "agent" / "tasks" / "reward" -> "module:function"
+    names: Mapping[str, str]  # "agent" / "tasks" / "reward" (/ "expert") -> "module:function"
     system_prompt: str | None = None
     max_calls: int = 10
     agent_timeout_s: float | None = None
     tool_format: str = "auto"  # one of TOOL_FORMAT_CHOICES
+    expert: Callable[..., Any] | None = None  # for rollflow sft only (the module note)
 
 
 def load_environment(
@@ -103,8 +110,10 @@ def load_environment(
     max_calls: int = 10,
     agent_timeout_s: float | None = None,
     tool_format: str = "auto",
+    expert: str | None = None,
 ) -> AgentEnvironment:
-    """The environment of the agent, task and reward functions named ``"module:function"``."""
+    """The environment of the agent, task and reward functions named ``"module:function"``
+    (and the expert's, for SFT)."""
     require_int("max_calls", max_calls, minimum=1)
     if agent_timeout_s is not None and not (isinstance(agent_timeout_s, int | float) and agent_timeout_s > 0):
         raise ValueError(f"agent_timeout_s must be a positive number of seconds, got {agent_timeout_s!r}")
@@ -116,9 +125,13 @@ def load_environment(
         raise ModuleNotFoundError("an agent environment hands its agent an openai client: pip install 'rollflow[agent]' (or openai)")
     names = {"agent": agent, "tasks": tasks, "reward": reward}
     functions = {role: _resolve(role, spec, arity) for (role, spec), arity in zip(names.items(), (3, 1, 3), strict=True)}
+    if expert is not None:
+        names["expert"] = expert
+        functions["expert"] = _resolve("expert", expert, 3)
     return AgentEnvironment(
         agent=functions["agent"], tasks=functions["tasks"], reward=functions["reward"], names=names,
         system_prompt=system_prompt, max_calls=max_calls, agent_timeout_s=agent_timeout_s, tool_format=tool_format,
+        expert=functions.get("expert"),
     )  # fmt: skip
 
 

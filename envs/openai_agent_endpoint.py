@@ -22,6 +22,10 @@ to render (``template_tools``), and echoed replies reach it as the format's ``ec
 (``for_template``). A call whose tools differ from the session's gets a new session, and
 its action counts as a reset: the template put the tools at the top of the prompt.
 
+A policy that answers from the agent's own request rather than from the rendered prompt
+(the SFT expert, ``rollflow.envs.openai_agent_expert``) reads ``serving_call()`` while it
+acts: the request, the episode's tool format and the call's number. A model never does.
+
 An episode's calls end it early in two ways, both truncations like the native loop's, not
 errors: a call past the call budget (``max_turns``) and a spent context budget
 (``context_overflow``); the call is refused (400) and every later one too. A policy that
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import secrets
 import socket
@@ -57,6 +62,23 @@ from rollflow.envs.types import Message, ToolSpec, TruncationCause
 
 MODEL_NAME = "rollflow-policy"
 ENDED = "this episode has ended"
+
+
+@dataclass(frozen=True)
+class ServedCall:
+    """The call whose reply the policy is acting on (``serving_call``)."""
+
+    request: ChatRequest  # the agent's messages and tools, as it sent them
+    tool_format: ToolFormat  # the episode's: how the reply is read
+    number: int  # the call's number in the episode, from 0 (its reply's call ids use it)
+
+
+_SERVING: contextvars.ContextVar[ServedCall | None] = contextvars.ContextVar("rollflow_served_call", default=None)
+
+
+def serving_call() -> ServedCall | None:
+    """The call being served, inside a policy's ``act`` run by the endpoint; else None."""
+    return _SERVING.get()
 
 
 @dataclass(frozen=True)
@@ -150,6 +172,13 @@ class AgentEpisode:
 
     async def _act(self, sent: list[Message], transcript: list[Message], request: ChatRequest) -> PolicyAction:
         """Sample this call's action with the episode's tool format (the module note)."""
+        serving = _SERVING.set(ServedCall(request, self.tool_format, self.calls - 1))
+        try:
+            return await self._sample(sent, transcript, request)
+        finally:
+            _SERVING.reset(serving)
+
+    async def _sample(self, sent: list[Message], transcript: list[Message], request: ChatRequest) -> PolicyAction:
         if not self.tool_format.in_template:
             session, replaced = await self._session_for(())
             return await session.act(with_system_text(transcript, request.tools_text))

@@ -1,7 +1,8 @@
 """SFT stage: a supervised warm-start on expert transcripts, with completion-only loss.
 
 ``sft_stage(config, out_policy)`` reads the rows (``tasks/sft_rows.py``: ``start_episode`` +
-``sft_completion`` of the ``[env]`` environment, or the ``[sft].transcripts`` file),
+``sft_completion`` of the ``[env]`` environment, an agent environment's expert transcripts,
+or the ``[sft].transcripts`` file),
 tokenises them with the policy's chat codec, trains ``[sft].epochs`` passes, and writes
 the policy to ``out_policy`` (the flow's is ``<run_dir>/sft/policy/``, ``policy_dir``), as
 the other stages write the paths they are given. Rows from an environment without its own
@@ -99,7 +100,18 @@ def sft_examples(config: RunConfig, limit: int | None = None) -> list[SFTExample
     first = min(limits) if limits else None
     if config.sft.transcripts is not None:
         return examples_from_file(config.sft.transcripts, first)
-    return examples_from_environment(config.env.name, config.env.kwargs, first)
+    return examples_from_environment(config.env.name, config.env.kwargs, first,
+                                     tokenizer=lambda: policy_tokenizer(config), max_turns=config.rollout.max_turns)
+
+
+def policy_tokenizer(config: RunConfig) -> PreTrainedTokenizerBase:
+    """The tokenizer of the policy SFT trains: an agent environment's expert transcripts are
+    written in the tool-call format its chat template asks for (``examples_from_agent``)."""
+    from rollflow.generators.models import base_model_ref
+    from rollflow.policy.models import ModelRef, load_tokenizer
+
+    base = base_model_ref(config)
+    return load_tokenizer(ModelRef(path=base.path, gguf_file=base.gguf_file))
 
 
 def sft_rows(

@@ -7,6 +7,13 @@ Sources (reference doc 000, "SFT targets for multi-turn"):
 - a hook-style environment: one row per training example, ``prompt = start_episode(example,
   prompt_text)`` and ``target = sft_completion(example)``, with the example's
   ``tool_specs``. The multi-turn loop is not run.
+- an agent environment (``rollflow.envs.openai_agent``) with an ``expert``: its agent played
+  once per training task against the expert through the capture endpoint
+  (``rollflow.envs.openai_agent_expert``); the prompt is the first call's messages as the
+  policy sees them (system prompt and tool description in the tool-call format of training),
+  the target the expert's replies and what the agent sent between them. Only the
+  assistant's tokens are trained (``SFTExample.assistant_only``): the tool results are the
+  user's own code's, which the policy never writes, and GRPO never trains them either.
 - a transcripts file (``.jsonl`` or ``.parquet``), one message list per row: a JSON list, or
   an object ``{"messages": [...], "tools": [...], "id": "..."}`` (``tools`` and ``id``
   optional; in Parquet a ``messages`` column of structs or JSON text, optional ``tools``
@@ -23,7 +30,8 @@ policy's chat codec (tool specs rendered exactly as during rollout):
 
 so the tokens equal, id for id, what flattening a played episode with these actions gives;
 only the mask differs: completion-only loss masks the prompt prefix and trains **every**
-token of the target, the interleaved tool and user messages included (reference doc 000).
+token of the target, the interleaved tool and user messages included (reference doc 000),
+except in an ``assistant_only`` row, where those are context (mask 0), as in GRPO.
 
 Simplified, and why:
 - The target must start with an assistant message (the first thing the policy says after
@@ -46,13 +54,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
 from rollflow.envs.hook_handle import HookEnvironmentHandle
 from rollflow.envs.mixture_handle import MixtureHandle
+from rollflow.envs.openai_agent import AgentEnvironmentHandle
+from rollflow.envs.openai_agent_expert import ExpertError, missing_expert, play_expert
 from rollflow.envs.hooks import EnvironmentMultiTurn, call_hook, checked_message, example_prompt_text
 from rollflow.envs.protocol import parse_action, render_tool_calls
 from rollflow.envs.handle import task_id_for
@@ -72,9 +82,10 @@ class SFTExample:
 
     row_id: str
     prompt: tuple[Message, ...]  # masked
-    target: tuple[Message, ...]  # trained, every token
+    target: tuple[Message, ...]  # trained: every token, or the assistant's only (assistant_only)
     tool_specs: tuple[ToolSpec, ...] = ()
     bare_answer: bool = False  # the default sft_completion of a scalar output: one assistant message
+    assistant_only: bool = False  # the target's non-assistant messages are context (mask 0)
 
 
 @dataclass(frozen=True)
@@ -96,9 +107,16 @@ class SFTRow:
 # ---------------------------------------------------------------- sources
 
 
-def examples_from_environment(spec: str, kwargs: Mapping[str, Any], limit: int | None = None) -> list[SFTExample]:
-    """``start_episode`` + ``sft_completion`` of each training example (the first ``limit``)."""
+def examples_from_environment(
+    spec: str, kwargs: Mapping[str, Any], limit: int | None = None, *,
+    tokenizer: Callable[[], Any] | None = None, max_turns: int | None = None,
+) -> list[SFTExample]:  # fmt: skip
+    """``start_episode`` + ``sft_completion`` of each training example (the first ``limit``),
+    or an agent environment's expert transcripts (``examples_from_agent``: ``tokenizer`` and
+    ``max_turns`` are only for those)."""
     handle = load_environment_handle(spec, kwargs)
+    if isinstance(handle, AgentEnvironmentHandle):
+        return examples_from_agent(handle, limit, tokenizer, max_turns)
     if isinstance(handle, MixtureHandle):
         names = ", ".join(f"{m.label} ({m.name})" for m, _ in handle.members)
         raise SFTDataError(
@@ -124,6 +142,26 @@ def examples_from_environment(spec: str, kwargs: Mapping[str, Any], limit: int |
         bare = default_hook and isinstance(example.output, str | int | float | bool)
         examples.append(_example(item.task_id, prompt, target, tuple(env.tool_specs(example)), where, bare))
     return examples
+
+
+def examples_from_agent(
+    handle: AgentEnvironmentHandle, limit: int | None, tokenizer: Callable[[], Any] | None, max_turns: int | None
+) -> list[SFTExample]:
+    """The expert transcripts of the first ``limit`` training tasks, trained on the assistant's
+    tokens only. ``tokenizer`` loads the policy's: its chat template picks the tool format, as
+    in training (None: the environment's ``tool_format``, rollflow's protocol for "auto")."""
+    if handle.env.expert is None:
+        raise SFTDataError(missing_expert(handle))
+    codec = ChatCodec(tokenizer()) if tokenizer is not None else None
+    try:
+        played = asyncio.run(play_expert(handle, handle.tasks("train")[:limit], codec=codec, max_turns=max_turns))
+    except ExpertError as error:
+        raise SFTDataError(str(error)) from None
+    where = handle.env.names.get("expert", "the expert")
+    return [
+        replace(_example(t.row_id, t.prompt, t.target, t.tool_specs, f"{where} task {t.row_id}"), assistant_only=True)
+        for _, found in played for t in found
+    ]  # fmt: skip
 
 
 def _uses_default_sft_completion(env: EnvironmentMultiTurn) -> bool:
@@ -280,7 +318,7 @@ def tokenize_example(codec: ChatCodec, example: SFTExample) -> SFTRow:
             if reset:
                 raise SFTDataError(f"row {example.row_id}: the template rewrote history after message {start}")
             ids += delta_ids
-            mask += [1] * len(delta_ids)
+            mask += [0 if example.assistant_only else 1] * len(delta_ids)
     if not any(mask):
         raise SFTDataError(f"row {example.row_id}: the target renders to no tokens at all")
     return SFTRow(example.row_id, tuple(ids), tuple(mask))

@@ -2,6 +2,7 @@
 
 ``agent.run`` is the agent (it imports only ``openai``, ``json`` and ``game``);
 ``game.tasks`` and ``game.reward`` are the task list and the reward, reused from
-``rollflow.envs.tool_use_game``. ``configs/openai_agent.toml`` trains it through
-``rollflow.envs.openai_agent:load_environment``.
+``rollflow.envs.tool_use_game``; ``expert.expert`` answers the agent's calls as the game's
+own expert does, for ``rollflow sft``'s transcripts. ``configs/openai_agent.toml`` trains it
+through ``rollflow.envs.openai_agent:load_environment``.
 """

@@ -34,7 +34,8 @@ __all__ = ["SYSTEM_PROMPT", "TOOLS", "WORKED_EXAMPLE_MESSAGES", "call_tool", "re
 
 
 def tasks(split: str) -> list[dict[str, Any]]:
-    """The game's ``split`` tasks: question, fact table, needed keys and answer."""
+    """The game's ``split`` tasks: question, fact table, needed keys, answer and the formula
+    that gives it from the needed facts (for the expert, ``expert.py``)."""
     train, validation = generate_examples(seed=0, num_train=200, num_validation=50)
     return [
         {
@@ -43,6 +44,7 @@ def tasks(split: str) -> list[dict[str, Any]]:
             "facts": dict(example.metadata["facts"]),
             "needed_keys": list(example.metadata["needed_keys"]),
             "answer": int(example.output),
+            "formula": str(example.metadata["formula"]),
             "difficulty": example.metadata["difficulty"],
         }
         for example in (train if split == "train" else validation)
