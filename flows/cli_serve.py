@@ -82,7 +82,7 @@ def run_export(args: argparse.Namespace) -> int:
     print(f"  the trained policy is served as model \"{result.served_model}\"{base}")
     guide = Path(result.out) / SERVING_FILE
     if guide.is_file():
-        print(f"  trained with tools in its system prompt: {guide} says how to serve it to match")
+        print(f"  {guide} says how to serve it as it was trained")  # its tools, whatever their format
     if result.format == "weights" and not args.merged:
         print("  (a full-weight run: the checkpoint's weights were copied, as with --merged)", file=sys.stderr)
     return 0

@@ -443,6 +443,28 @@ def test_preflight_measures_the_prompt_in_the_format_the_models_template_gives_i
     assert all(isinstance(spec, TemplateTool) for spec in policy.opened_tool_specs[0])  # hermes: the template's tools
 
 
+def test_rollflow_export_of_an_agent_run_in_a_familys_format_says_what_its_serving_md_holds(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command said "trained with tools in its system prompt" of every export with a
+    SERVING.md; an agent trained in the hermes format had its tools rendered by the chat
+    template, never in its system prompt."""
+    from test_export import run_with_checkpoints
+    from test_serving_md import agent_run, family_model
+
+    from rollflow.flows.cli import main
+
+    source = run_with_checkpoints(tmp_path / "run", tiny_model_dir, use_lora=True, steps=1)
+    model = family_model(tiny_model_dir, tmp_path / "model", "qwen2.5-instruct.jinja")
+    run = agent_run(source, tmp_path / "agent-run", model_dir=model)
+    out = tmp_path / "adapter"
+    assert main(["export", str(run.root), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "Tool-call format: `hermes`." in (out / "SERVING.md").read_text()
+    assert f"  {out / 'SERVING.md'} says how to serve it as it was trained\n" in printed
+    assert "system prompt" not in printed
+
+
 # ---------------------------------------------------------------- (c) failures
 
 
