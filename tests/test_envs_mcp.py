@@ -183,6 +183,34 @@ def test_preflight_refuses_a_bad_server_in_one_line(server: dict[str, object], w
     assert "\n" not in str(refused.value)
 
 
+def test_a_pass_of_the_bundled_mcp_game_is_a_right_answer_as_in_the_python_game() -> None:
+    """The config-only form gave its suite no pass threshold, so ``passed`` was reward > 0:
+    a wrong answer after one good tool call (0.05 of tool credit) counted as solved. The
+    bundled config's ``pass_threshold`` is the Python-tool game's own threshold, and the two
+    forms judge the same episodes alike."""
+    from rollflow.tasks.shaping import ending_of, env_passed
+
+    config = load_config(REPO / "configs" / "mcp_tool_use_game.toml")
+    forms = (load_environment_handle(config.env.name, config.env.kwargs),
+             load_environment_handle("rollflow.envs.tool_use_game:load_environment", {}))  # fmt: skip
+    list_keys = render_tool_calls([make_tool_call("list_fact_keys", {}, 0)])
+    verdicts = []
+    for handle in forms:
+        item = handle.tasks("validation")[0]
+        answer = tasks("validation")[0]["answer"]
+        rollouts = [
+            asyncio.run(handle.play(item, ScriptedPolicy(lambda m, turn, say=say: list_keys if turn == 0 else say),
+                                    EpisodeLimits(max_turns=4)))  # fmt: skip
+            for say in (str(answer), str(answer + 1))
+        ]
+        scores = asyncio.run(handle.score(item, rollouts))
+        assert [s.components["tool_call_ok"] for s in scores] == [1.0, 1.0], scores  # both earned tool credit
+        verdicts.append([(s.threshold, env_passed(ending_of(r, s), s)) for r, s in zip(rollouts, scores, strict=True)])
+    assert verdicts[0] == verdicts[1] == [(0.8, True), (0.8, False)]
+    with pytest.raises(EnvironmentLoadError, match="pass_threshold must be a finite number, got 'solved'"):
+        load_environment_handle(SPEC, {**KWARGS, "pass_threshold": "solved"})
+
+
 def test_a_server_killed_mid_episode_fails_that_episode_and_is_restarted() -> None:
     handle = load_environment_handle(SPEC, KWARGS)
     [item] = handle.tasks("train")[:1]

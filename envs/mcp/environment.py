@@ -20,10 +20,15 @@ actions; an action with tool calls runs them on the servers (``rollflow.envs.mcp
 one without ends the episode: it is the answer. The environment is async style (one
 ``Env`` per episode, which is where a server that ``keeps_state`` is started and stopped).
 
+A pass: an episode passes when its reward is at least ``pass_threshold``; None (the
+default) counts any reward above 0, right for a reward of 1 for a solved task and 0 else.
+A reward that pays partial credit sets it to what only a solved task reaches, so that
+``passed``, pass@k and the validation pass rate count solved tasks (the bundled game's
+config sets 0.8, its weight of a right answer: the Python-tool game's own threshold).
+
 Simplified: the reward is computed after every step, since the runner keeps the reward
 of the last step taken and the episode may be cut off (out of turns, out of context)
-after any of them; a reward that is costly pays that many times. Async style carries no
-pass threshold, so no pass rate is reported for these episodes.
+after any of them; a reward that is costly pays that many times.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Any
 
 from rollflow.envs.checks import require_int
 from rollflow.envs.env import AsyncEnvSuite, Env
+from rollflow.envs.handle import checked_score
 from rollflow.envs.hooks import checked_messages
 from rollflow.envs.mcp.servers import McpConfigError, McpServer
 from rollflow.envs.mcp.tools import McpToolbox, check_servers, open_mcp_tools, parse_servers, with_meta
@@ -103,11 +109,13 @@ def load_environment(
     reward: str,
     system_prompt: str | None = None,
     max_turns: int | None = None,
+    pass_threshold: float | None = None,
 ) -> AsyncEnvSuite:
     """The suite: every server started and its tools checked now (before any model loads),
     then the tasks of both splits read; see the module docstring for the arguments."""
     if max_turns is not None:
         require_int("max_turns", max_turns, minimum=1)
+    threshold = None if pass_threshold is None else checked_score(pass_threshold, "pass_threshold")
     if system_prompt is not None and not isinstance(system_prompt, str):
         raise McpConfigError(f"system_prompt must be a string, got {system_prompt!r:.100}")
     parsed = parse_servers(servers)
@@ -119,7 +127,7 @@ def load_environment(
     def env_factory(task: Task) -> McpTaskEnv:
         return McpTaskEnv(task, parsed, specs, reward_function, system_prompt, max_turns)
 
-    return AsyncEnvSuite(tasks=train, val_tasks=validation, env_factory=env_factory)
+    return AsyncEnvSuite(tasks=train, val_tasks=validation, env_factory=env_factory, pass_threshold=threshold)
 
 
 def read_tasks(function: TasksFunction, split: str, spec: str) -> tuple[Task, ...]:
