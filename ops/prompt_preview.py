@@ -8,7 +8,7 @@ rollout does, so an author sees what a small model will copy (its example call, 
 
 The task's episode really starts (``start_episode`` / ``Env.reset`` run, then its close),
 through the same probe policy preflight measures prompts with
-(``tasks.prompts.opening_prompt``), and the text is ``ChatCodec.render_text``: the
+(``tasks.prompts.first_policy_call``), and the text is ``ChatCodec.render_text``: the
 very string whose tokens the policy is given for its first action. The probe renders with
 the shown model's codec, so an environment that picks its tool-call format from the chat
 template (an agent environment's ``tool_format = "auto"``) picks what training on that model
@@ -17,14 +17,11 @@ picks. Only the opening prompt is shown: later turns depend on what the model re
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass
 
 from rollflow.config.parsing import ConfigError
 from rollflow.config.run import RunConfig
 from rollflow.envs.handle import EnvironmentHandle
-from rollflow.envs.protocol import describe_tools
 from rollflow.envs.types import Split
 
 
@@ -35,7 +32,7 @@ class PromptPreview:
     task_id: str
     text: str  # the rendered prompt, chat template and generation prompt included
     tokens: int  # its length in the model's tokens
-    tools: tuple[str, ...]  # the tools offered, in the order they are described
+    tools: tuple[str, ...]  # the tools offered (an agent's: its request's), in the order they are described
 
 
 def preview_prompt(config: RunConfig, handle: EnvironmentHandle, split: Split = "train", index: int = 0) -> PromptPreview:
@@ -47,7 +44,7 @@ def preview_prompt(config: RunConfig, handle: EnvironmentHandle, split: Split = 
     from rollflow.generators.models import base_model_ref
     from rollflow.policy.codec import ChatCodec, ChatTemplateError
     from rollflow.policy.models import load_tokenizer
-    from rollflow.tasks.prompts import opening_prompt, unrenderable_prompt
+    from rollflow.tasks.prompts import first_policy_call, unrenderable_prompt
 
     items = handle.tasks(split)
     if not items:
@@ -56,15 +53,12 @@ def preview_prompt(config: RunConfig, handle: EnvironmentHandle, split: Split = 
         raise ConfigError(f"--task {index}: {config.env.name} has {len(items)} {split} tasks, numbered 0 to {len(items) - 1}")
     item = items[index]
     codec = ChatCodec(load_tokenizer(base_model_ref(config)))
-    messages, tool_specs = opening_prompt(config.env.name, handle, item, codec)
+    first = first_policy_call(config.env.name, handle, item, codec)
     try:
-        text = codec.render_text(messages, tool_specs)
+        text = codec.render_text(first.messages, first.tool_specs)
     except ChatTemplateError as error:  # as a rollout's first action would fail
         raise unrenderable_prompt(config, item, error) from error
-    tools = tuple(str(spec.get("function", {}).get("name", "?")) for spec in tool_specs)
-    if not tools and messages and messages[0].get("role") == "system":
-        tools = described_tool_names(str(messages[0].get("content") or ""))
-    return PromptPreview(split, index, item.task_id, text, len(codec.encode(text)), tools)
+    return PromptPreview(split, index, item.task_id, text, len(codec.encode(text)), first.tools)
 
 
 def describe_preview(preview: PromptPreview, model: str) -> str:
@@ -74,28 +68,3 @@ def describe_preview(preview: PromptPreview, model: str) -> str:
         f"{preview.split} task {preview.index} ({preview.task_id!r}): {preview.tokens} tokens "
         f"with the chat template of {model}; tools: {tools}"
     )
-
-
-def described_tool_names(system_text: str) -> tuple[str, ...]:
-    """The tools that rollflow's protocol text at the end of ``system_text`` describes: the
-    ``describe_tools`` text an agent environment's endpoint writes from the agent's own
-    ``tools=`` (its policy is given no tool specs). Read back, and kept only when describing
-    what was read gives that very text again; () when there is none."""
-    start = system_text.rfind(_DESCRIBED_TOOLS_HEADER)
-    if start < 0:
-        return ()
-    described = system_text[start:]
-    try:
-        specs = [
-            {"type": "function", "function": {"name": name, "description": description, "parameters": json.loads(schema)}}
-            for name, description, schema in _DESCRIBED_TOOL.findall(described)
-        ]  # fmt: skip
-        read_back = bool(specs) and describe_tools(specs) == described
-    except ValueError:  # not a schema, or not a spec: not describe_tools' text
-        return ()
-    return tuple(spec["function"]["name"] for spec in specs) if read_back else ()
-
-
-_DESCRIBED_TOOLS_HEADER = describe_tools([{"type": "function", "function": {"name": "any"}}]).partition("\n")[0]
-# one tool of that text: "- NAME: DESCRIPTION" (of one line or several), then its schema's line
-_DESCRIBED_TOOL = re.compile(r"^- ([^:\n]+): (.*?)\n  arguments schema: (\{[^\n]*\})$", re.M | re.S)

@@ -14,13 +14,17 @@ environment's ``tool_format = "auto"`` picks the family format the template know
 (``envs.tool_formats.chat_template_of``), as training on that model does. Without a codec
 it is a policy whose template is not known here (one behind a server): rollflow's format.
 A prompt the template cannot render is refused in one line (``unrenderable_prompt``): every
-episode of that task would fail at its first action.
+episode of that task would fail at its first action. ``first_policy_call`` also names the
+tools the prompt offers: an agent's are its request's (the endpoint's ``serving_call()``
+while the probe acts), since in rollflow's protocol the endpoint writes them into the
+system message and opens the policy's session with no specs.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rollflow.config.checks import PreflightError
@@ -61,12 +65,31 @@ def opening_prompt(
     """The messages and tool specs of ``item``'s first policy call: the episode is played
     up to its first action (its start and close really run), then ended there; by a
     policy rendering with ``codec`` (its chat template), when given."""
+    first = first_policy_call(env_name, handle, item, codec)
+    return first.messages, first.tool_specs
+
+
+@dataclass(frozen=True)
+class PolicyCall:
+    """What a policy is given for an episode's first action, and the tools it offers."""
+
+    messages: list[Message]
+    tool_specs: list[ToolSpec]
+    # by name: the specs', or an agent's own tools= (in rollflow's protocol its capture
+    # endpoint describes them in the system message and gives the policy no specs)
+    tools: tuple[str, ...]
+
+
+def first_policy_call(
+    env_name: str, handle: EnvironmentHandle, item: TaskItem, codec: ChatCodec | None = None
+) -> PolicyCall:
+    """``opening_prompt``'s call, with the names of the tools it offers."""
     probe = _PromptProbe(codec)
     rollout = asyncio.run(handle.play(item, probe, EpisodeLimits(max_turns=1)))
-    if not probe.prompts:
+    if not probe.calls:
         failure = rollout.error or "it never asked the policy for an action"
         raise PreflightError(f"[env].name = {env_name!r}: task {item.task_id!r} cannot start: {failure}")
-    return probe.prompts[0]
+    return probe.calls[0]
 
 
 class _PromptProbe:
@@ -77,7 +100,7 @@ class _PromptProbe:
 
     def __init__(self, codec: ChatCodec | None) -> None:
         self.codec = codec
-        self.prompts: list[tuple[list[Message], list[ToolSpec]]] = []
+        self.calls: list[PolicyCall] = []
 
     def open_session(self, tool_specs: Sequence[ToolSpec]) -> _ProbeSession:
         return _ProbeSession(self, list(tool_specs))
@@ -89,7 +112,12 @@ class _ProbeSession:
         self.tool_specs = tool_specs
 
     async def act(self, messages: Sequence[Message]) -> PolicyAction:
-        self.probe.prompts.append((list(messages), self.tool_specs))
+        from rollflow.envs.openai_agent_endpoint import serving_call
+
+        served = serving_call()  # an agent's call: its request's tools, whatever the format
+        offered = served.request.tools if served is not None else self.tool_specs
+        names = tuple(str(spec.get("function", {}).get("name", "?")) for spec in offered)
+        self.probe.calls.append(PolicyCall(list(messages), self.tool_specs, names))
         return PolicyAction(text="", finish_reason="context", sampling_attempts=0)
 
     async def close(self) -> None:

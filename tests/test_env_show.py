@@ -154,18 +154,3 @@ def test_an_agent_environment_in_rollflows_protocol_lists_the_agents_tools(capsy
     assert status == 0, err
     assert "- lookup: " in out and '<tool_call>{"name": "list_fact_keys", "arguments": {}}</tool_call>' in out
     assert err.strip().endswith(GAME_TOOLS)
-
-
-def test_described_tools_are_read_back_only_when_they_describe_again_to_the_same_text() -> None:
-    from rollflow.envs.protocol import describe_tools
-    from rollflow.envs.tool_use_game import GAME_TOOL_SPECS
-    from rollflow.ops.prompt_preview import described_tool_names
-
-    bulleted = {"type": "function", "function": {
-        "name": "search", "description": "Search.\n- query: what to look for\n- limit: how many",
-        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}  # fmt: skip
-    text = "Be brief.\n\n" + describe_tools([bulleted, *GAME_TOOL_SPECS])
-    assert described_tool_names(text) == ("search", "list_fact_keys", "lookup", "calculator")
-    assert described_tool_names("Be brief.") == ()
-    assert described_tool_names(text.replace("To call a tool", "To use a tool")) == ()  # not describe_tools' text
-    assert described_tool_names(text + "\nAnd one more thing.") == ()  # not at the end: not the endpoint's
