@@ -29,6 +29,11 @@
 #   SFT_CONFIG=my_sft.toml GRPO_CONFIG=my.toml OUT=... scripts/learn.sh
 #                                      another SFT config too (e.g. other LoRA modules:
 #                                      the GRPO config must name the same)
+#   GRPO_CONFIG=configs/mcp_tool_use_game.toml OUT=runs/learn-mcp SFT_RUN=runs/learn/sft \
+#     scripts/learn.sh                 an arm that starts from another experiment's SFT run
+#                                      (reused as it is, or trained there if missing): here
+#                                      the game with its tools over MCP, paired with the
+#                                      default run from the very same adapter
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,7 +47,8 @@ export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=${PREFECT_SERVER_EPHEMER
 
 SFT_CONFIG=${SFT_CONFIG:-configs/learn_tool_use_game_sft.toml}
 GRPO_CONFIG=${GRPO_CONFIG:-configs/learn_tool_use_game.toml}
-ADAPTER=$OUT/sft/sft/policy
+SFT_RUN=${SFT_RUN:-$OUT/sft}
+ADAPTER=$SFT_RUN/sft/policy
 
 if [ ! -f "$OUT/baseline/validation/step=000000/metrics.json" ]; then
   echo "== 1/5 baseline: the untouched model on the validation tasks"
@@ -50,7 +56,7 @@ if [ ! -f "$OUT/baseline/validation/step=000000/metrics.json" ]; then
 fi
 
 echo "== 2/5 SFT warm start -> $ADAPTER"
-"$BIN/rollflow" sft "$SFT_CONFIG" --run-dir "$OUT/sft"
+"$BIN/rollflow" sft "$SFT_CONFIG" --run-dir "$SFT_RUN"
 
 echo "== 3/5 GRPO from the SFT adapter"
 config=$GRPO_CONFIG

@@ -21,15 +21,17 @@ from pathlib import Path
 import pytest
 
 from rollflow.config.checks import PreflightError
-from rollflow.config.run import load_config
+from rollflow.config.run import RunConfig, load_config
 from rollflow.envs.handle import EpisodeLimits
 from rollflow.envs.mcp import POOL, McpServer, mcp_tools, open_mcp_tools, with_meta
-from rollflow.envs.mcp_tool_use_game.tasks import tasks
+from rollflow.envs.mcp_tool_use_game.tasks import NUM_TRAIN, NUM_VALIDATION, SEED, tasks
 from rollflow.envs.protocol import make_tool_call, render_tool_calls
 from rollflow.envs.runner import EnvironmentLoadError, load_environment_handle
 from rollflow.envs.scripted import ScriptedPolicy
+from rollflow.envs.tool_use_game import expert_policy, generate_examples
 from rollflow.envs.tools import count_tool_messages, run_tool_calls
 from rollflow.ops.preflight import check_environment
+from rollflow.ops.prompt_preview import preview_prompt
 from rollflow.storage.query import open_run_sql, run_query
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -209,6 +211,53 @@ def test_a_pass_of_the_bundled_mcp_game_is_a_right_answer_as_in_the_python_game(
     assert verdicts[0] == verdicts[1] == [(0.8, True), (0.8, False)]
     with pytest.raises(EnvironmentLoadError, match="pass_threshold must be a finite number, got 'solved'"):
         load_environment_handle(SPEC, {**KWARGS, "pass_threshold": "solved"})
+
+
+def _learning_configs() -> tuple[RunConfig, RunConfig]:
+    """The Python-tool game's GRPO config and the MCP config, its arm of the paired comparison."""
+    configs = REPO / "configs"
+    return load_config(configs / "learn_tool_use_game.toml"), load_config(configs / "mcp_tool_use_game.toml")
+
+
+def test_the_mcp_config_is_the_learning_configs_run_with_its_tools_over_mcp() -> None:
+    """Everything but [env] and [tracking] is the learning config's, so a paired run differs
+    only in where the tools run (scripts/learn.sh rewrites both the same way)."""
+    native, mcp = _learning_configs()
+    assert replace(mcp, env=native.env, tracking=native.tracking) == native
+
+
+@pytest.mark.parametrize("split", ["train", "validation"])
+def test_the_mcp_config_opens_each_episode_with_the_learning_configs_prompt(split: str) -> None:
+    """Token for token, with the bundled model's chat template: the tools' descriptions and
+    schemas (the server publishes the Python tools' own), the system prompt, no worked example."""
+    previews = [preview_prompt(config, load_environment_handle(config.env.name, config.env.kwargs), split, 0)
+                for config in _learning_configs()]  # fmt: skip
+    assert previews[0].task_id == previews[1].task_id
+    assert previews[0].tools == previews[1].tools == ("list_fact_keys", "lookup", "calculator")
+    assert previews[1].text == previews[0].text
+    assert "<|im_start|>tool" not in previews[0].text  # no worked example: the learning config's prompt
+
+
+def test_the_expert_plays_the_same_episode_through_both_forms() -> None:
+    """The game's expert solution of train task 0, through the Python tools and through the
+    server: the same messages (tool results included), the same tool specs, the same score."""
+    played = []
+    for config in _learning_configs():
+        handle = load_environment_handle(config.env.name, config.env.kwargs)
+        item = handle.tasks("train")[0]
+        policy = expert_policy(generate_examples(SEED, NUM_TRAIN, NUM_VALIDATION)[0][:1])
+        rollout = asyncio.run(handle.play(item, policy, EpisodeLimits(max_turns=config.rollout.max_turns)))
+        [score] = asyncio.run(handle.score(item, [rollout]))
+        played.append((rollout, score, policy.opened_tool_specs))
+    (native, native_score, native_specs), (mcp, mcp_score, mcp_specs) = played
+    assert native.error is None and native.terminated and native.turns == 4
+    assert mcp.messages == native.messages
+    assert mcp.response_text == native.response_text
+    assert mcp_specs == native_specs
+    assert (mcp_score.reward, mcp_score.threshold, dict(mcp_score.components)) == (
+        native_score.reward, native_score.threshold, dict(native_score.components)
+    )
+    assert native_score.reward == 1.0
 
 
 def test_a_server_killed_mid_episode_fails_that_episode_and_is_restarted() -> None:

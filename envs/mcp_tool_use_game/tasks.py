@@ -2,8 +2,12 @@
 
 ``tasks(split)`` gives the same questions as ``rollflow.envs.tool_use_game`` with the same
 seed, each opened by the same worked example (a whole solved episode before the question,
-``opening_messages``) and carrying its id to the server in ``mcp_meta``. ``reward`` is the
-game's ``score_game`` on the messages after the question, so both forms score alike.
+``opening_messages``: the game's default) and carrying its id to the server in
+``mcp_meta``. ``tasks_without_worked_example(split)`` is the game of
+``worked_example = false``, the one configs/learn_tool_use_game.toml trains on (SFT having
+taught the protocol): the question alone. The config-only form names a tasks function and
+passes it only the split, hence one function each. ``reward`` is the game's ``score_game`` on
+the messages after the question, so both forms score alike.
 """
 
 from __future__ import annotations
@@ -23,6 +27,16 @@ NUM_VALIDATION = 50
 
 
 def tasks(split: str) -> list[dict[str, Any]]:
+    """The ``split``'s tasks, each opened by the worked example."""
+    return game_tasks(split, worked_example=True)
+
+
+def tasks_without_worked_example(split: str) -> list[dict[str, Any]]:
+    """The ``split``'s tasks, the question alone after the system prompt."""
+    return game_tasks(split, worked_example=False)
+
+
+def game_tasks(split: str, worked_example: bool) -> list[dict[str, Any]]:
     """The ``split``'s tasks: the prompt, what the reward reads, and the server's task id."""
     check_split(split)
     train, validation = generate_examples(SEED, NUM_TRAIN, NUM_VALIDATION)
@@ -31,7 +45,7 @@ def tasks(split: str) -> list[dict[str, Any]]:
         {
             "id": example.id,
             "prompt": str(example.input),
-            "opening_messages": worked,
+            "opening_messages": worked if worked_example else [],
             "answer": int(example.output),
             "needed_keys": list(example.metadata["needed_keys"]),
             "difficulty": example.metadata["difficulty"],
