@@ -12,13 +12,15 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rollflow.config.parsing import ConfigError
 from rollflow.config.run import RunConfig
 from rollflow.envs.handle import EnvironmentHandle, EpisodeLimits, Style, TaskItem
-from rollflow.envs.mixture_handle import Stratum, strata
+from rollflow.envs.mixture_handle import Stratum
+from rollflow.envs.mixture_handle import strata as env_strata
 from rollflow.storage.runfolder import RunFolder
 
 
@@ -72,7 +74,8 @@ def stratum_counts(weights: Sequence[float], total: int, seed: int) -> list[int]
     return counts
 
 
-_POSITIONS: dict[tuple[object, ...], list[list[int]]] = {}
+_POSITIONS: dict[tuple[object, ...], list[list[int]]] = {}  # per draw: each step's positions, step 0 first
+_POSITIONS_LOCK = threading.Lock()  # the async collector's thread draws beside the driver's
 
 
 def stratum_positions(weights: Sequence[float], step: int, batch_size: int, seed: int) -> list[int]:
@@ -81,11 +84,12 @@ def stratum_positions(weights: Sequence[float], step: int, batch_size: int, seed
     if len(weights) == 1:
         return [step * batch_size]
     key = (tuple(weights), batch_size, seed)
-    done = _POSITIONS.setdefault(key, [[0] * len(weights)])
-    while len(done) <= step:
-        counts = stratum_counts(weights, batch_size, derive_seed(seed, "mixture", len(done) - 1))
-        done.append([p + c for p, c in zip(done[-1], counts, strict=True)])
-    return list(done[step])
+    with _POSITIONS_LOCK:
+        done = _POSITIONS.setdefault(key, [[0] * len(weights)])
+        while len(done) <= step:
+            counts = stratum_counts(weights, batch_size, derive_seed(seed, "mixture", len(done) - 1))
+            done.append([p + c for p, c in zip(done[-1], counts, strict=True)])
+        return list(done[step])
 
 
 def draw_step_tasks(
@@ -136,7 +140,7 @@ def backfill_step_tasks(
 def run_strata(config: RunConfig, handle: EnvironmentHandle, split: str) -> list[Stratum]:
     """The run's environments as the draw sees them: a mixture's members, else its one
     environment under its label (``[env]``'s short name)."""
-    return strata(handle, split, config.env.members[0].label)  # type: ignore[arg-type]
+    return env_strata(handle, split, config.env.members[0].label)  # type: ignore[arg-type]
 
 
 def select_validation_strata(strata: Sequence[Stratum], num_tasks: int | None) -> list[TaskItem]:
