@@ -100,6 +100,9 @@ class LegResult:
     handler_s: tuple[float, ...] = ()
     handler_act_s: tuple[float, ...] = ()  # the act inside each handled call (0: refused)
     server_s: float = 0.0  # the endpoint's server starts and stops, summed
+    batch_sizes: tuple[int, ...] = ()  # transformers engine: rows of each batch it ran, in order
+    prefill_s: float | None = None  # transformers engine: its batches' prefill and decode, summed
+    decode_s: float | None = None
     load_start: float = 0.0  # 1-minute load average
     load_end: float = 0.0
 
@@ -114,13 +117,21 @@ class LegResult:
     def row(self) -> str:
         return (f"| {self.leg} | {self.round} | {self.wall_s:.2f} | {self.episodes_per_s:.2f} | {self.actions} | "
                 f"{self.sampled_tokens} | {self.ms_per_token:.2f} | {_median_ms(self.act_s)} | "
-                f"{self.cpu_s:.1f} | {self.errors} | {self.load_start:.2f} -> {self.load_end:.2f} |")  # fmt: skip
+                f"{self.cpu_s:.1f} | {self.batches()} | {self.errors} | {self.load_start:.2f} -> {self.load_end:.2f} |")  # fmt: skip
+
+    def batches(self) -> str:
+        """How the engine batched the step: the batches' count, rows, prefill / decode s."""
+        if self.prefill_s is None or self.decode_s is None:
+            return "n/a"
+        rows = ",".join(map(str, self.batch_sizes[:8])) + (",..." if len(self.batch_sizes) > 8 else "")
+        return f"{len(self.batch_sizes)}: {rows}; {self.prefill_s:.1f} / {self.decode_s:.1f} s"
 
 
 ROW_HEADER = (
     "| leg | round | rollout wall s | episodes/s | actions | sampled tokens | ms / sampled token | "
-    "act ms/call, median | process CPU s | episode errors | load start -> end |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|"
+    "act ms/call, median | process CPU s | engine batches: rows; prefill / decode s | episode errors | "
+    "load start -> end |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -278,10 +289,13 @@ def run_leg(leg: str, size: Size, round_number: int, workdir: Path) -> LegResult
         reset_prefix_cache(engine)  # the warm-up's prompts leave nothing for the step to hit
         acting = acting_policy(config, engine, None)
         time_sessions(acting.policy, times)
+        stats = getattr(acting.policy, "stats", None)  # the transformers engine's batch counters
+        first_batch = len(stats.batches) if stats is not None else 0
         with timing_the_endpoint(times) if leg == "endpoint" else contextlib.nullcontext():
             cpu, started = time.process_time(), time.perf_counter()
             rollout_stage(config, RunFolder(step_dir).step_paths(0).episodes, 0, "train", acting)
             wall_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu
+    reports = stats.batches[first_batch:] if stats is not None else []
     episodes = table_to_episode_records(RunFolder(step_dir).read_stage(0, "episodes"))
     actions = [a for e in episodes for a in e.rollout.actions]
     calls = paired_calls(times) if leg == "endpoint" else []
@@ -293,6 +307,9 @@ def run_leg(leg: str, size: Size, round_number: int, workdir: Path) -> LegResult
                                    for e in episodes if e.rollout.actions)),  # fmt: skip
         act_s=tuple(times.act_s), round_trip_s=tuple(c[0] for c in calls), handler_s=tuple(c[1] for c in calls),
         handler_act_s=tuple(c[2] for c in calls), server_s=sum(times.server_s),
+        batch_sizes=tuple(stats.batch_sizes[first_batch:]) if stats is not None else (),
+        prefill_s=sum(b.prefill_s for b in reports) if stats is not None else None,
+        decode_s=sum(b.decode_s for b in reports) if stats is not None else None,
     )  # fmt: skip
 
 

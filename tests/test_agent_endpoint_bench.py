@@ -52,8 +52,10 @@ def test_the_smallest_bench_plays_both_legs_in_their_own_processes_and_compares_
     assert [(cells[0].strip(), cells[1].strip()) for cells in runs] == [("native", "1"), ("endpoint", "1")]
     actions = {}
     for cells in runs:
-        wall_s, done_actions, sampled, errors = float(cells[2]), int(cells[4]), int(cells[5]), int(cells[9])
+        wall_s, done_actions, sampled, errors = float(cells[2]), int(cells[4]), int(cells[5]), int(cells[10])
         assert wall_s > 0 and done_actions >= 2 and sampled >= done_actions and errors == 0, cells
+        batches, rows = cells[9].split(";")[0].split(":")  # the transformers engine ran every action
+        assert sum(int(n) for n in rows.split(",")) == done_actions and int(batches) >= 1, cells
         actions[cells[0].strip()] = done_actions
     assert [cells[0].strip() for cells in summary] == ["native", "endpoint"]
     assert all(cells[1].strip() == "1" for cells in summary)
