@@ -141,31 +141,33 @@ class MixtureHandle:
     def __init__(self, members: Sequence[tuple[MixtureMember, EnvironmentHandle]]) -> None:
         self.members = list(members)
         self._by_label = {member.label: (member, handle) for member, handle in self.members}
-        self._tasks: dict[str, list[TaskItem]] = {}
+        self._strata: dict[str, list[Stratum]] = {}
         # "async" when some member has no turn limit of its own and no override: the run's
         # [rollout].max_turns must then be set (schedule.episode_limits asks for it)
         needs_limit = any(h.style == "async" and m.max_turns is None for m, h in self.members)
         self.style: Style = "async" if needs_limit else "hook"
 
     def tasks(self, split: Split) -> list[TaskItem]:
-        check_split(split)
-        if split not in self._tasks:
-            self._tasks[split] = [item for stratum in self.strata(split) for item in stratum.items]
-        return list(self._tasks[split])
+        return [item for stratum in self.strata(split) for item in stratum.items]
 
     def strata(self, split: Split) -> list[Stratum]:
-        """Each member's tasks for ``split``, ids prefixed by its label, in member order."""
-        return [
-            Stratum(member.label, member.weight, [
-                TaskItem(f"{member.label}/{item.task_id}", item.payload, env=member.label)
-                for item in handle.tasks(split)
-            ])
-            for member, handle in self.members
-        ]  # fmt: skip
+        """Each member's tasks for ``split``, ids prefixed by its label, in member order
+        (listed once per split: the members' task lists do not change)."""
+        check_split(split)
+        if split not in self._strata:
+            self._strata[split] = [
+                Stratum(member.label, member.weight, [
+                    TaskItem(f"{member.label}/{item.task_id}", item.payload, env=member.label)
+                    for item in handle.tasks(split)
+                ])
+                for member, handle in self.members
+            ]  # fmt: skip
+        return [Stratum(s.label, s.weight, list(s.items)) for s in self._strata[split]]
 
     def member_of(self, item: TaskItem) -> tuple[MixtureMember, EnvironmentHandle, TaskItem]:
-        """The member that ``item`` came from, its handle, and the item as the member lists it."""
-        label = item.env if item.env is not None else item.task_id.partition("/")[0]
+        """The member that ``item`` (one of ``tasks``) came from, its handle, and the item as
+        the member lists it."""
+        label = item.env
         if label not in self._by_label:
             raise KeyError(f"task {item.task_id!r} belongs to no member of this mixture ({', '.join(self._by_label)})")
         member, handle = self._by_label[label]
@@ -189,8 +191,3 @@ def strata(handle: EnvironmentHandle, split: Split, label: str) -> list[Stratum]
     if isinstance(handle, MixtureHandle):
         return handle.strata(split)
     return [Stratum(label, 1.0, [dataclasses.replace(item, env=label) for item in handle.tasks(split)])]
-
-
-def env_label(item: TaskItem, default: str) -> str:
-    """The environment an item belongs to: its mixture member's label, else ``default``."""
-    return item.env if item.env is not None else default

@@ -104,7 +104,6 @@ from rollflow.storage.runfolder import RunFolder
 from rollflow.storage.schemas import episode_records_to_table
 from rollflow.storage.stage_outputs import write_output
 from rollflow.tasks.group_errors import keep_admitted_errors, keep_group_errors, replay_failed_groups
-from rollflow.envs.mixture_handle import env_label
 from rollflow.tasks.schedule import derive_seed, draw_step_tasks, episode_limits, run_strata
 
 
@@ -136,8 +135,7 @@ class RolloutWorkers:
     def __init__(self, config: RunConfig, folder: RunFolder, generator: AsyncGenerator, first_step: int) -> None:
         self.config, self.folder, self.generator = config, folder, generator
         self.handle: EnvironmentHandle = load_environment_handle(config.env.name, config.env.kwargs)
-        self.strata = run_strata(config, self.handle, "train")
-        self.label = config.env.members[0].label  # the one environment's; a mixture's items carry theirs
+        self.strata = run_strata(config, self.handle, "train")  # its items carry their environment's label
         self.limits = episode_limits(config, "train", self.handle.style)
         taken = consumed_groups(folder)
         replay_failed_groups(folder, [i for i in finished_groups(folder) if i not in taken])
@@ -301,7 +299,7 @@ class RolloutWorkers:
         stamp = GroupStamp(
             index=index, task_id=item.task_id, start_version=version,
             finish_version=max([finished_under, *policy.versions]) if self.generator.in_place else version,
-            started_s=started, finished_s=time.time(), env=env_label(item, self.label),
+            started_s=started, finished_s=time.time(), env=item.env,
         )  # fmt: skip
         keep_group_errors(self.folder, index, item.task_id, groups[0], tracebacks)
         write_group(self.folder, stamp, groups[0])
