@@ -378,15 +378,21 @@ def test_a_tool_call_round_trip_through_the_real_client() -> None:
     assert [m["tools"] for m in rollout.step_metadata[:2]] == [["lookup"], []]
 
 
-def test_the_example_agent_plays_the_native_games_prompt_and_the_expert_wins(tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize(("agent", "worked_example"), [("run", True), ("run_without_example", False)])
+def test_the_example_agent_plays_the_native_games_prompt_and_the_expert_wins(
+    tiny_model_dir: Path, agent: str, worked_example: bool
+) -> None:
+    """Each of the example's agents opens with the very prompt of the native game it mirrors
+    (with or without the worked example), so the agent's learning run and the native game's
+    are the same task through different doors."""
     from rollflow.policy.codec import ChatCodec
     from rollflow.policy.models import ModelRef, load_tokenizer
     from rollflow.tasks.prompts import opening_prompt
 
     example = "rollflow.envs.openai_agent_example"
-    handle = load_environment_handle(SPEC, {"agent": f"{example}.agent:run", "tasks": f"{example}.game:tasks",
+    handle = load_environment_handle(SPEC, {"agent": f"{example}.agent:{agent}", "tasks": f"{example}.game:tasks",
                                             "reward": f"{example}.game:reward"})  # fmt: skip
-    native = load_environment_handle("rollflow.envs.tool_use_game:load_environment", {})
+    native = load_environment_handle("rollflow.envs.tool_use_game:load_environment", {"worked_example": worked_example})
     item, native_item = handle.tasks("train")[0], native.tasks("train")[0]
     assert item.task_id == native_item.task_id
     codec = ChatCodec(load_tokenizer(ModelRef(path=str(tiny_model_dir))))
