@@ -289,7 +289,7 @@ def run_leg(leg: str, size: Size, round_number: int, workdir: Path) -> LegResult
         reset_prefix_cache(engine)  # the warm-up's prompts leave nothing for the step to hit
         acting = acting_policy(config, engine, None)
         time_sessions(acting.policy, times)
-        stats = getattr(acting.policy, "stats", None)  # the transformers engine's batch counters
+        stats = batch_counters(acting.policy)
         first_batch = len(stats.batches) if stats is not None else 0
         with timing_the_endpoint(times) if leg == "endpoint" else contextlib.nullcontext():
             cpu, started = time.process_time(), time.perf_counter()
@@ -311,6 +311,13 @@ def run_leg(leg: str, size: Size, round_number: int, workdir: Path) -> LegResult
         prefill_s=sum(b.prefill_s for b in reports) if stats is not None else None,
         decode_s=sum(b.decode_s for b in reports) if stats is not None else None,
     )  # fmt: skip
+
+
+def batch_counters(policy: object) -> Any:
+    """The transformers engine's batch counters (``.batches``, ``.batch_sizes``), or None: a
+    vLLM policy's ``stats`` count requests and tokens, not the server's batches."""
+    stats = getattr(policy, "stats", None)
+    return stats if hasattr(stats, "batches") and hasattr(stats, "batch_sizes") else None
 
 
 def reset_prefix_cache(engine: object) -> None:

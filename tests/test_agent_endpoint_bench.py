@@ -40,6 +40,18 @@ def test_more_turns_than_the_example_agent_takes_is_refused(capsys: pytest.Captu
     assert "the example agent stops after 6 calls" in capsys.readouterr().err
 
 
+def test_a_vllm_policys_request_counters_are_not_taken_for_engine_batches() -> None:
+    """The vLLM leg died on ``stats.batches`` (its stats count requests, not batches)."""
+    from types import SimpleNamespace
+
+    from rollflow.policy.vllm_backend import VLLMStats
+
+    assert bench.batch_counters(SimpleNamespace(stats=VLLMStats())) is None
+    assert bench.batch_counters(SimpleNamespace()) is None
+    engine = SimpleNamespace(batches=[], batch_sizes=[])
+    assert bench.batch_counters(SimpleNamespace(stats=engine)) is engine
+
+
 @pytest.mark.slow
 def test_the_smallest_bench_plays_both_legs_in_their_own_processes_and_compares_them(
     capsys: pytest.CaptureFixture[str],
