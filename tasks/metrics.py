@@ -78,9 +78,9 @@ def rollout_metrics(run_dir: Path, step: int, split: str) -> dict[str, float]:
     try:
         raw = step_metrics(con, step=step, split=split)
         by_env = env_metrics(con, step, split)
-        _, agent = run_query(  # an agent environment's calls and history rewrites (envs/openai_agent.py)
-            con,
-            "SELECT sum(components['agent_calls']), sum(components['agent_resets']) FROM scores "
+        _, agent = run_query(  # an agent environment's calls and history rewrites, as its endpoint
+            con,  # records them in each episode's env_metrics (envs/openai_agent_endpoint.py)
+            "SELECT sum(env_metrics['agent_calls']), sum(env_metrics['agent_resets']) FROM episodes "
             f"WHERE split = '{split}' AND step = {int(step)}",
         )
         _, rows = run_query(  # left out of the baseline: the rollout or its scorer raised

@@ -267,11 +267,13 @@ def write_two_environments(folder: object, split: str, step: int) -> None:
     for env, group, rewards in plan:
         for index, reward in enumerate(rewards):
             episode = dataclasses.replace(synthetic_episode(folder.run_id, step, group, index, split=split), env=env)
-            ended = dataclasses.replace(episode.rollout, terminated=True, truncated=False, truncation_cause=None, error=None)
+            ended = dataclasses.replace(episode.rollout, terminated=True, truncated=False, truncation_cause=None, error=None,
+                                        env_metrics={"agent_calls": 3.0, "agent_resets": float(index)})  # fmt: skip
             episodes.append(dataclasses.replace(episode, rollout=ended))
+            # the agent's own reward components, as the example's reward returns them: no call counts
             scores.append(dataclasses.replace(
                 synthetic_score(episode, reward), passed=reward >= 1.0, scoring_error=None,
-                components={"agent_calls": 3.0, "agent_resets": float(index)}, env=env,
+                components={"correct": reward}, env=env,
             ))  # fmt: skip
     folder.write_stage(episode_records_to_table(episodes), step, "episodes", split)
     folder.write_stage(score_records_to_table(scores), step, "scores", split)
@@ -279,7 +281,8 @@ def write_two_environments(folder: object, split: str, step: int) -> None:
 
 def test_per_environment_and_agent_figures_are_counted_from_the_stored_scores(tmp_path: Path) -> None:
     """Two environments' groups in one step: each one's reward, pass rate, flat groups and
-    episodes by hand; the agent's calls and resets summed from the scores' components; and
+    episodes by hand; the agent's calls and resets summed from the episodes' env_metrics (where the endpoint
+    records them; the scores' components are the user's reward's); and
     the step line and the eval report that show them."""
     from rollflow.flows.eval import EVAL_STEP, eval_report, format_report
     from rollflow.storage.runfolder import RunFolder
