@@ -181,6 +181,11 @@ class SFTConfig:
     max_rows: int | None = None  # None = every row of the source
     # a .jsonl / .parquet file of message lists; None = [env]'s start_episode + sft_completion
     transcripts: str | None = None
+    # true: train the target's assistant messages only, its tool and user messages context (as
+    # GRPO trains); false: every target token; unset: the source's own (every token for [env]
+    # and file rows, as the reference's completion-only loss; the assistant's only for an
+    # agent's expert transcripts)
+    assistant_only: bool | None = None
 
     def __post_init__(self) -> None:
         check_types(self, "sft")

@@ -36,7 +36,7 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -99,9 +99,13 @@ def sft_examples(config: RunConfig, limit: int | None = None) -> list[SFTExample
     limits = [n for n in (config.sft.max_rows, limit) if n is not None]
     first = min(limits) if limits else None
     if config.sft.transcripts is not None:
-        return examples_from_file(config.sft.transcripts, first)
-    return examples_from_environment(config.env.name, config.env.kwargs, first,
-                                     tokenizer=lambda: policy_tokenizer(config), max_turns=config.rollout.max_turns)
+        examples = examples_from_file(config.sft.transcripts, first)
+    else:
+        examples = examples_from_environment(config.env.name, config.env.kwargs, first, tokenizer=lambda: policy_tokenizer(config),
+                                             max_turns=config.rollout.max_turns)  # fmt: skip
+    if config.sft.assistant_only is None:
+        return examples
+    return [replace(example, assistant_only=config.sft.assistant_only) for example in examples]
 
 
 def policy_tokenizer(config: RunConfig) -> PreTrainedTokenizerBase:

@@ -26,7 +26,7 @@ from rollflow.generators.models import load_policy_for_training
 from rollflow.policy.codec import ChatCodec, TokenState
 from rollflow.policy.models import ModelRef, load_causal_lm
 from rollflow.storage.filemodes import current_umask
-from rollflow.tasks.sft import completion_nll, mean_completion_loss, read_sft_result, sft_rows, sft_stage
+from rollflow.tasks.sft import completion_nll, mean_completion_loss, read_sft_result, sft_examples, sft_rows, sft_stage
 from rollflow.tasks.sft_rows import (
     SFTDataError,
     SFTExample,
@@ -103,6 +103,23 @@ def test_roles_masked_by_position_not_by_role(codec: ChatCodec, game_examples: l
     tool_results = [m["content"] for m in game_examples[1].target if m["role"] == "tool"]
     trained_text = "".join(t for t, m in zip(pieces(codec, row.input_ids), row.loss_mask, strict=True) if m)
     assert tool_results and all(content in trained_text for content in tool_results)
+
+
+@pytest.mark.parametrize("assistant_only", [None, True, False])
+def test_sft_assistant_only_masks_the_targets_tool_results(codec: ChatCodec, assistant_only: bool | None) -> None:
+    """``[sft].assistant_only = true``: the game's looked-up numbers (which the policy never
+    writes, and GRPO never trains) become context; unset or false: trained, as the reference's
+    completion-only loss. The tokens are the same either way; only the mask moves."""
+    config = RunConfig(env=replace(RunConfig().env, name=GAME, kwargs=GAME_KWARGS), sft=SFTConfig(assistant_only=assistant_only))
+    (example,) = sft_examples(config, limit=1)
+    every = tokenize_example(codec, replace(example, assistant_only=False))
+    row = tokenize_example(codec, example)
+    assert row.input_ids == every.input_ids
+    roles = roles_by_token(pieces(codec, row.input_ids))
+    trained = {r for r, m in zip(roles, row.loss_mask, strict=True) if m == 1}
+    assert trained == ({"assistant"} if assistant_only else {"assistant", "tool"})
+    if assistant_only:
+        assert 0 < row.num_trained < every.num_trained
 
 
 class ExpertTokens:
