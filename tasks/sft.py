@@ -101,7 +101,8 @@ def sft_examples(config: RunConfig, limit: int | None = None) -> list[SFTExample
     if config.sft.transcripts is not None:
         examples = examples_from_file(config.sft.transcripts, first)
     else:
-        examples = examples_from_environment(config.env.name, config.env.kwargs, first, tokenizer=lambda: policy_tokenizer(config),
+        examples = examples_from_environment(config.env.name, config.env.kwargs, first,
+                                             tokenizer=lambda: policy_tokenizer(config),
                                              max_turns=config.rollout.max_turns)  # fmt: skip
     if config.sft.assistant_only is None:
         return examples

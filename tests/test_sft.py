@@ -110,7 +110,8 @@ def test_sft_assistant_only_masks_the_targets_tool_results(codec: ChatCodec, ass
     """``[sft].assistant_only = true``: the game's looked-up numbers (which the policy never
     writes, and GRPO never trains) become context; unset or false: trained, as the reference's
     completion-only loss. The tokens are the same either way; only the mask moves."""
-    config = RunConfig(env=replace(RunConfig().env, name=GAME, kwargs=GAME_KWARGS), sft=SFTConfig(assistant_only=assistant_only))
+    env = replace(RunConfig().env, name=GAME, kwargs=GAME_KWARGS)
+    config = RunConfig(env=env, sft=SFTConfig(assistant_only=assistant_only))
     (example,) = sft_examples(config, limit=1)
     every = tokenize_example(codec, replace(example, assistant_only=False))
     row = tokenize_example(codec, example)
